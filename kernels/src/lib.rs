@@ -1,0 +1,1 @@
+//! CubeCL kernels for kimi-burn.

@@ -1,0 +1,386 @@
+//! Model configuration and the presets `tiny`, `kimi_linear_48b` and `k3` (SPEC §2, §4, §5, §7).
+//!
+//! Field names follow the Hugging Face `config.json` of Kimi-Linear / K3 wherever one exists, so
+//! that [`KimiConfig`] reads like the published configs.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::nn::balance::BalancerKind;
+use crate::nn::latent_moe::{LatentMoeConfig, MoeLayout};
+use crate::nn::router::RouterOptions;
+use crate::nn::situ_glu::GluActivation;
+use crate::ops::route::Scoring;
+
+/// The MoE fields of a [`KimiConfig`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeFields {
+    /// Routed experts `n` (`num_experts`).
+    pub num_experts: usize,
+    /// Experts per token `k` (`num_experts_per_token`).
+    pub num_experts_per_token: usize,
+    /// Shared experts (`num_shared_experts`), full width.
+    pub num_shared_experts: usize,
+    /// Hidden width of a shared expert (`moe_intermediate_size`).
+    pub moe_intermediate_size: usize,
+    /// Hidden width of a routed expert (`routed_expert_hidden_size`; K3). `None`: `moe_intermediate_size`.
+    pub routed_expert_hidden_size: Option<usize>,
+    /// Standard, Latent or Stable Latent (K3: Stable Latent, ℓ = 3584).
+    pub layout: MoeLayout,
+    /// Router scoring, renormalisation, scaling and grouping.
+    pub router: RouterOptions,
+    /// The load balancer used in training.
+    pub balancer: BalancerKind,
+}
+
+/// The KDA fields of a [`KimiConfig`] (`linear_attn_config`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KdaFields {
+    /// KDA heads.
+    pub num_heads: usize,
+    /// Key and value head dim.
+    pub head_dim: usize,
+    /// Causal depthwise conv kernel (4).
+    pub short_conv_kernel_size: usize,
+    /// Lower bound of the "safe gate" (K3: −5); `None`: the softplus gate.
+    pub gate_lower_bound: Option<f32>,
+    /// Full-rank output gate `g_proj` (K3) instead of the low-rank `g_a_proj`/`g_b_proj`.
+    pub use_full_rank_gate: bool,
+}
+
+/// The MLA fields of a [`KimiConfig`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MlaFields {
+    /// MLA heads (`num_attention_heads`).
+    pub num_heads: usize,
+    /// q LoRA rank (`q_lora_rank`); `None`: a plain `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    /// Compressed KV latent width (`kv_lora_rank`, 512).
+    pub kv_lora_rank: usize,
+    /// Per-head non-positional q/k dims (`qk_nope_head_dim`, 128).
+    pub qk_nope_head_dim: usize,
+    /// Per-head shared-key dims (`qk_rope_head_dim`, 64; never rotated under NoPE).
+    pub qk_rope_head_dim: usize,
+    /// Per-head value dims (`v_head_dim`, 128).
+    pub v_head_dim: usize,
+    /// Sigmoid output gate `g_proj` (`mla_use_output_gate`; K3 on, Kimi-Linear off).
+    pub use_output_gate: bool,
+    /// NoPE (`mla_use_nope`): no rotary embedding anywhere.
+    pub use_nope: bool,
+}
+
+/// A whole Kimi hybrid model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KimiConfig {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Model width `d` (`hidden_size`).
+    pub hidden_size: usize,
+    /// Decoder layers.
+    pub num_hidden_layers: usize,
+    /// Hidden width of the dense FFN layers (`intermediate_size`).
+    pub intermediate_size: usize,
+    /// Leading layers with a dense FFN instead of the MoE (`first_k_dense_replace`).
+    pub first_k_dense_replace: usize,
+    /// Epsilon of every RMSNorm but `kv_a_layernorm`.
+    pub rms_norm_eps: f64,
+    /// Tie `lm_head` to the embedding (Kimi: false).
+    pub tie_word_embeddings: bool,
+    /// The FFN activation (K3: SiTU-GLU 4/25; Kimi-Linear: SwiGLU).
+    pub activation: GluActivation,
+    /// 0-based indices of the MLA layers; every other layer is KDA.
+    pub full_attn_layers: Vec<usize>,
+    /// Attention Residuals block size (K3: 12); `None`: plain pre-norm residuals.
+    pub attn_res_block_size: Option<usize>,
+    /// MoE fields.
+    pub moe: MoeFields,
+    /// KDA fields.
+    pub kda: KdaFields,
+    /// MLA fields.
+    pub mla: MlaFields,
+}
+
+/// The 3:1 KDA:MLA pattern of SPEC §7: MLA at every fourth layer and at the last one (0-based).
+pub fn hybrid_pattern(num_layers: usize) -> Vec<usize> {
+    let mut mla: Vec<usize> = (0..num_layers).filter(|i| (i + 1) % 4 == 0).collect();
+    if num_layers > 0 && mla.last() != Some(&(num_layers - 1)) {
+        mla.push(num_layers - 1);
+    }
+    mla
+}
+
+impl KimiConfig {
+    /// A tiny hybrid (3 KDA + 1 MLA, Stable LatentMoE with QB, SiTU-GLU, AttnRes) that trains
+    /// on a CPU in minutes: the preset of `examples/train_tiny`.
+    pub fn tiny() -> Self {
+        Self {
+            vocab_size: 512,
+            hidden_size: 64,
+            num_hidden_layers: 4,
+            intermediate_size: 128,
+            first_k_dense_replace: 1,
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: false,
+            activation: GluActivation::situ(),
+            full_attn_layers: hybrid_pattern(4),
+            attn_res_block_size: Some(2),
+            moe: MoeFields {
+                num_experts: 8,
+                num_experts_per_token: 2,
+                num_shared_experts: 1,
+                moe_intermediate_size: 64,
+                routed_expert_hidden_size: Some(64),
+                layout: MoeLayout::StableLatent { dim: 32 },
+                router: RouterOptions::default(),
+                balancer: BalancerKind::quantile(),
+            },
+            kda: KdaFields {
+                num_heads: 2,
+                head_dim: 32,
+                short_conv_kernel_size: 4,
+                gate_lower_bound: Some(-5.0),
+                use_full_rank_gate: true,
+            },
+            mla: MlaFields {
+                num_heads: 2,
+                q_lora_rank: Some(32),
+                kv_lora_rank: 32,
+                qk_nope_head_dim: 16,
+                qk_rope_head_dim: 8,
+                v_head_dim: 16,
+                use_output_gate: true,
+                use_nope: true,
+            },
+        }
+    }
+
+    /// Kimi-Linear-48B-A3B (published: 48B total, 3B active): 27 layers, d = 2304, MLA at
+    /// 0-based 3, 7, 11, 15, 19, 23, 26; 256 experts top-8 plus one shared, SwiGLU, scaling 2.446.
+    pub fn kimi_linear_48b() -> Self {
+        Self {
+            vocab_size: 163_840,
+            hidden_size: 2304,
+            num_hidden_layers: 27,
+            intermediate_size: 9216,
+            first_k_dense_replace: 1,
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: false,
+            activation: GluActivation::SwiGlu,
+            full_attn_layers: vec![3, 7, 11, 15, 19, 23, 26],
+            attn_res_block_size: None,
+            moe: MoeFields {
+                num_experts: 256,
+                num_experts_per_token: 8,
+                num_shared_experts: 1,
+                moe_intermediate_size: 1024,
+                routed_expert_hidden_size: None,
+                layout: MoeLayout::Standard,
+                router: RouterOptions {
+                    scoring: Scoring::Sigmoid,
+                    renormalize: true,
+                    routed_scaling_factor: 2.446,
+                    n_group: 1,
+                    topk_group: 1,
+                    weights_from_biased_scores: false,
+                },
+                balancer: BalancerKind::Sign { gamma: 1e-3 },
+            },
+            kda: KdaFields {
+                num_heads: 32,
+                head_dim: 128,
+                short_conv_kernel_size: 4,
+                gate_lower_bound: None,
+                use_full_rank_gate: false,
+            },
+            mla: MlaFields {
+                num_heads: 32,
+                q_lora_rank: None,
+                kv_lora_rank: 512,
+                qk_nope_head_dim: 128,
+                qk_rope_head_dim: 64,
+                v_head_dim: 128,
+                use_output_gate: false,
+                use_nope: true,
+            },
+        }
+    }
+
+    /// Kimi K3 (published: about 2.8T total, about 104B active): 93 layers (69 KDA + 24 MLA),
+    /// d = 7168, Stable LatentMoE 896 experts top-16 at ℓ = 3584 with 2 shared experts, SiTU-GLU,
+    /// AttnRes blocks of 12. The vocabulary size (163 840, K2's) is a reconstruction.
+    pub fn k3() -> Self {
+        Self {
+            vocab_size: 163_840,
+            hidden_size: 7168,
+            num_hidden_layers: 93,
+            intermediate_size: 33_792,
+            first_k_dense_replace: 1,
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: false,
+            activation: GluActivation::situ(),
+            full_attn_layers: hybrid_pattern(93),
+            attn_res_block_size: Some(12),
+            moe: MoeFields {
+                num_experts: 896,
+                num_experts_per_token: 16,
+                num_shared_experts: 2,
+                moe_intermediate_size: 3072,
+                routed_expert_hidden_size: Some(3072),
+                layout: MoeLayout::StableLatent { dim: 3584 },
+                router: RouterOptions::default(),
+                balancer: BalancerKind::quantile(),
+            },
+            kda: KdaFields {
+                num_heads: 96,
+                head_dim: 128,
+                short_conv_kernel_size: 4,
+                gate_lower_bound: Some(-5.0),
+                use_full_rank_gate: true,
+            },
+            mla: MlaFields {
+                num_heads: 96,
+                q_lora_rank: Some(1536),
+                kv_lora_rank: 512,
+                qk_nope_head_dim: 128,
+                qk_rope_head_dim: 64,
+                v_head_dim: 128,
+                use_output_gate: true,
+                use_nope: true,
+            },
+        }
+    }
+
+    /// The MoE layer config of the MoE layers of this model.
+    pub fn moe_config(&self) -> LatentMoeConfig {
+        let routed_hidden = self.moe.routed_expert_hidden_size.unwrap_or(self.moe.moe_intermediate_size);
+        LatentMoeConfig::new(self.hidden_size, self.moe.num_experts, self.moe.num_experts_per_token, routed_hidden)
+            .with_layout(self.moe.layout)
+            .with_n_shared(self.moe.num_shared_experts)
+            .with_shared_hidden(Some(self.moe.moe_intermediate_size))
+            .with_activation(self.activation)
+            .with_router(self.moe.router)
+            .with_balancer(self.moe.balancer)
+            .with_rms_norm_eps(self.rms_norm_eps)
+    }
+
+    /// Whether layer `i` (0-based) is an MLA layer.
+    pub fn is_mla_layer(&self, i: usize) -> bool {
+        self.full_attn_layers.contains(&i)
+    }
+
+    /// Whether layer `i` (0-based) has a MoE FFN (else a dense one).
+    pub fn is_moe_layer(&self, i: usize) -> bool {
+        i >= self.first_k_dense_replace
+    }
+
+    /// Checks the values the blocks need to agree on.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("intermediate_size", self.intermediate_size),
+            ("linear_attn_config.num_heads", self.kda.num_heads),
+            ("linear_attn_config.head_dim", self.kda.head_dim),
+            ("num_attention_heads", self.mla.num_heads),
+            ("kv_lora_rank", self.mla.kv_lora_rank),
+            ("qk_nope_head_dim", self.mla.qk_nope_head_dim),
+            ("v_head_dim", self.mla.v_head_dim),
+        ];
+        for (field, v) in positive {
+            if v == 0 {
+                return Err(Error::config(field, "must be positive, got 0"));
+            }
+        }
+        if let Some(&bad) = self.full_attn_layers.iter().find(|&&i| i >= self.num_hidden_layers) {
+            return Err(Error::config(
+                "full_attn_layers",
+                format!("layer {bad} is out of range for num_hidden_layers = {}", self.num_hidden_layers),
+            ));
+        }
+        if self.attn_res_block_size == Some(0) {
+            return Err(Error::config("attn_res_block_size", "must be positive, got 0"));
+        }
+        if let Some(lb) = self.kda.gate_lower_bound {
+            if !(-5.0..0.0).contains(&lb) {
+                return Err(Error::config(
+                    "linear_attn_config.gate_lower_bound",
+                    format!("must lie in [-5, 0), got {lb}"),
+                ));
+            }
+        }
+        self.moe_config().validate()
+    }
+
+    /// Parameters of one KDA layer (projections, convs, gates, norm, output).
+    pub fn kda_layer_params(&self) -> u64 {
+        let d = self.hidden_size as u64;
+        let (h, dk) = (self.kda.num_heads as u64, self.kda.head_dim as u64);
+        let p = h * dk;
+        let qkv = 3 * d * p;
+        let conv = 3 * p * self.kda.short_conv_kernel_size as u64;
+        let forget = d * dk + dk * p + h + p; // f_a, f_b, A_log, dt_bias
+        let beta = d * h;
+        let out_gate = if self.kda.use_full_rank_gate { d * p } else { d * dk + dk * p };
+        qkv + conv + forget + beta + out_gate + dk + p * d // o_norm weight (per head dim) + o_proj
+    }
+
+    /// Parameters of one MLA layer.
+    pub fn mla_layer_params(&self) -> u64 {
+        let d = self.hidden_size as u64;
+        let m = &self.mla;
+        let h = m.num_heads as u64;
+        let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as u64;
+        let q = match m.q_lora_rank {
+            Some(r) => d * r as u64 + r as u64 + r as u64 * h * qk,
+            None => d * h * qk,
+        };
+        let kv_a = d * (m.kv_lora_rank + m.qk_rope_head_dim) as u64 + m.kv_lora_rank as u64;
+        let kv_b = m.kv_lora_rank as u64 * h * (m.qk_nope_head_dim + m.v_head_dim) as u64;
+        let o = h * m.v_head_dim as u64 * d;
+        let gate = if m.use_output_gate { d * h * m.v_head_dim as u64 } else { 0 };
+        q + kv_a + kv_b + o + gate
+    }
+
+    fn params(&self, active: bool) -> u64 {
+        let d = self.hidden_size as u64;
+        let embed = self.vocab_size as u64 * d;
+        let head = if self.tie_word_embeddings { 0 } else { embed };
+        let (moe_total, moe_active) = self.moe_config().num_params();
+        let dense = 3 * d * self.intermediate_size as u64;
+        let mut total = embed + head + d; // final norm
+        for i in 0..self.num_hidden_layers {
+            total += 2 * d; // input and post-attention norms
+            total += if self.is_mla_layer(i) {
+                self.mla_layer_params()
+            } else {
+                self.kda_layer_params()
+            };
+            total += if !self.is_moe_layer(i) {
+                dense
+            } else if active {
+                moe_active
+            } else {
+                moe_total
+            };
+            if self.attn_res_block_size.is_some() {
+                total += 4 * d; // two pseudo-queries with their norms
+            }
+        }
+        if self.attn_res_block_size.is_some() {
+            total += 2 * d;
+        }
+        total
+    }
+
+    /// Total parameters (the balance bias, a buffer, is not counted).
+    pub fn num_params(&self) -> u64 {
+        self.params(false)
+    }
+
+    /// Parameters used per token: the `k` selected routed experts instead of all of them
+    /// (embedding included).
+    pub fn active_params(&self) -> u64 {
+        self.params(true)
+    }
+}

@@ -1,0 +1,10 @@
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
+
+pub mod config;
+pub mod error;
+pub mod nn;
+pub mod ops;
+
+pub use config::KimiConfig;
+pub use error::{Error, Result};

@@ -1,0 +1,539 @@
+//! Load balancing for sigmoid routers (SPEC §3): Quantile Balancing (QB) and the sign-update rule.
+//!
+//! Both balancers keep integer statistics on the host that **add** across micro-batches and across
+//! data-parallel replicas ([`Balancer::merge`]), and turn them into a new expert bias once per
+//! optimiser step ([`Balancer::update`]). The bias itself lives in the MoE module as a saved buffer
+//! ([`BalanceState`]), never as a trained parameter.
+
+use std::sync::{Arc, Mutex};
+
+use burn::module::{Module, RunningState};
+use burn::tensor::{backend::Backend, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::ops::route::{to_host_f32, Selection};
+
+/// One routed (micro-)batch as the balancers see it, all on the host.
+#[derive(Debug, Clone, Copy)]
+pub struct RoutedBatch<'a> {
+    /// Unbiased router scores `[tokens, experts]`, row-major.
+    pub scores: &'a [f32],
+    /// The bias the batch was routed with, `[experts]`.
+    pub bias: &'a [f32],
+    /// The selection that was made, `[tokens, k]`.
+    pub selection: &'a Selection,
+    /// `[tokens]`: `true` for tokens that count, `false` for padding. `None`: every token counts.
+    pub valid: Option<&'a [bool]>,
+}
+
+impl RoutedBatch<'_> {
+    fn check(&self) -> Result<()> {
+        let (m, n) = (self.selection.tokens, self.selection.experts);
+        if self.scores.len() != m * n {
+            return Err(Error::shape("scores", format!("[{m}, {n}]"), [self.scores.len()]));
+        }
+        if self.bias.len() != n {
+            return Err(Error::shape("bias", format!("[{n}]"), [self.bias.len()]));
+        }
+        if let Some(v) = self.valid {
+            if v.len() != m {
+                return Err(Error::shape("valid mask", format!("[{m}]"), [v.len()]));
+            }
+        }
+        Ok(())
+    }
+
+    fn is_valid(&self, token: usize) -> bool {
+        self.valid.is_none_or(|v| v[token])
+    }
+}
+
+/// A load balancer for a sigmoid router: accumulate, then update the bias once per step.
+pub trait Balancer {
+    /// Accumulates the statistics of one routed batch (masked tokens are skipped).
+    fn observe(&mut self, batch: &RoutedBatch<'_>) -> Result<()>;
+    /// Turns the accumulated statistics into the bias for the next step and clears them.
+    /// With nothing accumulated, returns `bias` unchanged.
+    fn update(&mut self, bias: &[f32]) -> Vec<f32>;
+    /// The raw accumulated integer counts (their layout depends on the balancer).
+    fn counts(&self) -> &[u64];
+    /// Adds another replica's [`counts`](Balancer::counts) (same layout, same bias) to these.
+    fn merge(&mut self, counts: &[u64]) -> Result<()>;
+    /// Drops the accumulated statistics.
+    fn reset(&mut self);
+}
+
+/// The per-token cut `α_i = (k+1)`-th largest of `s_i + b` (SPEC §3).
+fn cutoff(row: &[f32], bias: &[f32], k: usize, buf: &mut Vec<f32>) -> f32 {
+    buf.clear();
+    buf.extend(row.iter().zip(bias).map(|(s, b)| s + b));
+    let (_, kth, _) = buf.select_nth_unstable_by(k, |a, b| b.total_cmp(a));
+    *kth
+}
+
+/// The histogram bounds implied by a bias: `[min b − 1, max b + 1]` (scores lie in (0, 1)).
+pub fn bounds_for_bias(bias: &[f32]) -> (f32, f32) {
+    let lo = bias.iter().copied().fold(f32::INFINITY, f32::min);
+    let hi = bias.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if bias.is_empty() {
+        (-1.0, 1.0)
+    } else {
+        (lo - 1.0, hi + 1.0)
+    }
+}
+
+/// QB recovery step (SPEC §3): turns the integer histogram of `r_ij = α_i − s_ij` into the new bias.
+///
+/// `counts` is `[experts, bins]` row-major, gathered over `bounds = (lo, hi)`; `k` is the number of
+/// experts per token. Returns the centred bias `b = b̂ − mean(b̂)` and the bounds for the next step,
+/// `[min b − 1, max b + 1]`. The error is at most one bin width. With no counts at all (every token
+/// masked) it returns an empty bias, meaning "keep the current one", and the bounds unchanged.
+///
+/// # Panics
+/// If `bins` is 0, `counts.len()` is not a multiple of `bins`, or `lo >= hi`.
+pub fn quantile_bias_from_histogram(
+    counts: &[u64],
+    bins: usize,
+    bounds: (f32, f32),
+    k: usize,
+) -> (Vec<f32>, (f32, f32)) {
+    assert!(bins > 0, "quantile_bias_from_histogram: bins must be positive");
+    assert!(
+        counts.len() % bins == 0,
+        "quantile_bias_from_histogram: counts.len() = {} is not a multiple of bins = {bins}",
+        counts.len()
+    );
+    let (lo, hi) = bounds;
+    assert!(lo < hi, "quantile_bias_from_histogram: bounds must satisfy lo < hi, got ({lo}, {hi})");
+    let n = counts.len() / bins;
+    let width = (hi as f64 - lo as f64) / bins as f64;
+    let total: u64 = counts.iter().take(bins).sum();
+    if n == 0 || total == 0 {
+        return (Vec::new(), bounds);
+    }
+    let qf = total as f64 * k as f64 / n as f64;
+    let target = qf.ceil().max(1.0) as u64;
+    let raw: Vec<f64> = counts
+        .chunks_exact(bins)
+        .map(|row| {
+            let mut cum = 0u64;
+            for (bin, &h) in row.iter().enumerate() {
+                let before = cum;
+                cum += h;
+                if cum >= target {
+                    let frac = ((qf - before as f64) / h.max(1) as f64).clamp(0.0, 1.0);
+                    return lo as f64 + (bin as f64 + frac) * width;
+                }
+            }
+            hi as f64
+        })
+        .collect();
+    let mean = raw.iter().sum::<f64>() / n as f64;
+    let bias: Vec<f32> = raw.iter().map(|b| (b - mean) as f32).collect();
+    let next = bounds_for_bias(&bias);
+    (bias, next)
+}
+
+/// QB in its exact form (for tests and small batches): `b̂_j` is the `(q+1)`-th smallest `r_ij`
+/// over the valid tokens, with `q = ⌊M·k/n⌋`, then centred. Same contract as
+/// [`quantile_bias_from_histogram`] without the binning; returns `bias` unchanged when no token is
+/// valid.
+pub fn quantile_bias_exact(batch: &RoutedBatch<'_>) -> Result<Vec<f32>> {
+    batch.check()?;
+    let (m, n, k) = (batch.selection.tokens, batch.selection.experts, batch.selection.k);
+    let mut r: Vec<Vec<f32>> = vec![Vec::with_capacity(m); n];
+    let mut buf = Vec::with_capacity(n);
+    for (t, row) in batch.scores.chunks_exact(n).enumerate() {
+        if !batch.is_valid(t) {
+            continue;
+        }
+        let alpha = cutoff(row, batch.bias, k, &mut buf);
+        for (j, &s) in row.iter().enumerate() {
+            r[j].push(alpha - s);
+        }
+    }
+    let tokens = r[0].len();
+    if tokens == 0 {
+        return Ok(batch.bias.to_vec());
+    }
+    let q = (tokens * k / n).min(tokens - 1);
+    let raw: Vec<f64> = r
+        .iter_mut()
+        .map(|col| {
+            let (_, v, _) = col.select_nth_unstable_by(q, f32::total_cmp);
+            *v as f64
+        })
+        .collect();
+    let mean = raw.iter().sum::<f64>() / n as f64;
+    Ok(raw.iter().map(|b| (b - mean) as f32).collect())
+}
+
+/// Quantile Balancing, histogram form (SPEC §3): absolute, learning-rate free, causal.
+///
+/// [`counts`](Balancer::counts) is the integer histogram `[experts, bins]` over the bounds implied by
+/// the current bias ([`bounds_for_bias`]).
+#[derive(Debug, Clone)]
+pub struct QuantileBalancer {
+    experts: usize,
+    bins: usize,
+    k: Option<usize>,
+    bounds: Option<(f32, f32)>,
+    counts: Vec<u64>,
+}
+
+impl QuantileBalancer {
+    /// A balancer for `experts` experts with `bins` histogram bins (default in configs: 1000).
+    pub fn new(experts: usize, bins: usize) -> Result<Self> {
+        if experts < 2 {
+            return Err(Error::config("n_experts", format!("QB needs at least 2 experts, got {experts}")));
+        }
+        if bins < 2 {
+            return Err(Error::config("bins", format!("QB needs at least 2 bins, got {bins}")));
+        }
+        Ok(Self {
+            experts,
+            bins,
+            k: None,
+            bounds: None,
+            counts: vec![0; experts * bins],
+        })
+    }
+
+    /// Number of histogram bins.
+    pub fn bins(&self) -> usize {
+        self.bins
+    }
+
+    /// The bounds the current counts were gathered over (`None` before the first observation).
+    pub fn bounds(&self) -> Option<(f32, f32)> {
+        self.bounds
+    }
+
+    /// Number of tokens accumulated since the last update.
+    pub fn tokens(&self) -> u64 {
+        self.counts[..self.bins].iter().sum()
+    }
+}
+
+impl Balancer for QuantileBalancer {
+    fn observe(&mut self, batch: &RoutedBatch<'_>) -> Result<()> {
+        batch.check()?;
+        let (n, k) = (batch.selection.experts, batch.selection.k);
+        if n != self.experts {
+            return Err(Error::shape("scores", format!("[m, {}]", self.experts), [batch.selection.tokens, n]));
+        }
+        if self.k.is_some_and(|k0| k0 != k) {
+            return Err(Error::argument("k", format!("changed from {:?} to {k} between updates", self.k)));
+        }
+        let bounds = bounds_for_bias(batch.bias);
+        if self.tokens() > 0 && self.bounds != Some(bounds) {
+            return Err(Error::argument(
+                "bias",
+                "changed between observations without an update(); counts of different biases cannot be pooled",
+            ));
+        }
+        self.k = Some(k);
+        self.bounds = Some(bounds);
+        let (lo, hi) = bounds;
+        let scale = self.bins as f32 / (hi - lo);
+        let last = (self.bins - 1) as f32;
+        let mut buf = Vec::with_capacity(n);
+        for (t, row) in batch.scores.chunks_exact(n).enumerate() {
+            if !batch.is_valid(t) {
+                continue;
+            }
+            let alpha = cutoff(row, batch.bias, k, &mut buf);
+            for (j, &s) in row.iter().enumerate() {
+                let bin = ((alpha - s - lo) * scale).floor().clamp(0.0, last) as usize;
+                self.counts[j * self.bins + bin] += 1;
+            }
+        }
+        Ok(())
+    }
+
+    fn update(&mut self, bias: &[f32]) -> Vec<f32> {
+        let (Some(k), Some(bounds)) = (self.k, self.bounds) else {
+            return bias.to_vec();
+        };
+        let (next, _) = quantile_bias_from_histogram(&self.counts, self.bins, bounds, k);
+        self.reset();
+        if next.is_empty() {
+            bias.to_vec()
+        } else {
+            next
+        }
+    }
+
+    fn counts(&self) -> &[u64] {
+        &self.counts
+    }
+
+    fn merge(&mut self, counts: &[u64]) -> Result<()> {
+        if counts.len() != self.counts.len() {
+            return Err(Error::shape("counts", format!("[{}]", self.counts.len()), [counts.len()]));
+        }
+        for (a, b) in self.counts.iter_mut().zip(counts) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        self.counts.iter_mut().for_each(|c| *c = 0);
+        self.bounds = None;
+    }
+}
+
+/// The DeepSeek-V3 / K2 loss-free rule `b_j += γ·sign(mean_load − load_j)` (SPEC §3), the baseline
+/// QB is compared with. [`counts`](Balancer::counts) are the per-expert loads `[experts]`.
+#[derive(Debug, Clone)]
+pub struct SignBalancer {
+    gamma: f32,
+    loads: Vec<u64>,
+}
+
+impl SignBalancer {
+    /// A sign balancer for `experts` experts with step `gamma` (DeepSeek-V3: 1e-3).
+    pub fn new(experts: usize, gamma: f32) -> Result<Self> {
+        if !(gamma.is_finite() && gamma > 0.0) {
+            return Err(Error::config("gamma", format!("must be finite and positive, got {gamma}")));
+        }
+        Ok(Self {
+            gamma,
+            loads: vec![0; experts],
+        })
+    }
+}
+
+impl Balancer for SignBalancer {
+    fn observe(&mut self, batch: &RoutedBatch<'_>) -> Result<()> {
+        batch.check()?;
+        if batch.selection.experts != self.loads.len() {
+            return Err(Error::shape(
+                "scores",
+                format!("[m, {}]", self.loads.len()),
+                [batch.selection.tokens, batch.selection.experts],
+            ));
+        }
+        let k = batch.selection.k;
+        for (t, sel) in batch.selection.indices.chunks_exact(k).enumerate() {
+            if batch.is_valid(t) {
+                for &j in sel {
+                    self.loads[j as usize] += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn update(&mut self, bias: &[f32]) -> Vec<f32> {
+        let total: u64 = self.loads.iter().sum();
+        if total == 0 {
+            return bias.to_vec();
+        }
+        let mean = total as f64 / self.loads.len() as f64;
+        let next = bias
+            .iter()
+            .zip(&self.loads)
+            .map(|(&b, &l)| {
+                let d = mean - l as f64;
+                b + self.gamma * if d > 0.0 { 1.0 } else if d < 0.0 { -1.0 } else { 0.0 }
+            })
+            .collect();
+        self.reset();
+        next
+    }
+
+    fn counts(&self) -> &[u64] {
+        &self.loads
+    }
+
+    fn merge(&mut self, counts: &[u64]) -> Result<()> {
+        if counts.len() != self.loads.len() {
+            return Err(Error::shape("counts", format!("[{}]", self.loads.len()), [counts.len()]));
+        }
+        for (a, b) in self.loads.iter_mut().zip(counts) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        self.loads.iter_mut().for_each(|c| *c = 0);
+    }
+}
+
+/// Which balancer a MoE layer uses.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+pub enum BalancerKind {
+    /// Quantile Balancing with this many histogram bins (SPEC §3; default 1000).
+    Quantile {
+        /// Histogram bins.
+        bins: usize,
+    },
+    /// The sign rule with step `gamma` (DeepSeek-V3: 1e-3).
+    Sign {
+        /// Step size.
+        gamma: f32,
+    },
+    /// No balancing: the bias stays at its loaded value.
+    #[default]
+    None,
+}
+
+impl BalancerKind {
+    /// Quantile Balancing with the default 1000 bins.
+    pub fn quantile() -> Self {
+        Self::Quantile { bins: 1000 }
+    }
+
+    fn build(&self, experts: usize) -> Result<Option<AnyBalancer>> {
+        Ok(match *self {
+            Self::Quantile { bins } => Some(AnyBalancer::Quantile(QuantileBalancer::new(experts, bins)?)),
+            Self::Sign { gamma } => Some(AnyBalancer::Sign(SignBalancer::new(experts, gamma)?)),
+            Self::None => None,
+        })
+    }
+}
+
+/// The balancers a [`BalanceState`] can hold.
+#[derive(Debug, Clone)]
+pub enum AnyBalancer {
+    /// Quantile Balancing.
+    Quantile(QuantileBalancer),
+    /// The sign rule.
+    Sign(SignBalancer),
+}
+
+impl AnyBalancer {
+    fn inner(&mut self) -> &mut dyn Balancer {
+        match self {
+            Self::Quantile(b) => b,
+            Self::Sign(b) => b,
+        }
+    }
+}
+
+/// The balance state of one MoE layer: the expert bias `[n]` (a saved buffer, checkpoint name
+/// `e_score_correction_bias`) and the balancer's accumulated counts (not saved).
+///
+/// Cloning the module shares the accumulator, so clones made for evaluation keep feeding the
+/// same statistics; call [`update`](BalanceState::update) once per optimiser step.
+#[derive(Module, Debug)]
+pub struct BalanceState<B: Backend> {
+    /// The expert bias `b` added to the scores for selection only.
+    pub bias: RunningState<Tensor<B, 1>>,
+    #[module(skip)]
+    acc: Arc<Mutex<Option<AnyBalancer>>>,
+}
+
+impl<B: Backend> BalanceState<B> {
+    /// A zero bias for `experts` experts and the balancer `kind`.
+    pub fn new(experts: usize, kind: BalancerKind, device: &B::Device) -> Result<Self> {
+        Ok(Self {
+            bias: RunningState::new(Tensor::zeros([experts], device)),
+            acc: Arc::new(Mutex::new(kind.build(experts)?)),
+        })
+    }
+
+    /// The current bias on the host.
+    pub fn bias_host(&self) -> Vec<f32> {
+        to_host_f32(self.bias.value())
+    }
+
+    /// Replaces the bias (e.g. after loading a checkpoint or an all-reduce).
+    pub fn set_bias(&self, bias: &[f32]) {
+        let device = self.bias.value().device();
+        self.bias.update(Tensor::from_data(TensorData::new(bias.to_vec(), [bias.len()]), &device));
+        self.bias.value_sync();
+    }
+
+    /// Accumulates one routed batch into the balancer (no-op without a balancer).
+    pub fn observe(&self, batch: &RoutedBatch<'_>) -> Result<()> {
+        match self.lock().as_mut() {
+            Some(b) => b.inner().observe(batch),
+            None => Ok(()),
+        }
+    }
+
+    /// Applies the balancer's update to the bias and clears its counts. Returns the new bias.
+    pub fn update(&self) -> Vec<f32> {
+        let bias = self.bias_host();
+        let next = match self.lock().as_mut() {
+            Some(b) => b.inner().update(&bias),
+            None => return bias,
+        };
+        self.set_bias(&next);
+        next
+    }
+
+    /// The raw integer counts accumulated since the last update (empty without a balancer).
+    pub fn counts(&self) -> Vec<u64> {
+        self.lock()
+            .as_mut()
+            .map(|b| b.inner().counts().to_vec())
+            .unwrap_or_default()
+    }
+
+    /// Adds another replica's counts (one integer all-reduce) before [`update`](Self::update).
+    pub fn merge(&self, counts: &[u64]) -> Result<()> {
+        match self.lock().as_mut() {
+            Some(b) => b.inner().merge(counts),
+            None => Ok(()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<AnyBalancer>> {
+        // A poisoned lock only means another thread panicked mid-observe; the counts are plain
+        // integers and stay usable.
+        self.acc.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Per-step load statistics of one MoE layer (SPEC §2).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct MoeStats {
+    /// Tokens routed to each expert (valid tokens only), `[experts]`.
+    pub tokens_per_expert: Vec<u64>,
+    /// `max_j load_j / mean_load − 1` (0 for a perfect balance).
+    pub max_violation: f32,
+    /// Coefficient of variation of the loads, `std / mean`.
+    pub cv: f32,
+    /// Experts that received no token.
+    pub dead_experts: usize,
+}
+
+impl MoeStats {
+    /// Statistics of a selection, counting only valid tokens.
+    pub fn from_selection(selection: &Selection, valid: Option<&[bool]>) -> Self {
+        let mut loads = vec![0u64; selection.experts];
+        for (t, sel) in selection.indices.chunks_exact(selection.k).enumerate() {
+            if valid.is_none_or(|v| v[t]) {
+                for &j in sel {
+                    loads[j as usize] += 1;
+                }
+            }
+        }
+        Self::from_loads(loads)
+    }
+
+    /// Statistics of per-expert loads.
+    pub fn from_loads(loads: Vec<u64>) -> Self {
+        let n = loads.len().max(1) as f64;
+        let mean = loads.iter().sum::<u64>() as f64 / n;
+        let (max_violation, cv) = if mean > 0.0 {
+            let max = loads.iter().copied().max().unwrap_or(0) as f64;
+            let var = loads.iter().map(|&l| (l as f64 - mean).powi(2)).sum::<f64>() / n;
+            ((max / mean - 1.0) as f32, (var.sqrt() / mean) as f32)
+        } else {
+            (0.0, 0.0)
+        };
+        Self {
+            dead_experts: loads.iter().filter(|&&l| l == 0).count(),
+            tokens_per_expert: loads,
+            max_violation,
+            cv,
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! Stable LatentMoE (SPEC §2): routed experts in a narrower latent space, an RMSNorm on their
+//! aggregate, full-width shared experts, and a balanced sigmoid router.
+
+use burn::config::Config;
+use burn::module::Module;
+use burn::nn::Linear;
+use burn::tensor::{backend::Backend, Bool, Tensor};
+use serde::{Deserialize, Serialize};
+
+use super::balance::{BalanceState, BalancerKind, MoeStats, RoutedBatch};
+use super::norm::{RmsNorm, RmsNormConfig};
+use super::router::{Router, RouterConfig, RouterOptions};
+use super::situ_glu::{GluActivation, SituGlu, SituGluConfig};
+use crate::error::{Error, Result};
+use crate::ops::dispatch::{dispatch, DispatchPlan};
+
+/// Where the routed experts run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MoeLayout {
+    /// A standard MoE: experts at full width (`ℓ = d`, no projections).
+    Standard,
+    /// LatentMoE: `W_down` to `ℓ`, experts at `ℓ`, `W_up` back to `d`.
+    Latent {
+        /// The latent width `ℓ`.
+        dim: usize,
+    },
+    /// Stable LatentMoE (K3): LatentMoE with an RMSNorm on the aggregate before `W_up`.
+    StableLatent {
+        /// The latent width `ℓ`.
+        dim: usize,
+    },
+}
+
+impl MoeLayout {
+    /// The width the experts run at for model width `d`.
+    pub fn expert_width(&self, d_model: usize) -> usize {
+        match *self {
+            Self::Standard => d_model,
+            Self::Latent { dim } | Self::StableLatent { dim } => dim,
+        }
+    }
+}
+
+/// Configuration of [`LatentMoe`].
+#[derive(Config, Debug)]
+pub struct LatentMoeConfig {
+    /// Model width `d`.
+    pub d_model: usize,
+    /// Routed experts `n`.
+    pub n_experts: usize,
+    /// Experts per token `k`.
+    pub top_k: usize,
+    /// Hidden width of a routed expert `m_e` (`moe_intermediate_size`, `routed_expert_hidden_size`).
+    pub expert_hidden: usize,
+    /// Standard, Latent or Stable Latent.
+    #[config(default = "MoeLayout::Standard")]
+    pub layout: MoeLayout,
+    /// Number of shared experts (always full width, stored fused: hidden `n_shared · shared_hidden`).
+    #[config(default = 0)]
+    pub n_shared: usize,
+    /// Hidden width of one shared expert; `None` uses `expert_hidden`.
+    #[config(default = "None")]
+    pub shared_hidden: Option<usize>,
+    /// Activation of every expert (routed and shared).
+    #[config(default = "GluActivation::situ()")]
+    pub activation: GluActivation,
+    /// Router scoring, renormalisation, scaling and grouping.
+    #[config(default = "RouterOptions::default()")]
+    pub router: RouterOptions,
+    /// The load balancer.
+    #[config(default = "BalancerKind::quantile()")]
+    pub balancer: BalancerKind,
+    /// Epsilon of the latent RMSNorm.
+    #[config(default = 1e-5)]
+    pub rms_norm_eps: f64,
+}
+
+impl LatentMoeConfig {
+    /// The router config this MoE uses.
+    pub fn router_config(&self) -> RouterConfig {
+        RouterConfig::new(self.d_model, self.n_experts, self.top_k).with_options(self.router)
+    }
+
+    /// Checks every width, `k`, the router and the activation.
+    pub fn validate(&self) -> Result<()> {
+        if self.d_model == 0 || self.expert_hidden == 0 {
+            return Err(Error::config(
+                "expert_hidden",
+                format!("widths must be positive, got d_model = {}, expert_hidden = {}", self.d_model, self.expert_hidden),
+            ));
+        }
+        if let MoeLayout::Latent { dim } | MoeLayout::StableLatent { dim } = self.layout {
+            if dim == 0 || dim > self.d_model {
+                return Err(Error::config(
+                    "latent_dim",
+                    format!("need 0 < latent_dim <= d_model = {}, got {dim}", self.d_model),
+                ));
+            }
+        }
+        if self.shared_hidden == Some(0) {
+            return Err(Error::config("shared_hidden", "must be positive, got 0"));
+        }
+        self.router_config().validate()?;
+        self.activation.validate()
+    }
+
+    /// Builds the layer, or reports an invalid config.
+    pub fn try_init<B: Backend>(&self, device: &B::Device) -> Result<LatentMoe<B>> {
+        self.validate()?;
+        let width = self.layout.expert_width(self.d_model);
+        let expert = SituGluConfig::new(width, self.expert_hidden).with_activation(self.activation);
+        let experts = (0..self.n_experts).map(|_| expert.init(device)).collect();
+        let shared = (self.n_shared > 0).then(|| {
+            let hidden = self.n_shared * self.shared_hidden.unwrap_or(self.expert_hidden);
+            SituGluConfig::new(self.d_model, hidden)
+                .with_activation(self.activation)
+                .init(device)
+        });
+        let latent = !matches!(self.layout, MoeLayout::Standard);
+        Ok(LatentMoe {
+            router: self.router_config().try_init(device)?,
+            experts,
+            shared,
+            down: latent.then(|| super::linear(self.d_model, width, device)),
+            up: latent.then(|| super::linear(width, self.d_model, device)),
+            norm: matches!(self.layout, MoeLayout::StableLatent { .. })
+                .then(|| RmsNormConfig::new(width).with_epsilon(self.rms_norm_eps).init(device)),
+            balance: BalanceState::new(self.n_experts, self.balancer, device)?,
+        })
+    }
+
+    /// Builds the layer.
+    ///
+    /// # Panics
+    /// On an invalid config (see [`try_init`](Self::try_init)).
+    pub fn init<B: Backend>(&self, device: &B::Device) -> LatentMoe<B> {
+        self.try_init(device).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Parameters of the layer: `(total, active per token)`.
+    pub fn num_params(&self) -> (u64, u64) {
+        let d = self.d_model as u64;
+        let w = self.layout.expert_width(self.d_model) as u64;
+        let expert = 3 * w * self.expert_hidden as u64;
+        let shared = 3 * d * (self.n_shared * self.shared_hidden.unwrap_or(self.expert_hidden)) as u64;
+        let router = d * self.n_experts as u64;
+        let proj = match self.layout {
+            MoeLayout::Standard => 0,
+            MoeLayout::Latent { .. } => 2 * d * w,
+            MoeLayout::StableLatent { .. } => 2 * d * w + w,
+        };
+        let common = shared + router + proj;
+        (
+            common + self.n_experts as u64 * expert,
+            common + self.top_k as u64 * expert,
+        )
+    }
+}
+
+/// The output of a MoE forward pass.
+#[derive(Debug, Clone)]
+pub struct MoeOutput<B: Backend> {
+    /// `[batch, seq, d_model]`.
+    pub output: Tensor<B, 3>,
+    /// Load statistics of this call (valid tokens only).
+    pub stats: MoeStats,
+}
+
+/// Stable LatentMoE (SPEC §2):
+///
+/// ```text
+/// h = W_down x;   u = Σ_{i∈T} p_i · E_i(h);   y = W_up · RMSNorm(u) + SharedFFN(x)
+/// ```
+///
+/// with the router seeing the full-width `x`. Dispatch is dropless and routed-only.
+/// In training forwards (autodiff backends) the balancer accumulates statistics; call
+/// [`update_balance`](Self::update_balance) once per optimiser step.
+#[derive(Module, Debug)]
+pub struct LatentMoe<B: Backend> {
+    /// The router (`gate`).
+    pub router: Router<B>,
+    /// The routed experts `experts.{e}` (`w1` gate, `w3` up, `w2` down).
+    pub experts: Vec<SituGlu<B>>,
+    /// The shared experts, fused (`shared_experts.{gate,up,down}_proj`).
+    pub shared: Option<SituGlu<B>>,
+    /// `W_down` `[d, ℓ]` (`routed_expert_down_proj`); absent for a standard MoE.
+    pub down: Option<Linear<B>>,
+    /// `W_up` `[ℓ, d]` (`routed_expert_up_proj`); absent for a standard MoE.
+    pub up: Option<Linear<B>>,
+    /// The aggregate norm of Stable LatentMoE (`routed_expert_norm`).
+    pub norm: Option<RmsNorm<B>>,
+    /// The balance bias (`gate.e_score_correction_bias`) and the balancer's counts.
+    pub balance: BalanceState<B>,
+}
+
+impl<B: Backend> LatentMoe<B> {
+    /// `x: [batch, seq, d_model]` → output and load statistics.
+    ///
+    /// # Panics
+    /// On a width mismatch or NaN router scores (see [`try_forward`](Self::try_forward)).
+    pub fn forward(&self, x: Tensor<B, 3>) -> MoeOutput<B> {
+        self.try_forward(x, None).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// `x: [batch, seq, d_model]`, `padding: [batch, seq]` (`true` marks padding tokens, which are
+    /// neither dispatched nor counted; their routed output is zero).
+    pub fn try_forward(&self, x: Tensor<B, 3>, padding: Option<Tensor<B, 2, Bool>>) -> Result<MoeOutput<B>> {
+        let [batch, seq, d] = x.dims();
+        let m = batch * seq;
+        let valid: Option<Vec<bool>> = match padding {
+            Some(mask) => {
+                let dims = mask.dims();
+                if dims != [batch, seq] {
+                    return Err(Error::shape("padding mask", format!("[{batch}, {seq}]"), dims));
+                }
+                Some(mask.into_data().iter::<bool>().map(|pad| !pad).collect())
+            }
+            None => None,
+        };
+        let flat = x.reshape([m, d]);
+        let bias = self.balance.bias_host();
+        let routing = self.router.route(flat.clone(), &bias)?;
+        if B::ad_enabled(&flat.device()) {
+            self.balance.observe(&RoutedBatch {
+                scores: &routing.scores_host,
+                bias: &bias,
+                selection: &routing.selection,
+                valid: valid.as_deref(),
+            })?;
+        }
+        let stats = MoeStats::from_selection(&routing.selection, valid.as_deref());
+        let plan = DispatchPlan::new(&routing.selection, valid.as_deref());
+        let h = match &self.down {
+            Some(down) => down.forward(flat.clone()),
+            None => flat.clone(),
+        };
+        let width = h.dims()[1];
+        let mut u = dispatch(h, routing.weights, &plan, width, |e, rows| self.experts[e].forward(rows));
+        if let Some(norm) = &self.norm {
+            u = norm.forward(u);
+        }
+        let mut y = match &self.up {
+            Some(up) => up.forward(u),
+            None => u,
+        };
+        if let Some(shared) = &self.shared {
+            y = y.add(shared.forward(flat));
+        }
+        Ok(MoeOutput {
+            output: y.reshape([batch, seq, d]),
+            stats,
+        })
+    }
+
+    /// Applies the balancer to the bias from the statistics accumulated since the last call
+    /// (once per optimiser step, after all micro-batches). Returns the new bias.
+    pub fn update_balance(&self) -> Vec<f32> {
+        self.balance.update()
+    }
+}

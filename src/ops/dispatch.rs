@@ -1,0 +1,117 @@
+//! Dropless, routed-only MoE dispatch (SPEC §2), reference form in tensor ops.
+//!
+//! The `(token, expert)` pairs are sorted by expert on the host (a counting sort, so pairs keep
+//! their token order within an expert), the rows are gathered once into expert-contiguous order,
+//! each expert runs on its own contiguous segment only, the outputs are scaled by their routing
+//! weight and scatter-added back. No token is dropped and no expert sees a token not routed to it.
+
+use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor, TensorData};
+
+use super::precision::restore;
+use super::route::Selection;
+
+/// The host-side plan of a dispatch: pairs in expert order and each expert's segment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DispatchPlan {
+    /// Token of each sorted pair, `[P]`.
+    pub tokens: Vec<i64>,
+    /// Flat index `token·k + slot` of each sorted pair into the `[m, k]` selection, `[P]`.
+    pub pairs: Vec<i64>,
+    /// `offsets[e]..offsets[e + 1]` is expert `e`'s segment; `[n + 1]`.
+    pub offsets: Vec<usize>,
+    /// Number of tokens `m`.
+    pub m: usize,
+}
+
+impl DispatchPlan {
+    /// Plans the dispatch of a selection, leaving out invalid (padding) tokens.
+    pub fn new(selection: &Selection, valid: Option<&[bool]>) -> Self {
+        let (m, n, k) = (selection.tokens, selection.experts, selection.k);
+        let keep = |t: usize| valid.is_none_or(|v| v[t]);
+        let mut offsets = vec![0usize; n + 1];
+        for (t, sel) in selection.indices.chunks_exact(k).enumerate() {
+            if keep(t) {
+                for &e in sel {
+                    offsets[e as usize + 1] += 1;
+                }
+            }
+        }
+        for e in 0..n {
+            offsets[e + 1] += offsets[e];
+        }
+        let total = offsets[n];
+        let mut cursor = offsets.clone();
+        let mut tokens = vec![0i64; total];
+        let mut pairs = vec![0i64; total];
+        for (t, sel) in selection.indices.chunks_exact(k).enumerate() {
+            if keep(t) {
+                for (slot, &e) in sel.iter().enumerate() {
+                    let at = cursor[e as usize];
+                    cursor[e as usize] += 1;
+                    tokens[at] = t as i64;
+                    pairs[at] = (t * k + slot) as i64;
+                }
+            }
+        }
+        Self {
+            tokens,
+            pairs,
+            offsets,
+            m,
+        }
+    }
+
+    /// Number of dispatched pairs `P`.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// True when no pair is dispatched (every token masked).
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Experts with a non-empty segment, with their segment range.
+    pub fn segments(&self) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> + '_ {
+        self.offsets
+            .windows(2)
+            .enumerate()
+            .filter(|(_, w)| w[1] > w[0])
+            .map(|(e, w)| (e, w[0]..w[1]))
+    }
+}
+
+fn int_tensor<B: Backend>(values: &[i64], device: &B::Device) -> Tensor<B, 1, Int> {
+    Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
+}
+
+/// Runs the routed experts on their tokens only and combines them:
+/// `out[t] = Σ_{(t,e,p)} p · expert_e(h[t])`.
+///
+/// `h: [m, d_in]`, `weights: [m, k]` (aligned with the plan's selection), `expert(e, rows)` maps
+/// `[rows, d_in]` to `[rows, d_out]`. Returns `[m, d_out]` in `h`'s dtype; masked tokens get zeros.
+pub fn dispatch<B, F>(h: Tensor<B, 2>, weights: Tensor<B, 2>, plan: &DispatchPlan, d_out: usize, mut expert: F) -> Tensor<B, 2>
+where
+    B: Backend,
+    F: FnMut(usize, Tensor<B, 2>) -> Tensor<B, 2>,
+{
+    let device = h.device();
+    let dtype = h.dtype();
+    let out = Tensor::<B, 2>::zeros([plan.m, d_out], (&device, dtype));
+    if plan.is_empty() {
+        return out;
+    }
+    let tokens = int_tensor::<B>(&plan.tokens, &device);
+    let gathered = h.select(0, tokens.clone());
+    let outputs: Vec<Tensor<B, 2>> = plan
+        .segments()
+        .map(|(e, range)| expert(e, gathered.clone().slice([range])))
+        .collect();
+    let y = Tensor::cat(outputs, 0);
+    let [m, k] = weights.dims();
+    let p = weights
+        .reshape([m * k])
+        .select(0, int_tensor::<B>(&plan.pairs, &device));
+    let y = y.mul(restore(p, dtype).unsqueeze_dim::<2>(1));
+    out.select_assign(0, tokens, y, IndexingUpdateOp::Add)
+}

@@ -1,0 +1,11 @@
+//! Functional ops: pure functions on tensors, the reference implementation of every block.
+//!
+//! Each op here runs on any Burn backend (with autodiff); modules in [`crate::nn`] call them.
+
+pub mod dispatch;
+pub mod norm;
+pub mod precision;
+pub mod route;
+pub mod situ;
+
+pub use situ::situ_glu;

@@ -1,0 +1,166 @@
+//! Top-k expert selection and routing weights (SPEC §2).
+//!
+//! Selection is a discrete decision, so the reference path makes it on the host with an exact,
+//! backend-independent tie-break (the lower expert index wins); the routing weights are then
+//! gathered from the device scores so that the router stays differentiable.
+
+use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// How router logits become scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum Scoring {
+    /// `s = σ(logits)` per expert (DeepSeek-V3, Kimi K2/K3): auxiliary-loss-free routing.
+    #[default]
+    Sigmoid,
+    /// `s = softmax(logits)` over the experts (Mixtral-style standard MoE).
+    Softmax,
+}
+
+/// Host-side result of the top-k selection for `m` tokens over `n` experts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Selection {
+    /// Number of tokens.
+    pub tokens: usize,
+    /// Number of experts.
+    pub experts: usize,
+    /// Experts per token.
+    pub k: usize,
+    /// `[tokens, k]` row-major: each token's experts, best first (ties: lower index first).
+    pub indices: Vec<u32>,
+}
+
+/// Options of [`select_top_k`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TopKOptions {
+    /// Experts per token, `1 ≤ k < n`.
+    pub k: usize,
+    /// Number of expert groups (DeepSeek-V3 `n_group`); 1 disables grouping.
+    pub n_group: usize,
+    /// Groups kept per token (`topk_group`), `k` experts are then chosen among them.
+    pub topk_group: usize,
+}
+
+impl TopKOptions {
+    /// Checks `1 ≤ k < n`, `n_group` divides `n` and the kept groups hold at least `k` experts.
+    pub fn validate(&self, n: usize) -> Result<()> {
+        if self.k == 0 || self.k >= n {
+            return Err(Error::config(
+                "top_k",
+                format!("need 1 <= top_k < n_experts, got top_k = {} with n_experts = {n}", self.k),
+            ));
+        }
+        if self.n_group == 0 || n % self.n_group != 0 {
+            return Err(Error::config(
+                "n_group",
+                format!("n_group = {} must be positive and divide n_experts = {n}", self.n_group),
+            ));
+        }
+        let per_group = n / self.n_group;
+        if self.topk_group == 0
+            || self.topk_group > self.n_group
+            || self.topk_group * per_group < self.k
+        {
+            return Err(Error::config(
+                "topk_group",
+                format!(
+                    "topk_group = {} must be in 1..={} and keep at least top_k = {} experts ({} per group)",
+                    self.topk_group, self.n_group, self.k, per_group
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Orders `(value, index)` pairs best first: larger value, then lower index.
+fn better(a: (f32, usize), b: (f32, usize)) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+}
+
+/// Selects each token's top-k experts by `scores + bias` (SPEC §2), on the host.
+///
+/// `scores: [m, n]` row-major, `bias: [n]`. With `n_group > 1`, a group's score is the sum of its
+/// two best biased scores (its best one for groups of one expert), only the `topk_group` best
+/// groups stay eligible, and ties between groups or experts go to the lower index.
+///
+/// Errors on a NaN score or bias, or options that do not fit `n`.
+pub fn select_top_k(scores: &[f32], n: usize, bias: &[f32], opts: TopKOptions) -> Result<Selection> {
+    opts.validate(n)?;
+    if bias.len() != n {
+        return Err(Error::shape("bias", format!("[{n}]"), [bias.len()]));
+    }
+    if scores.len() % n != 0 {
+        return Err(Error::shape("scores", format!("[m, {n}]"), [scores.len()]));
+    }
+    if let Some(j) = bias.iter().position(|b| !b.is_finite()) {
+        return Err(Error::NonFinite {
+            what: "balance bias".into(),
+            detail: format!("bias[{j}] = {}", bias[j]),
+        });
+    }
+    let m = scores.len() / n;
+    let k = opts.k;
+    let per_group = n / opts.n_group;
+    let mut indices = Vec::with_capacity(m * k);
+    let mut biased: Vec<(f32, usize)> = Vec::with_capacity(n);
+    let mut groups: Vec<(f32, usize)> = Vec::with_capacity(opts.n_group);
+    for (t, row) in scores.chunks_exact(n).enumerate() {
+        biased.clear();
+        for (j, (&s, &b)) in row.iter().zip(bias).enumerate() {
+            if s.is_nan() {
+                return Err(Error::NonFinite {
+                    what: "router scores".into(),
+                    detail: format!("token {t}, expert {j} is NaN"),
+                });
+            }
+            biased.push((s + b, j));
+        }
+        if opts.n_group > 1 && opts.topk_group < opts.n_group {
+            groups.clear();
+            for (gi, grp) in biased.chunks_exact(per_group).enumerate() {
+                let mut best = [f32::NEG_INFINITY; 2];
+                for &(v, _) in grp {
+                    if v > best[0] {
+                        best = [v, best[0]];
+                    } else if v > best[1] {
+                        best[1] = v;
+                    }
+                }
+                let score = if per_group == 1 { best[0] } else { best[0] + best[1] };
+                groups.push((score, gi));
+            }
+            groups.sort_by(|&a, &b| better(a, b));
+            let mut keep = vec![false; opts.n_group];
+            for &(_, gi) in &groups[..opts.topk_group] {
+                keep[gi] = true;
+            }
+            biased.retain(|&(_, j)| keep[j / per_group]);
+        }
+        biased.select_nth_unstable_by(k - 1, |&a, &b| better(a, b));
+        let top = &mut biased[..k];
+        top.sort_by(|&a, &b| better(a, b));
+        indices.extend(top.iter().map(|&(_, j)| j as u32));
+    }
+    Ok(Selection {
+        tokens: m,
+        experts: n,
+        k,
+        indices,
+    })
+}
+
+impl Selection {
+    /// The selected indices as a device tensor `[tokens, k]`.
+    pub fn to_tensor<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2, Int> {
+        let data: Vec<i64> = self.indices.iter().map(|&i| i as i64).collect();
+        Tensor::from_data(TensorData::new(data, [self.tokens, self.k]), device)
+    }
+}
+
+/// Reads a float tensor of any dtype back to the host as `f32`s (row-major).
+pub fn to_host_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().iter::<f32>().collect()
+}
