@@ -252,15 +252,23 @@ impl KimiConfig {
 
     /// The MoE layer config of the MoE layers of this model.
     pub fn moe_config(&self) -> LatentMoeConfig {
-        let routed_hidden = self.moe.routed_expert_hidden_size.unwrap_or(self.moe.moe_intermediate_size);
-        LatentMoeConfig::new(self.hidden_size, self.moe.num_experts, self.moe.num_experts_per_token, routed_hidden)
-            .with_layout(self.moe.layout)
-            .with_n_shared(self.moe.num_shared_experts)
-            .with_shared_hidden(Some(self.moe.moe_intermediate_size))
-            .with_activation(self.activation)
-            .with_router(self.moe.router)
-            .with_balancer(self.moe.balancer)
-            .with_rms_norm_eps(self.rms_norm_eps)
+        let routed_hidden = self
+            .moe
+            .routed_expert_hidden_size
+            .unwrap_or(self.moe.moe_intermediate_size);
+        LatentMoeConfig::new(
+            self.hidden_size,
+            self.moe.num_experts,
+            self.moe.num_experts_per_token,
+            routed_hidden,
+        )
+        .with_layout(self.moe.layout)
+        .with_n_shared(self.moe.num_shared_experts)
+        .with_shared_hidden(Some(self.moe.moe_intermediate_size))
+        .with_activation(self.activation)
+        .with_router(self.moe.router)
+        .with_balancer(self.moe.balancer)
+        .with_rms_norm_eps(self.rms_norm_eps)
     }
 
     /// Whether layer `i` (0-based) is an MLA layer.
@@ -292,14 +300,24 @@ impl KimiConfig {
                 return Err(Error::config(field, "must be positive, got 0"));
             }
         }
-        if let Some(&bad) = self.full_attn_layers.iter().find(|&&i| i >= self.num_hidden_layers) {
+        if let Some(&bad) = self
+            .full_attn_layers
+            .iter()
+            .find(|&&i| i >= self.num_hidden_layers)
+        {
             return Err(Error::config(
                 "full_attn_layers",
-                format!("layer {bad} is out of range for num_hidden_layers = {}", self.num_hidden_layers),
+                format!(
+                    "layer {bad} is out of range for num_hidden_layers = {}",
+                    self.num_hidden_layers
+                ),
             ));
         }
         if self.attn_res_block_size == Some(0) {
-            return Err(Error::config("attn_res_block_size", "must be positive, got 0"));
+            return Err(Error::config(
+                "attn_res_block_size",
+                "must be positive, got 0",
+            ));
         }
         if let Some(lb) = self.kda.gate_lower_bound {
             if !(-5.0..0.0).contains(&lb) {
@@ -321,7 +339,11 @@ impl KimiConfig {
         let conv = 3 * p * self.kda.short_conv_kernel_size as u64;
         let forget = d * dk + dk * p + h + p; // f_a, f_b, A_log, dt_bias
         let beta = d * h;
-        let out_gate = if self.kda.use_full_rank_gate { d * p } else { d * dk + dk * p };
+        let out_gate = if self.kda.use_full_rank_gate {
+            d * p
+        } else {
+            d * dk + dk * p
+        };
         qkv + conv + forget + beta + out_gate + dk + p * d // o_norm weight (per head dim) + o_proj
     }
 
@@ -338,7 +360,11 @@ impl KimiConfig {
         let kv_a = d * (m.kv_lora_rank + m.qk_rope_head_dim) as u64 + m.kv_lora_rank as u64;
         let kv_b = m.kv_lora_rank as u64 * h * (m.qk_nope_head_dim + m.v_head_dim) as u64;
         let o = h * m.v_head_dim as u64 * d;
-        let gate = if m.use_output_gate { d * h * m.v_head_dim as u64 } else { 0 };
+        let gate = if m.use_output_gate {
+            d * h * m.v_head_dim as u64
+        } else {
+            0
+        };
         q + kv_a + kv_b + o + gate
     }
 

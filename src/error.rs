@@ -94,7 +94,11 @@ impl Error {
     }
 
     /// A [`Error::Shape`]: `what` should have had shape `expected` but had `got`.
-    pub fn shape(what: impl Into<String>, expected: impl Into<String>, got: impl std::fmt::Debug) -> Self {
+    pub fn shape(
+        what: impl Into<String>,
+        expected: impl Into<String>,
+        got: impl std::fmt::Debug,
+    ) -> Self {
         Self::Shape {
             what: what.into(),
             expected: expected.into(),

@@ -31,7 +31,11 @@ impl RoutedBatch<'_> {
     fn check(&self) -> Result<()> {
         let (m, n) = (self.selection.tokens, self.selection.experts);
         if self.scores.len() != m * n {
-            return Err(Error::shape("scores", format!("[{m}, {n}]"), [self.scores.len()]));
+            return Err(Error::shape(
+                "scores",
+                format!("[{m}, {n}]"),
+                [self.scores.len()],
+            ));
         }
         if self.bias.len() != n {
             return Err(Error::shape("bias", format!("[{n}]"), [self.bias.len()]));
@@ -98,14 +102,20 @@ pub fn quantile_bias_from_histogram(
     bounds: (f32, f32),
     k: usize,
 ) -> (Vec<f32>, (f32, f32)) {
-    assert!(bins > 0, "quantile_bias_from_histogram: bins must be positive");
     assert!(
-        counts.len() % bins == 0,
+        bins > 0,
+        "quantile_bias_from_histogram: bins must be positive"
+    );
+    assert!(
+        counts.len().is_multiple_of(bins),
         "quantile_bias_from_histogram: counts.len() = {} is not a multiple of bins = {bins}",
         counts.len()
     );
     let (lo, hi) = bounds;
-    assert!(lo < hi, "quantile_bias_from_histogram: bounds must satisfy lo < hi, got ({lo}, {hi})");
+    assert!(
+        lo < hi,
+        "quantile_bias_from_histogram: bounds must satisfy lo < hi, got ({lo}, {hi})"
+    );
     let n = counts.len() / bins;
     let width = (hi as f64 - lo as f64) / bins as f64;
     let total: u64 = counts.iter().take(bins).sum();
@@ -141,7 +151,11 @@ pub fn quantile_bias_from_histogram(
 /// valid.
 pub fn quantile_bias_exact(batch: &RoutedBatch<'_>) -> Result<Vec<f32>> {
     batch.check()?;
-    let (m, n, k) = (batch.selection.tokens, batch.selection.experts, batch.selection.k);
+    let (m, n, k) = (
+        batch.selection.tokens,
+        batch.selection.experts,
+        batch.selection.k,
+    );
     let mut r: Vec<Vec<f32>> = vec![Vec::with_capacity(m); n];
     let mut buf = Vec::with_capacity(n);
     for (t, row) in batch.scores.chunks_exact(n).enumerate() {
@@ -186,10 +200,16 @@ impl QuantileBalancer {
     /// A balancer for `experts` experts with `bins` histogram bins (default in configs: 1000).
     pub fn new(experts: usize, bins: usize) -> Result<Self> {
         if experts < 2 {
-            return Err(Error::config("n_experts", format!("QB needs at least 2 experts, got {experts}")));
+            return Err(Error::config(
+                "n_experts",
+                format!("QB needs at least 2 experts, got {experts}"),
+            ));
         }
         if bins < 2 {
-            return Err(Error::config("bins", format!("QB needs at least 2 bins, got {bins}")));
+            return Err(Error::config(
+                "bins",
+                format!("QB needs at least 2 bins, got {bins}"),
+            ));
         }
         Ok(Self {
             experts,
@@ -221,10 +241,17 @@ impl Balancer for QuantileBalancer {
         batch.check()?;
         let (n, k) = (batch.selection.experts, batch.selection.k);
         if n != self.experts {
-            return Err(Error::shape("scores", format!("[m, {}]", self.experts), [batch.selection.tokens, n]));
+            return Err(Error::shape(
+                "scores",
+                format!("[m, {}]", self.experts),
+                [batch.selection.tokens, n],
+            ));
         }
         if self.k.is_some_and(|k0| k0 != k) {
-            return Err(Error::argument("k", format!("changed from {:?} to {k} between updates", self.k)));
+            return Err(Error::argument(
+                "k",
+                format!("changed from {:?} to {k} between updates", self.k),
+            ));
         }
         let bounds = bounds_for_bias(batch.bias);
         if self.tokens() > 0 && self.bounds != Some(bounds) {
@@ -271,7 +298,11 @@ impl Balancer for QuantileBalancer {
 
     fn merge(&mut self, counts: &[u64]) -> Result<()> {
         if counts.len() != self.counts.len() {
-            return Err(Error::shape("counts", format!("[{}]", self.counts.len()), [counts.len()]));
+            return Err(Error::shape(
+                "counts",
+                format!("[{}]", self.counts.len()),
+                [counts.len()],
+            ));
         }
         for (a, b) in self.counts.iter_mut().zip(counts) {
             *a += b;
@@ -297,7 +328,10 @@ impl SignBalancer {
     /// A sign balancer for `experts` experts with step `gamma` (DeepSeek-V3: 1e-3).
     pub fn new(experts: usize, gamma: f32) -> Result<Self> {
         if !(gamma.is_finite() && gamma > 0.0) {
-            return Err(Error::config("gamma", format!("must be finite and positive, got {gamma}")));
+            return Err(Error::config(
+                "gamma",
+                format!("must be finite and positive, got {gamma}"),
+            ));
         }
         Ok(Self {
             gamma,
@@ -338,7 +372,14 @@ impl Balancer for SignBalancer {
             .zip(&self.loads)
             .map(|(&b, &l)| {
                 let d = mean - l as f64;
-                b + self.gamma * if d > 0.0 { 1.0 } else if d < 0.0 { -1.0 } else { 0.0 }
+                b + self.gamma
+                    * if d > 0.0 {
+                        1.0
+                    } else if d < 0.0 {
+                        -1.0
+                    } else {
+                        0.0
+                    }
             })
             .collect();
         self.reset();
@@ -351,7 +392,11 @@ impl Balancer for SignBalancer {
 
     fn merge(&mut self, counts: &[u64]) -> Result<()> {
         if counts.len() != self.loads.len() {
-            return Err(Error::shape("counts", format!("[{}]", self.loads.len()), [counts.len()]));
+            return Err(Error::shape(
+                "counts",
+                format!("[{}]", self.loads.len()),
+                [counts.len()],
+            ));
         }
         for (a, b) in self.loads.iter_mut().zip(counts) {
             *a += b;
@@ -390,7 +435,9 @@ impl BalancerKind {
 
     fn build(&self, experts: usize) -> Result<Option<AnyBalancer>> {
         Ok(match *self {
-            Self::Quantile { bins } => Some(AnyBalancer::Quantile(QuantileBalancer::new(experts, bins)?)),
+            Self::Quantile { bins } => {
+                Some(AnyBalancer::Quantile(QuantileBalancer::new(experts, bins)?))
+            }
             Self::Sign { gamma } => Some(AnyBalancer::Sign(SignBalancer::new(experts, gamma)?)),
             Self::None => None,
         })
@@ -445,7 +492,10 @@ impl<B: Backend> BalanceState<B> {
     /// Replaces the bias (e.g. after loading a checkpoint or an all-reduce).
     pub fn set_bias(&self, bias: &[f32]) {
         let device = self.bias.value().device();
-        self.bias.update(Tensor::from_data(TensorData::new(bias.to_vec(), [bias.len()]), &device));
+        self.bias.update(Tensor::from_data(
+            TensorData::new(bias.to_vec(), [bias.len()]),
+            &device,
+        ));
         self.bias.value_sync();
     }
 
@@ -524,7 +574,11 @@ impl MoeStats {
         let mean = loads.iter().sum::<u64>() as f64 / n;
         let (max_violation, cv) = if mean > 0.0 {
             let max = loads.iter().copied().max().unwrap_or(0) as f64;
-            let var = loads.iter().map(|&l| (l as f64 - mean).powi(2)).sum::<f64>() / n;
+            let var = loads
+                .iter()
+                .map(|&l| (l as f64 - mean).powi(2))
+                .sum::<f64>()
+                / n;
             ((max / mean - 1.0) as f32, (var.sqrt() / mean) as f32)
         } else {
             (0.0, 0.0)

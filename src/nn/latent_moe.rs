@@ -86,14 +86,20 @@ impl LatentMoeConfig {
         if self.d_model == 0 || self.expert_hidden == 0 {
             return Err(Error::config(
                 "expert_hidden",
-                format!("widths must be positive, got d_model = {}, expert_hidden = {}", self.d_model, self.expert_hidden),
+                format!(
+                    "widths must be positive, got d_model = {}, expert_hidden = {}",
+                    self.d_model, self.expert_hidden
+                ),
             ));
         }
         if let MoeLayout::Latent { dim } | MoeLayout::StableLatent { dim } = self.layout {
             if dim == 0 || dim > self.d_model {
                 return Err(Error::config(
                     "latent_dim",
-                    format!("need 0 < latent_dim <= d_model = {}, got {dim}", self.d_model),
+                    format!(
+                        "need 0 < latent_dim <= d_model = {}, got {dim}",
+                        self.d_model
+                    ),
                 ));
             }
         }
@@ -123,8 +129,11 @@ impl LatentMoeConfig {
             shared,
             down: latent.then(|| super::linear(self.d_model, width, device)),
             up: latent.then(|| super::linear(width, self.d_model, device)),
-            norm: matches!(self.layout, MoeLayout::StableLatent { .. })
-                .then(|| RmsNormConfig::new(width).with_epsilon(self.rms_norm_eps).init(device)),
+            norm: matches!(self.layout, MoeLayout::StableLatent { .. }).then(|| {
+                RmsNormConfig::new(width)
+                    .with_epsilon(self.rms_norm_eps)
+                    .init(device)
+            }),
             balance: BalanceState::new(self.n_experts, self.balancer, device)?,
         })
     }
@@ -142,7 +151,8 @@ impl LatentMoeConfig {
         let d = self.d_model as u64;
         let w = self.layout.expert_width(self.d_model) as u64;
         let expert = 3 * w * self.expert_hidden as u64;
-        let shared = 3 * d * (self.n_shared * self.shared_hidden.unwrap_or(self.expert_hidden)) as u64;
+        let shared =
+            3 * d * (self.n_shared * self.shared_hidden.unwrap_or(self.expert_hidden)) as u64;
         let router = d * self.n_experts as u64;
         let proj = match self.layout {
             MoeLayout::Standard => 0,
@@ -204,14 +214,22 @@ impl<B: Backend> LatentMoe<B> {
 
     /// `x: [batch, seq, d_model]`, `padding: [batch, seq]` (`true` marks padding tokens, which are
     /// neither dispatched nor counted; their routed output is zero).
-    pub fn try_forward(&self, x: Tensor<B, 3>, padding: Option<Tensor<B, 2, Bool>>) -> Result<MoeOutput<B>> {
+    pub fn try_forward(
+        &self,
+        x: Tensor<B, 3>,
+        padding: Option<Tensor<B, 2, Bool>>,
+    ) -> Result<MoeOutput<B>> {
         let [batch, seq, d] = x.dims();
         let m = batch * seq;
         let valid: Option<Vec<bool>> = match padding {
             Some(mask) => {
                 let dims = mask.dims();
                 if dims != [batch, seq] {
-                    return Err(Error::shape("padding mask", format!("[{batch}, {seq}]"), dims));
+                    return Err(Error::shape(
+                        "padding mask",
+                        format!("[{batch}, {seq}]"),
+                        dims,
+                    ));
                 }
                 Some(mask.into_data().iter::<bool>().map(|pad| !pad).collect())
             }
@@ -235,7 +253,9 @@ impl<B: Backend> LatentMoe<B> {
             None => flat.clone(),
         };
         let width = h.dims()[1];
-        let mut u = dispatch(h, routing.weights, &plan, width, |e, rows| self.experts[e].forward(rows));
+        let mut u = dispatch(h, routing.weights, &plan, width, |e, rows| {
+            self.experts[e].forward(rows)
+        });
         if let Some(norm) = &self.norm {
             u = norm.forward(u);
         }

@@ -20,6 +20,11 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 
 /// A bias-free `Linear` (`[d_in, d_out]`, Burn's layout), the only kind the Kimi blocks use.
+///
+/// The weight is initialised eagerly: Burn's lazy parameters initialise on first use, so a module
+/// cloned before that would draw *different* weights in each clone.
 pub(crate) fn linear<B: Backend>(d_in: usize, d_out: usize, device: &B::Device) -> Linear<B> {
-    LinearConfig::new(d_in, d_out).with_bias(false).init(device)
+    let layer = LinearConfig::new(d_in, d_out).with_bias(false).init(device);
+    let _ = layer.weight.val();
+    layer
 }

@@ -64,7 +64,10 @@ impl RouterConfig {
         self.topk_options().validate(self.n_experts)?;
         let s = self.options.routed_scaling_factor;
         if !(s.is_finite() && s > 0.0) {
-            return Err(Error::config("routed_scaling_factor", format!("must be finite and positive, got {s}")));
+            return Err(Error::config(
+                "routed_scaling_factor",
+                format!("must be finite and positive, got {s}"),
+            ));
         }
         Ok(())
     }
@@ -161,7 +164,11 @@ impl<B: Backend> Router<B> {
         let [m, d] = x.dims();
         let d_model = self.gate.weight.dims()[0];
         if d != d_model {
-            return Err(Error::shape("router input", format!("[m, {d_model}]"), [m, d]));
+            return Err(Error::shape(
+                "router input",
+                format!("[m, {d_model}]"),
+                [m, d],
+            ));
         }
         let n = self.n_experts();
         let scores = self.scores(x);

@@ -42,7 +42,10 @@ impl GluActivation {
     pub fn validate(&self) -> Result<()> {
         if let Self::Situ { beta1, beta2 } = *self {
             if !(beta1.is_finite() && beta1 > 0.0) {
-                return Err(Error::config("activation_situ_beta", format!("must be finite and positive, got {beta1}")));
+                return Err(Error::config(
+                    "activation_situ_beta",
+                    format!("must be finite and positive, got {beta1}"),
+                ));
             }
             if let Some(b2) = beta2 {
                 if !(b2.is_finite() && b2 > 0.0) {
@@ -57,7 +60,11 @@ impl GluActivation {
     }
 
     /// Applies the activation to the gate and up projections (same shape).
-    pub fn apply<B: Backend, const D: usize>(&self, gate: Tensor<B, D>, up: Tensor<B, D>) -> Tensor<B, D> {
+    pub fn apply<B: Backend, const D: usize>(
+        &self,
+        gate: Tensor<B, D>,
+        up: Tensor<B, D>,
+    ) -> Tensor<B, D> {
         match *self {
             Self::Situ { beta1, beta2 } => situ_glu(gate, up, beta1, beta2),
             Self::SwiGlu => swiglu(gate, up),
@@ -83,7 +90,10 @@ impl SituGluConfig {
         if self.d_model == 0 || self.d_hidden == 0 {
             return Err(Error::config(
                 "d_hidden",
-                format!("widths must be positive, got d_model = {}, d_hidden = {}", self.d_model, self.d_hidden),
+                format!(
+                    "widths must be positive, got d_model = {}, d_hidden = {}",
+                    self.d_model, self.d_hidden
+                ),
             ));
         }
         self.activation.validate()

@@ -90,7 +90,13 @@ fn int_tensor<B: Backend>(values: &[i64], device: &B::Device) -> Tensor<B, 1, In
 ///
 /// `h: [m, d_in]`, `weights: [m, k]` (aligned with the plan's selection), `expert(e, rows)` maps
 /// `[rows, d_in]` to `[rows, d_out]`. Returns `[m, d_out]` in `h`'s dtype; masked tokens get zeros.
-pub fn dispatch<B, F>(h: Tensor<B, 2>, weights: Tensor<B, 2>, plan: &DispatchPlan, d_out: usize, mut expert: F) -> Tensor<B, 2>
+pub fn dispatch<B, F>(
+    h: Tensor<B, 2>,
+    weights: Tensor<B, 2>,
+    plan: &DispatchPlan,
+    d_out: usize,
+    mut expert: F,
+) -> Tensor<B, 2>
 where
     B: Backend,
     F: FnMut(usize, Tensor<B, 2>) -> Tensor<B, 2>,

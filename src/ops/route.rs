@@ -49,13 +49,19 @@ impl TopKOptions {
         if self.k == 0 || self.k >= n {
             return Err(Error::config(
                 "top_k",
-                format!("need 1 <= top_k < n_experts, got top_k = {} with n_experts = {n}", self.k),
+                format!(
+                    "need 1 <= top_k < n_experts, got top_k = {} with n_experts = {n}",
+                    self.k
+                ),
             ));
         }
-        if self.n_group == 0 || n % self.n_group != 0 {
+        if self.n_group == 0 || !n.is_multiple_of(self.n_group) {
             return Err(Error::config(
                 "n_group",
-                format!("n_group = {} must be positive and divide n_experts = {n}", self.n_group),
+                format!(
+                    "n_group = {} must be positive and divide n_experts = {n}",
+                    self.n_group
+                ),
             ));
         }
         let per_group = n / self.n_group;
@@ -87,12 +93,17 @@ fn better(a: (f32, usize), b: (f32, usize)) -> std::cmp::Ordering {
 /// groups stay eligible, and ties between groups or experts go to the lower index.
 ///
 /// Errors on a NaN score or bias, or options that do not fit `n`.
-pub fn select_top_k(scores: &[f32], n: usize, bias: &[f32], opts: TopKOptions) -> Result<Selection> {
+pub fn select_top_k(
+    scores: &[f32],
+    n: usize,
+    bias: &[f32],
+    opts: TopKOptions,
+) -> Result<Selection> {
     opts.validate(n)?;
     if bias.len() != n {
         return Err(Error::shape("bias", format!("[{n}]"), [bias.len()]));
     }
-    if scores.len() % n != 0 {
+    if !scores.len().is_multiple_of(n) {
         return Err(Error::shape("scores", format!("[m, {n}]"), [scores.len()]));
     }
     if let Some(j) = bias.iter().position(|b| !b.is_finite()) {
@@ -129,7 +140,11 @@ pub fn select_top_k(scores: &[f32], n: usize, bias: &[f32], opts: TopKOptions) -
                         best[1] = v;
                     }
                 }
-                let score = if per_group == 1 { best[0] } else { best[0] + best[1] };
+                let score = if per_group == 1 {
+                    best[0]
+                } else {
+                    best[0] + best[1]
+                };
                 groups.push((score, gi));
             }
             groups.sort_by(|&a, &b| better(a, b));

@@ -10,6 +10,9 @@ pub type Cpu = NdArray<f32>;
 /// CPU reference backend in f32 with autodiff.
 pub type CpuAd = Autodiff<Cpu>;
 /// CPU backend in f64, for finite differences.
+///
+/// Only use it in test binaries without `Cpu`: Burn 0.21 fixes a device's default dtype on first
+/// use, keyed by the device type, and both NdArray backends share `NdArrayDevice::Cpu`.
 pub type Cpu64 = NdArray<f64>;
 /// CPU backend in f64 with autodiff.
 pub type Cpu64Ad = Autodiff<Cpu64>;
@@ -56,22 +59,42 @@ pub fn normal_vec(rng: &mut StdRng, len: usize) -> Vec<f64> {
 }
 
 /// A tensor of standard-normal values times `scale`.
-pub fn randn<B: Backend, const D: usize>(rng: &mut StdRng, shape: [usize; D], scale: f64, device: &B::Device) -> Tensor<B, D> {
+pub fn randn<B: Backend, const D: usize>(
+    rng: &mut StdRng,
+    shape: [usize; D],
+    scale: f64,
+    device: &B::Device,
+) -> Tensor<B, D> {
     let len = shape.iter().product();
-    let v: Vec<f64> = normal_vec(rng, len).into_iter().map(|x| x * scale).collect();
+    let v: Vec<f64> = normal_vec(rng, len)
+        .into_iter()
+        .map(|x| x * scale)
+        .collect();
     from_f64(&v, shape, device)
 }
 
 /// A tensor of uniform values in `[lo, hi)`.
-pub fn uniform<B: Backend, const D: usize>(rng: &mut StdRng, shape: [usize; D], lo: f64, hi: f64, device: &B::Device) -> Tensor<B, D> {
+pub fn uniform<B: Backend, const D: usize>(
+    rng: &mut StdRng,
+    shape: [usize; D],
+    lo: f64,
+    hi: f64,
+    device: &B::Device,
+) -> Tensor<B, D> {
     let len = shape.iter().product();
     let v: Vec<f64> = (0..len).map(|_| rng.random_range(lo..hi)).collect();
     from_f64(&v, shape, device)
 }
 
-/// Uploads host values in the backend's float dtype.
-pub fn from_f64<B: Backend, const D: usize>(v: &[f64], shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
-    Tensor::<B, 1>::from_floats(TensorData::new(v.to_vec(), Shape::new([v.len()])), device).reshape(shape)
+/// Uploads host values in the backend's float dtype (`from_data`, not `from_floats`, which
+/// rounds through f32 and would spoil f64 checks).
+pub fn from_f64<B: Backend, const D: usize>(
+    v: &[f64],
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), Shape::new([v.len()])), device)
+        .reshape(shape)
 }
 
 /// Reads any float tensor back as f64.
@@ -83,7 +106,13 @@ pub fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
 pub fn rel_err(reference: &[f64], out: &[f64]) -> f64 {
     assert_eq!(reference.len(), out.len(), "length mismatch");
     let n = reference.len().max(1) as f64;
-    let diff = (reference.iter().zip(out).map(|(r, o)| (r - o).powi(2)).sum::<f64>() / n).sqrt();
+    let diff = (reference
+        .iter()
+        .zip(out)
+        .map(|(r, o)| (r - o).powi(2))
+        .sum::<f64>()
+        / n)
+        .sqrt();
     let base = (reference.iter().map(|r| r * r).sum::<f64>() / n).sqrt();
     diff / (base + 1e-8)
 }
@@ -91,12 +120,31 @@ pub fn rel_err(reference: &[f64], out: &[f64]) -> f64 {
 /// SPEC §0 check: passes when `max|ref − out| ≤ 1e-6` or the relative RMS error is below `tol`;
 /// always fails on NaN or infinity.
 pub fn assert_close(what: &str, reference: &[f64], out: &[f64], tol: f64) {
-    assert_eq!(reference.len(), out.len(), "{what}: length {} vs {}", reference.len(), out.len());
-    assert!(reference.iter().all(|v| v.is_finite()), "{what}: reference has NaN/Inf");
-    assert!(out.iter().all(|v| v.is_finite()), "{what}: output has NaN/Inf");
-    let max = reference.iter().zip(out).map(|(r, o)| (r - o).abs()).fold(0.0, f64::max);
+    assert_eq!(
+        reference.len(),
+        out.len(),
+        "{what}: length {} vs {}",
+        reference.len(),
+        out.len()
+    );
+    assert!(
+        reference.iter().all(|v| v.is_finite()),
+        "{what}: reference has NaN/Inf"
+    );
+    assert!(
+        out.iter().all(|v| v.is_finite()),
+        "{what}: output has NaN/Inf"
+    );
+    let max = reference
+        .iter()
+        .zip(out)
+        .map(|(r, o)| (r - o).abs())
+        .fold(0.0, f64::max);
     let err = rel_err(reference, out);
-    assert!(max <= 1e-6 || err < tol, "{what}: relative RMS error {err:.3e} (max abs diff {max:.3e}) exceeds {tol:e}");
+    assert!(
+        max <= 1e-6 || err < tol,
+        "{what}: relative RMS error {err:.3e} (max abs diff {max:.3e}) exceeds {tol:e}"
+    );
 }
 
 /// Central finite differences of a scalar function at `x` along every coordinate.
