@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The full test suite: every unit, integration and doc test, on ndarray and on a real wgpu device.
+#
+# The wgpu tests need a Vulkan driver. Without a GPU, Mesa's software driver (lavapipe) is the
+# device: this script installs it (Debian/Ubuntu, as root) when no Vulkan driver is present.
+# The wgpu tests fail, never skip, when no adapter can be found.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+have_vulkan_driver() {
+    compgen -G "/usr/share/vulkan/icd.d/*.json" >/dev/null || compgen -G "/etc/vulkan/icd.d/*.json" >/dev/null
+}
+
+if ! have_vulkan_driver; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+        echo "No Vulkan driver found: installing Mesa's software Vulkan driver (mesa-vulkan-drivers)."
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-vulkan-drivers >/dev/null
+    else
+        echo "No Vulkan driver found. Install one, e.g. Mesa's software driver on Debian/Ubuntu:" >&2
+        echo "    sudo apt-get install mesa-vulkan-drivers" >&2
+        echo "(Fedora: mesa-vulkan-drivers; Arch: vulkan-swrast), then run this script again." >&2
+        exit 1
+    fi
+fi
+
+# lavapipe is slow on big dispatches; tests keep their shapes small. Two threads match CI.
+cargo test --workspace --features wgpu,autodiff "$@"
