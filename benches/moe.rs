@@ -41,11 +41,17 @@ fn bench_moe(c: &mut Criterion) {
 
     let down = SituGluConfig::new(512, 512).init::<Cpu>(&device);
     let ffn = SituGluConfig::new(256, 2048).init::<Cpu>(&device);
-    let proj = burn::nn::LinearConfig::new(512, 256).with_bias(false).init::<Cpu>(&device);
-    let back = burn::nn::LinearConfig::new(256, 512).with_bias(false).init::<Cpu>(&device);
+    let proj = burn::nn::LinearConfig::new(512, 256)
+        .with_bias(false)
+        .init::<Cpu>(&device);
+    let back = burn::nn::LinearConfig::new(256, 512)
+        .with_bias(false)
+        .init::<Cpu>(&device);
     group.bench_function("dense_equal_active_forward", |b| {
         b.iter(|| {
-            let y = back.forward(ffn.forward(proj.forward(x.clone()))).add(down.forward(x.clone()));
+            let y = back
+                .forward(ffn.forward(proj.forward(x.clone())))
+                .add(down.forward(x.clone()));
             Cpu::sync(&device).unwrap();
             y
         })

@@ -78,7 +78,11 @@ fn run(args: &Args) -> Result<(), String> {
         "qb" => BalancerKind::quantile(),
         "sign" => BalancerKind::Sign { gamma: 1e-3 },
         "none" => BalancerKind::None,
-        other => return Err(format!("--balancer must be qb, sign or none, got {other:?}")),
+        other => {
+            return Err(format!(
+                "--balancer must be qb, sign or none, got {other:?}"
+            ))
+        }
     };
     let device = Default::default();
     B::seed(&device, args.seed);
@@ -97,31 +101,48 @@ fn run(args: &Args) -> Result<(), String> {
     let mut optim = AdamWConfig::new().init();
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let mut rng = StdRng::seed_from_u64(args.seed);
-    let table: Vec<i64> = (0..args.vocab).map(|_| rng.random_range(0..args.vocab as i64)).collect();
+    let table: Vec<i64> = (0..args.vocab)
+        .map(|_| rng.random_range(0..args.vocab as i64))
+        .collect();
 
     let bar = ProgressBar::new(args.steps as u64);
     bar.set_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
-            .map_err(|e| e.to_string())?,
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+        )
+        .map_err(|e| e.to_string())?,
     );
     let started = std::time::Instant::now();
     let (mut loss_v, mut acc, mut stats) = (f32::NAN, 0.0, MoeStats::default());
     for _ in 0..args.steps {
-        let tokens: Vec<i64> = (0..args.batch * args.seq_len).map(|_| rng.random_range(0..args.vocab as i64)).collect();
+        let tokens: Vec<i64> = (0..args.batch * args.seq_len)
+            .map(|_| rng.random_range(0..args.vocab as i64))
+            .collect();
         let targets: Vec<i64> = tokens.iter().map(|&t| table[t as usize]).collect();
-        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [args.batch, args.seq_len]), &device);
-        let tgt = Tensor::<B, 1, Int>::from_data(TensorData::new(targets, [args.batch * args.seq_len]), &device);
+        let ids = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(tokens, [args.batch, args.seq_len]),
+            &device,
+        );
+        let tgt = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(targets, [args.batch * args.seq_len]),
+            &device,
+        );
         let (logits, s) = model.forward(ids);
         let logits = logits.reshape([args.batch * args.seq_len, args.vocab]);
-        let pred = logits.clone().argmax(1).reshape([args.batch * args.seq_len]);
-        acc = pred.equal(tgt.clone()).int().sum().into_scalar() as f32 / (args.batch * args.seq_len) as f32;
+        let pred = logits
+            .clone()
+            .argmax(1)
+            .reshape([args.batch * args.seq_len]);
+        acc = pred.equal(tgt.clone()).int().sum().into_scalar() as f32
+            / (args.batch * args.seq_len) as f32;
         let loss = loss_fn.forward(logits, tgt);
         loss_v = loss.clone().into_scalar();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(3e-3, model, grads);
         model.moe.update_balance();
         stats = s;
-        let tps = (bar.position() + 1) as f64 * (args.batch * args.seq_len) as f64 / started.elapsed().as_secs_f64();
+        let tps = (bar.position() + 1) as f64 * (args.batch * args.seq_len) as f64
+            / started.elapsed().as_secs_f64();
         bar.set_message(format!(
             "loss {loss_v:.3} acc {acc:.3} max-violation {:.2} dead {} | {tps:.0} tok/s",
             stats.max_violation, stats.dead_experts

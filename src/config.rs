@@ -5,6 +5,8 @@
 
 use serde::{Deserialize, Serialize};
 
+mod hf;
+
 use crate::error::{Error, Result};
 use crate::nn::balance::BalancerKind;
 use crate::nn::latent_moe::{LatentMoeConfig, MoeLayout};
@@ -21,11 +23,10 @@ pub struct MoeFields {
     pub num_experts_per_token: usize,
     /// Shared experts (`num_shared_experts`), full width.
     pub num_shared_experts: usize,
-    /// Hidden width of a shared expert (`moe_intermediate_size`).
+    /// Hidden width `m_e` of every expert, routed and shared (`moe_intermediate_size`).
     pub moe_intermediate_size: usize,
-    /// Hidden width of a routed expert (`routed_expert_hidden_size`; K3). `None`: `moe_intermediate_size`.
-    pub routed_expert_hidden_size: Option<usize>,
-    /// Standard, Latent or Stable Latent (K3: Stable Latent, ℓ = 3584).
+    /// Standard, Latent or Stable Latent (K3: Stable Latent with ℓ = `routed_expert_hidden_size` =
+    /// 3584 and `latent_moe_use_norm`).
     pub layout: MoeLayout,
     /// Router scoring, renormalisation, scaling and grouping.
     pub router: RouterOptions,
@@ -129,7 +130,6 @@ impl KimiConfig {
                 num_experts_per_token: 2,
                 num_shared_experts: 1,
                 moe_intermediate_size: 64,
-                routed_expert_hidden_size: Some(64),
                 layout: MoeLayout::StableLatent { dim: 32 },
                 router: RouterOptions::default(),
                 balancer: BalancerKind::quantile(),
@@ -173,7 +173,6 @@ impl KimiConfig {
                 num_experts_per_token: 8,
                 num_shared_experts: 1,
                 moe_intermediate_size: 1024,
-                routed_expert_hidden_size: None,
                 layout: MoeLayout::Standard,
                 router: RouterOptions {
                     scoring: Scoring::Sigmoid,
@@ -225,7 +224,6 @@ impl KimiConfig {
                 num_experts_per_token: 16,
                 num_shared_experts: 2,
                 moe_intermediate_size: 3072,
-                routed_expert_hidden_size: Some(3072),
                 layout: MoeLayout::StableLatent { dim: 3584 },
                 router: RouterOptions::default(),
                 balancer: BalancerKind::quantile(),
@@ -252,15 +250,11 @@ impl KimiConfig {
 
     /// The MoE layer config of the MoE layers of this model.
     pub fn moe_config(&self) -> LatentMoeConfig {
-        let routed_hidden = self
-            .moe
-            .routed_expert_hidden_size
-            .unwrap_or(self.moe.moe_intermediate_size);
         LatentMoeConfig::new(
             self.hidden_size,
             self.moe.num_experts,
             self.moe.num_experts_per_token,
-            routed_hidden,
+            self.moe.moe_intermediate_size,
         )
         .with_layout(self.moe.layout)
         .with_n_shared(self.moe.num_shared_experts)

@@ -1,0 +1,464 @@
+//! Reading and writing the Hugging Face `config.json` of Kimi-Linear and K3 (SPEC §7).
+//!
+//! Kimi-Linear keeps its fields at the top level (`model_type: "kimi_linear"`); K3 nests the text
+//! model under `text_config`. Values this crate cannot honour (an unknown activation, RoPE, multi-token
+//! prediction heads, MoE layers that skip) are rejected with an error naming the field, never ignored.
+
+use std::path::Path;
+
+use serde_json::{json, Map, Value};
+
+use super::{KdaFields, KimiConfig, MlaFields, MoeFields};
+use crate::error::{Error, Result};
+use crate::nn::balance::BalancerKind;
+use crate::nn::latent_moe::MoeLayout;
+use crate::nn::router::RouterOptions;
+use crate::nn::situ_glu::GluActivation;
+use crate::ops::route::Scoring;
+
+/// Typed access to one JSON object, with errors that name the field by its full path.
+struct Fields<'a> {
+    obj: &'a Map<String, Value>,
+    prefix: &'a str,
+}
+
+impl<'a> Fields<'a> {
+    fn name(&self, key: &str) -> String {
+        format!("{}{key}", self.prefix)
+    }
+
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+
+    fn usize(&self, key: &str) -> Result<usize> {
+        self.opt_usize(key)?
+            .ok_or_else(|| Error::config(self.name(key), "required field is missing"))
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+                Error::config(
+                    self.name(key),
+                    format!("expected a non-negative integer, got {v}"),
+                )
+            }),
+        }
+    }
+
+    fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v.as_f64().ok_or_else(|| {
+                Error::config(self.name(key), format!("expected a number, got {v}"))
+            }),
+        }
+    }
+
+    fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+        self.get(key).map(|_| self.f64_or(key, 0.0)).transpose()
+    }
+
+    fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v.as_bool().ok_or_else(|| {
+                Error::config(self.name(key), format!("expected true or false, got {v}"))
+            }),
+        }
+    }
+
+    fn str_or(&self, key: &str, default: &'a str) -> Result<&'a str> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v.as_str().ok_or_else(|| {
+                Error::config(self.name(key), format!("expected a string, got {v}"))
+            }),
+        }
+    }
+
+    fn usize_list(&self, key: &str) -> Result<Option<Vec<usize>>> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let bad = || {
+            Error::config(
+                self.name(key),
+                format!("expected a list of layer numbers, got {v}"),
+            )
+        };
+        let arr = v.as_array().ok_or_else(bad)?;
+        arr.iter()
+            .map(|x| x.as_u64().map(|n| n as usize).ok_or_else(bad))
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+}
+
+impl KimiConfig {
+    /// Reads a Hugging Face `config.json` of Kimi-Linear (`model_type: "kimi_linear"`) or K3 (the text
+    /// model nested under `text_config`), e.g. `KimiConfig::from_hf_config("Kimi-Linear-48B-A3B/config.json")`.
+    ///
+    /// Errors name the offending field: a missing required value, a value of the wrong type, or a
+    /// value this crate does not support (e.g. `hidden_act = "gelu"`, `mla_use_nope = false`). The
+    /// balancer is not part of the file: it defaults to Quantile Balancing for sigmoid routers.
+    pub fn from_hf_config(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let value: Value = serde_json::from_str(&text).map_err(|source| Error::Json {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_hf_json(&value)
+    }
+
+    /// [`from_hf_config`](Self::from_hf_config) on an already parsed document.
+    pub fn from_hf_json(value: &Value) -> Result<Self> {
+        let root = value.as_object().ok_or_else(|| {
+            Error::config("config.json", "expected a JSON object at the top level")
+        })?;
+        let (obj, prefix) = match root.get("text_config").and_then(Value::as_object) {
+            Some(text) => (text, "text_config."),
+            None => (root, ""),
+        };
+        if let Some(mt) = obj.get("model_type").and_then(Value::as_str) {
+            if mt != "kimi_linear" && mt != "kimi_k3" {
+                return Err(Error::config(
+                    format!("{prefix}model_type"),
+                    format!(
+                        "expected \"kimi_linear\" (or a K3 config with text_config), got {mt:?}"
+                    ),
+                ));
+            }
+        }
+        let f = Fields { obj, prefix };
+        let hidden_size = f.usize("hidden_size")?;
+        let num_hidden_layers = f.usize("num_hidden_layers")?;
+
+        let activation = match f.str_or("hidden_act", "silu")? {
+            "silu" | "swiglu" => GluActivation::SwiGlu,
+            "situ" => GluActivation::Situ {
+                beta1: f.f64_or("activation_situ_beta", 4.0)? as f32,
+                beta2: f.opt_f64("activation_situ_linear_beta")?.map(|b| b as f32),
+            },
+            other => {
+                return Err(Error::config(
+                    f.name("hidden_act"),
+                    format!("expected \"silu\" or \"situ\", got {other:?}"),
+                ))
+            }
+        };
+        if !f.bool_or("mla_use_nope", true)? {
+            return Err(Error::config(
+                f.name("mla_use_nope"),
+                "false (rotary MLA) is not supported: Kimi's MLA layers are NoPE",
+            ));
+        }
+        let mtp = f.opt_usize("num_nextn_predict_layers")?.unwrap_or(0);
+        if mtp != 0 {
+            return Err(Error::config(
+                f.name("num_nextn_predict_layers"),
+                format!("multi-token prediction layers are not supported, got {mtp}"),
+            ));
+        }
+        let freq = f.opt_usize("moe_layer_freq")?.unwrap_or(1);
+        if freq != 1 {
+            return Err(Error::config(
+                f.name("moe_layer_freq"),
+                format!(
+                    "only 1 (every layer after the dense ones is MoE) is supported, got {freq}"
+                ),
+            ));
+        }
+
+        let scoring = match f.str_or("moe_router_activation_func", "sigmoid")? {
+            "sigmoid" => Scoring::Sigmoid,
+            "softmax" => Scoring::Softmax,
+            other => {
+                return Err(Error::config(
+                    f.name("moe_router_activation_func"),
+                    format!("expected \"sigmoid\" or \"softmax\", got {other:?}"),
+                ))
+            }
+        };
+        let topk_method = f.str_or("topk_method", "noaux_tc")?;
+        if !matches!(topk_method, "noaux_tc" | "greedy" | "group_limited_greedy") {
+            return Err(Error::config(
+                f.name("topk_method"),
+                format!("expected \"noaux_tc\", \"greedy\" or \"group_limited_greedy\", got {topk_method:?}"),
+            ));
+        }
+        let latent = f.opt_usize("routed_expert_hidden_size")?;
+        let layout = match latent {
+            Some(l) if l != hidden_size => {
+                if f.bool_or("latent_moe_use_norm", false)? {
+                    MoeLayout::StableLatent { dim: l }
+                } else {
+                    MoeLayout::Latent { dim: l }
+                }
+            }
+            _ => MoeLayout::Standard,
+        };
+        let moe = MoeFields {
+            num_experts: f.usize("num_experts")?,
+            num_experts_per_token: f.usize("num_experts_per_token")?,
+            num_shared_experts: f.opt_usize("num_shared_experts")?.unwrap_or(0),
+            moe_intermediate_size: f.usize("moe_intermediate_size")?,
+            layout,
+            router: RouterOptions {
+                scoring,
+                renormalize: f.bool_or("moe_renormalize", true)?,
+                routed_scaling_factor: f.f64_or("routed_scaling_factor", 1.0)?,
+                n_group: f.opt_usize("num_expert_group")?.unwrap_or(1),
+                topk_group: f.opt_usize("topk_group")?.unwrap_or(1),
+                weights_from_biased_scores: false,
+            },
+            balancer: match scoring {
+                Scoring::Sigmoid => BalancerKind::quantile(),
+                Scoring::Softmax => BalancerKind::None,
+            },
+        };
+
+        let la_obj = obj
+            .get("linear_attn_config")
+            .and_then(Value::as_object)
+            .ok_or_else(|| {
+                Error::config(f.name("linear_attn_config"), "required object is missing")
+            })?;
+        let la_prefix = format!("{prefix}linear_attn_config.");
+        let la = Fields {
+            obj: la_obj,
+            prefix: &la_prefix,
+        };
+        let full_attn_layers = match (
+            la.usize_list("full_attn_layers")?,
+            la.usize_list("kda_layers")?,
+        ) {
+            (Some(full), _) => one_based(&full, num_hidden_layers, &la.name("full_attn_layers"))?,
+            (None, Some(kda)) => {
+                let kda = one_based(&kda, num_hidden_layers, &la.name("kda_layers"))?;
+                (0..num_hidden_layers)
+                    .filter(|i| !kda.contains(i))
+                    .collect()
+            }
+            (None, None) => {
+                return Err(Error::config(
+                    la.name("full_attn_layers"),
+                    "neither full_attn_layers nor kda_layers is given",
+                ))
+            }
+        };
+        let kda = KdaFields {
+            num_heads: la.usize("num_heads")?,
+            head_dim: la.usize("head_dim")?,
+            short_conv_kernel_size: la.opt_usize("short_conv_kernel_size")?.unwrap_or(4),
+            gate_lower_bound: la.opt_f64("gate_lower_bound")?.map(|v| v as f32),
+            use_full_rank_gate: la.bool_or("use_full_rank_gate", false)?,
+        };
+        let mla = MlaFields {
+            num_heads: f.usize("num_attention_heads")?,
+            q_lora_rank: f.opt_usize("q_lora_rank")?,
+            kv_lora_rank: f.usize("kv_lora_rank")?,
+            qk_nope_head_dim: f.usize("qk_nope_head_dim")?,
+            qk_rope_head_dim: f.usize("qk_rope_head_dim")?,
+            v_head_dim: f.usize("v_head_dim")?,
+            use_output_gate: f.bool_or("mla_use_output_gate", false)?,
+            use_nope: true,
+        };
+        let config = Self {
+            vocab_size: f.usize("vocab_size")?,
+            hidden_size,
+            num_hidden_layers,
+            intermediate_size: f.usize("intermediate_size")?,
+            first_k_dense_replace: f.opt_usize("first_k_dense_replace")?.unwrap_or(0),
+            rms_norm_eps: f.f64_or("rms_norm_eps", 1e-5)?,
+            tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
+            activation,
+            full_attn_layers,
+            attn_res_block_size: f.opt_usize("attn_res_block_size")?,
+            moe,
+            kda,
+            mla,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The Hugging Face `config.json` fields of this config (Kimi-Linear layout, top level), the
+    /// inverse of [`from_hf_json`](Self::from_hf_json).
+    pub fn to_hf_json(&self) -> Value {
+        let (latent, norm) = match self.moe.layout {
+            MoeLayout::Standard => (Value::Null, false),
+            MoeLayout::Latent { dim } => (json!(dim), false),
+            MoeLayout::StableLatent { dim } => (json!(dim), true),
+        };
+        let (act, b1, b2) = match self.activation {
+            GluActivation::SwiGlu => ("silu", Value::Null, Value::Null),
+            GluActivation::Situ { beta1, beta2 } => ("situ", json!(beta1), json!(beta2)),
+        };
+        let full: Vec<usize> = self.full_attn_layers.iter().map(|i| i + 1).collect();
+        let kda: Vec<usize> = (1..=self.num_hidden_layers)
+            .filter(|i| !full.contains(i))
+            .collect();
+        json!({
+            "model_type": "kimi_linear",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "intermediate_size": self.intermediate_size,
+            "first_k_dense_replace": self.first_k_dense_replace,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": act,
+            "activation_situ_beta": b1,
+            "activation_situ_linear_beta": b2,
+            "attn_res_block_size": self.attn_res_block_size,
+            "num_attention_heads": self.mla.num_heads,
+            "q_lora_rank": self.mla.q_lora_rank,
+            "kv_lora_rank": self.mla.kv_lora_rank,
+            "qk_nope_head_dim": self.mla.qk_nope_head_dim,
+            "qk_rope_head_dim": self.mla.qk_rope_head_dim,
+            "v_head_dim": self.mla.v_head_dim,
+            "mla_use_nope": self.mla.use_nope,
+            "mla_use_output_gate": self.mla.use_output_gate,
+            "num_experts": self.moe.num_experts,
+            "num_experts_per_token": self.moe.num_experts_per_token,
+            "num_shared_experts": self.moe.num_shared_experts,
+            "moe_intermediate_size": self.moe.moe_intermediate_size,
+            "routed_expert_hidden_size": latent,
+            "latent_moe_use_norm": norm,
+            "moe_renormalize": self.moe.router.renormalize,
+            "moe_router_activation_func": match self.moe.router.scoring {
+                Scoring::Sigmoid => "sigmoid",
+                Scoring::Softmax => "softmax",
+            },
+            "routed_scaling_factor": self.moe.router.routed_scaling_factor,
+            "num_expert_group": self.moe.router.n_group,
+            "topk_group": self.moe.router.topk_group,
+            "topk_method": "noaux_tc",
+            "linear_attn_config": {
+                "full_attn_layers": full,
+                "kda_layers": kda,
+                "num_heads": self.kda.num_heads,
+                "head_dim": self.kda.head_dim,
+                "short_conv_kernel_size": self.kda.short_conv_kernel_size,
+                "gate_lower_bound": self.kda.gate_lower_bound,
+                "use_full_rank_gate": self.kda.use_full_rank_gate,
+            },
+        })
+    }
+}
+
+/// Converts 1-based layer numbers to 0-based indices, checking the range.
+fn one_based(layers: &[usize], num_layers: usize, field: &str) -> Result<Vec<usize>> {
+    layers
+        .iter()
+        .map(|&l| {
+            if l == 0 || l > num_layers {
+                Err(Error::config(
+                    field,
+                    format!("layer numbers are 1-based in 1..={num_layers}, got {l}"),
+                ))
+            } else {
+                Ok(l - 1)
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The published Kimi-Linear-48B-A3B `config.json` fields (values as released).
+    fn kimi_linear_json() -> Value {
+        json!({
+            "model_type": "kimi_linear",
+            "vocab_size": 163840, "hidden_size": 2304, "intermediate_size": 9216,
+            "num_hidden_layers": 27, "num_attention_heads": 32, "rms_norm_eps": 1e-5,
+            "hidden_act": "silu", "tie_word_embeddings": false,
+            "q_lora_rank": null, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": true,
+            "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1,
+            "moe_intermediate_size": 1024, "moe_router_activation_func": "sigmoid",
+            "moe_renormalize": true, "routed_scaling_factor": 2.446,
+            "num_expert_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+            "moe_layer_freq": 1, "num_nextn_predict_layers": 0,
+            "linear_attn_config": {
+                "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+                "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
+                "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4
+            }
+        })
+    }
+
+    #[test]
+    fn kimi_linear_config_json_gives_the_preset() {
+        let parsed = KimiConfig::from_hf_json(&kimi_linear_json()).unwrap();
+        let mut preset = KimiConfig::kimi_linear_48b();
+        preset.moe.balancer = parsed.moe.balancer;
+        assert_eq!(parsed, preset);
+    }
+
+    #[test]
+    fn k3_nested_text_config_gives_the_preset_and_round_trips() {
+        let k3 = KimiConfig::k3();
+        let nested = json!({ "model_type": "kimi_k3", "text_config": k3.to_hf_json() });
+        assert_eq!(KimiConfig::from_hf_json(&nested).unwrap(), k3);
+        let tiny = KimiConfig::tiny();
+        assert_eq!(KimiConfig::from_hf_json(&tiny.to_hf_json()).unwrap(), tiny);
+    }
+
+    fn error_with(edit: impl FnOnce(&mut Map<String, Value>)) -> String {
+        let mut v = kimi_linear_json();
+        edit(v.as_object_mut().unwrap());
+        KimiConfig::from_hf_json(&v).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn unsupported_or_missing_values_are_rejected_by_name() {
+        let e = error_with(|o| {
+            o.insert("hidden_act".into(), json!("gelu"));
+        });
+        assert!(e.contains("hidden_act") && e.contains("gelu"), "{e}");
+        let e = error_with(|o| {
+            o.remove("kv_lora_rank");
+        });
+        assert!(e.contains("kv_lora_rank") && e.contains("missing"), "{e}");
+        let e = error_with(|o| {
+            o.insert("mla_use_nope".into(), json!(false));
+        });
+        assert!(e.contains("mla_use_nope"), "{e}");
+        let e = error_with(|o| {
+            o["linear_attn_config"]["full_attn_layers"] = json!([4, 28]);
+        });
+        assert!(
+            e.contains("linear_attn_config.full_attn_layers") && e.contains("28"),
+            "{e}"
+        );
+        let e = error_with(|o| {
+            o.insert("moe_router_activation_func".into(), json!("relu"));
+        });
+        assert!(
+            e.contains("moe_router_activation_func") && e.contains("relu"),
+            "{e}"
+        );
+        let e = error_with(|o| {
+            o.insert("num_experts_per_token".into(), json!(256));
+        });
+        assert!(e.contains("top_k = 256"), "{e}");
+        let e = error_with(|o| {
+            o.insert("model_type".into(), json!("llama"));
+        });
+        assert!(e.contains("model_type") && e.contains("llama"), "{e}");
+        let e = error_with(|o| {
+            o.insert("hidden_size".into(), json!("wide"));
+        });
+        assert!(e.contains("hidden_size") && e.contains("wide"), "{e}");
+    }
+}
