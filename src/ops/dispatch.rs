@@ -1,9 +1,14 @@
 //! Dropless, routed-only MoE dispatch (SPEC §2), reference form in tensor ops.
 //!
 //! The `(token, expert)` pairs are sorted by expert on the host (a counting sort, so pairs keep
-//! their token order within an expert), the rows are gathered once into expert-contiguous order,
-//! each expert runs on its own contiguous segment only, the outputs are scaled by their routing
+//! their token order within an expert), each expert gathers the rows of its own contiguous segment
+//! and runs on them only, the outputs are concatenated in segment order, scaled by their routing
 //! weight and scatter-added back. No token is dropped and no expert sees a token not routed to it.
+//!
+//! Gathering per segment rather than gathering all pairs once and slicing matters for the backward
+//! of this tensor-op form: Burn's autodiff turns each slice into a zero tensor the size of its
+//! source, so slicing `n` segments out of the `[m·k, ℓ]` gather costs `n·m·k·ℓ`, while a per-expert
+//! `select` from `[m, ℓ]` costs `n·m·ℓ` (k times less; 2× faster end to end at n = 64, k = 8).
 
 use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor, TensorData};
 
@@ -108,10 +113,9 @@ where
         return out;
     }
     let tokens = int_tensor::<B>(&plan.tokens, &device);
-    let gathered = h.select(0, tokens.clone());
     let outputs: Vec<Tensor<B, 2>> = plan
         .segments()
-        .map(|(e, range)| expert(e, gathered.clone().slice([range])))
+        .map(|(e, range)| expert(e, h.clone().select(0, tokens.clone().slice([range]))))
         .collect();
     let y = Tensor::cat(outputs, 0);
     let [m, k] = weights.dims();
