@@ -5,6 +5,7 @@ pub mod config;
 pub mod error;
 pub mod nn;
 pub mod ops;
+pub mod store;
 
 pub use config::KimiConfig;
 pub use error::{Error, Result};

@@ -798,3 +798,56 @@ fn k3_moe_layer_has_the_published_routed_size() {
     assert!(total > routed && total < routed + 300_000_000, "{total}");
     assert!(active < total / 40, "{active}");
 }
+
+#[test]
+fn moe_checkpoint_round_trips_and_reports_mismatches_by_name() {
+    use kimi_burn::store::{HfCheckpoint, Loader, SafeTensorsReader, Saver};
+    let device = Default::default();
+    let mut r = rng(45);
+    let cfg = moe_config(MoeLayout::StableLatent { dim: 8 }, GluActivation::situ());
+    let moe = cfg.init::<Cpu>(&device);
+    moe.balance.set_bias(&[0.1, -0.2, 0.3, 0.0, -0.1, -0.1]);
+    let dir = std::env::temp_dir().join(format!("kimi-burn-moe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("moe.safetensors");
+    let mut saver = Saver::new();
+    moe.save_hf("model.layers.1.block_sparse_moe.", &mut saver);
+    assert!(saver
+        .tensors()
+        .contains_key("model.layers.1.block_sparse_moe.experts.5.w2.weight"));
+    assert_eq!(
+        saver.tensors()["model.layers.1.block_sparse_moe.gate.weight"].shape,
+        vec![6, 12]
+    );
+    saver.write(&file).unwrap();
+
+    let reader = SafeTensorsReader::open(&file).unwrap();
+    let mut loader = Loader::<Cpu>::new(&reader, &device);
+    let fresh = cfg
+        .init::<Cpu>(&device)
+        .load_hf("model.layers.1.block_sparse_moe.", &mut loader);
+    loader.finish(true).unwrap();
+    let x = randn::<Cpu, 3>(&mut r, [2, 5, 12], 1.0, &device);
+    assert_eq!(fresh.balance.bias_host(), moe.balance.bias_host());
+    assert_eq!(
+        host(fresh.forward(x.clone()).output),
+        host(moe.forward(x).output)
+    );
+
+    // A smaller model finds tensors it does not expect; a wider one misses and mis-shapes some.
+    let small = LatentMoeConfig::new(12, 5, 2, 10)
+        .with_layout(MoeLayout::StableLatent { dim: 8 })
+        .with_n_shared(1)
+        .with_shared_hidden(Some(8));
+    let mut loader = Loader::<Cpu>::new(&reader, &device);
+    let _ = small
+        .init::<Cpu>(&device)
+        .load_hf("model.layers.1.block_sparse_moe.", &mut loader);
+    let err = loader.finish(true).unwrap_err().to_string();
+    assert!(
+        err.contains("unexpected tensor model.layers.1.block_sparse_moe.experts.5.w1.weight"),
+        "{err}"
+    );
+    assert!(err.contains("wrong shape for model.layers.1.block_sparse_moe.gate.weight: expected [5, 12], found [6, 12]"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -1,0 +1,378 @@
+//! Safetensors import and export with the Hugging Face names of SPEC §7.
+//!
+//! A checkpoint is read into a [`SafeTensorsReader`] (one `.safetensors` file, or a folder with a
+//! `model.safetensors.index.json` for sharded checkpoints). Modules then pull their tensors by name
+//! through a [`Loader`], which converts bf16/f16/f32 to the module's dtype, transposes PyTorch's
+//! `[out, in]` linear weights to Burn's `[in, out]`, and records every problem (missing tensor,
+//! wrong shape, unexpected tensor) so that one error lists them all. A [`Saver`] does the reverse.
+//! The per-module name tables implement [`HfCheckpoint`].
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use burn::module::Param;
+use burn::nn::Linear;
+use burn::tensor::{backend::Backend, Tensor, TensorData};
+use safetensors::{Dtype, SafeTensors};
+
+use crate::error::{Error, Result};
+
+mod moe;
+
+/// A tensor on the host, in f32, with its checkpoint shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    /// Shape as stored in the checkpoint.
+    pub shape: Vec<usize>,
+    /// Row-major values.
+    pub data: Vec<f32>,
+}
+
+/// The tensors of a checkpoint: one file or a sharded folder.
+#[derive(Debug)]
+pub struct SafeTensorsReader {
+    files: Vec<(PathBuf, Vec<u8>)>,
+    index: BTreeMap<String, usize>,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+impl SafeTensorsReader {
+    /// Opens `path`: a `.safetensors` file, or a folder holding `model.safetensors.index.json`
+    /// (sharded) or a single `model.safetensors`.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let files: Vec<PathBuf> = if path.is_dir() {
+            let index = path.join("model.safetensors.index.json");
+            if index.exists() {
+                let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
+                let json: serde_json::Value =
+                    serde_json::from_str(&text).map_err(|source| Error::Json {
+                        path: index.clone(),
+                        source,
+                    })?;
+                let map = json
+                    .get("weight_map")
+                    .and_then(|m| m.as_object())
+                    .ok_or_else(|| Error::SafeTensors {
+                        path: index.clone(),
+                        reason: "no \"weight_map\" object".into(),
+                    })?;
+                let mut shards: Vec<String> = map
+                    .values()
+                    .filter_map(|v| v.as_str().map(str::to_owned))
+                    .collect();
+                shards.sort();
+                shards.dedup();
+                shards.into_iter().map(|s| path.join(s)).collect()
+            } else {
+                vec![path.join("model.safetensors")]
+            }
+        } else {
+            vec![path.to_path_buf()]
+        };
+        let mut reader = Self {
+            files: Vec::new(),
+            index: BTreeMap::new(),
+        };
+        for file in files {
+            let bytes = std::fs::read(&file).map_err(io_err(&file))?;
+            let names: Vec<String> = SafeTensors::deserialize(&bytes)
+                .map_err(|e| Error::SafeTensors {
+                    path: file.clone(),
+                    reason: e.to_string(),
+                })?
+                .names()
+                .into_iter()
+                .map(str::to_owned)
+                .collect();
+            let at = reader.files.len();
+            for name in names {
+                reader.index.insert(name, at);
+            }
+            reader.files.push((file, bytes));
+        }
+        Ok(reader)
+    }
+
+    /// Every tensor name in the checkpoint, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
+    /// The stored shape of `name`, if present.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        let (path, bytes) = &self.files[*self.index.get(name)?];
+        let _ = path;
+        SafeTensors::deserialize(bytes)
+            .ok()?
+            .tensor(name)
+            .ok()
+            .map(|v| v.shape().to_vec())
+    }
+
+    /// Reads `name` as f32 (from f32, f16 or bf16 on disk); `Ok(None)` when absent.
+    pub fn read(&self, name: &str) -> Result<Option<HostTensor>> {
+        let Some(&at) = self.index.get(name) else {
+            return Ok(None);
+        };
+        let (path, bytes) = &self.files[at];
+        let st = SafeTensors::deserialize(bytes).map_err(|e| Error::SafeTensors {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        let view = st.tensor(name).map_err(|e| Error::SafeTensors {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        let raw = view.data();
+        let data: Vec<f32> =
+            match view.dtype() {
+                Dtype::F32 => raw
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+                Dtype::F16 => raw
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+                Dtype::BF16 => raw
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+                other => return Err(Error::SafeTensors {
+                    path: path.clone(),
+                    reason: format!(
+                        "tensor {name} has dtype {other:?}; only F32, F16 and BF16 are supported"
+                    ),
+                }),
+            };
+        Ok(Some(HostTensor {
+            shape: view.shape().to_vec(),
+            data,
+        }))
+    }
+}
+
+/// Pulls tensors out of a checkpoint into modules, collecting every mismatch.
+pub struct Loader<'a, B: Backend> {
+    reader: &'a SafeTensorsReader,
+    device: B::Device,
+    used: HashSet<String>,
+    problems: Vec<String>,
+}
+
+impl<'a, B: Backend> Loader<'a, B> {
+    /// A loader reading from `reader` onto `device`.
+    pub fn new(reader: &'a SafeTensorsReader, device: &B::Device) -> Self {
+        Self {
+            reader,
+            device: device.clone(),
+            used: HashSet::new(),
+            problems: Vec::new(),
+        }
+    }
+
+    /// Fetches `name` with the checkpoint shape `hf_shape`; records a problem and returns `None`
+    /// when it is missing, unreadable or mis-shaped.
+    fn fetch(&mut self, name: &str, hf_shape: &[usize]) -> Option<Vec<f32>> {
+        match self.reader.read(name) {
+            Ok(Some(t)) => {
+                self.used.insert(name.to_owned());
+                if t.shape != hf_shape {
+                    self.problems.push(format!(
+                        "wrong shape for {name}: expected {hf_shape:?}, found {:?}",
+                        t.shape
+                    ));
+                    None
+                } else {
+                    Some(t.data)
+                }
+            }
+            Ok(None) => {
+                self.problems.push(format!(
+                    "missing tensor {name} (expected shape {hf_shape:?})"
+                ));
+                None
+            }
+            Err(e) => {
+                self.problems.push(e.to_string());
+                None
+            }
+        }
+    }
+
+    /// Replaces the value of `param` (shape `[..]`) with `name` stored as `hf_shape` (same number
+    /// of elements, same row-major order, e.g. `A_log [1, 1, H, 1]` for a `[H]` parameter).
+    pub fn param<const D: usize>(
+        &mut self,
+        name: &str,
+        param: Param<Tensor<B, D>>,
+        hf_shape: &[usize],
+    ) -> Param<Tensor<B, D>> {
+        let shape = param.dims();
+        let Some(data) = self.fetch(name, hf_shape) else {
+            return param;
+        };
+        let device = self.device.clone();
+        param.map(|old| {
+            let t = Tensor::<B, D>::from_data(TensorData::new(data, shape), (&device, old.dtype()));
+            t.set_require_grad(old.is_require_grad())
+        })
+    }
+
+    /// A parameter stored with its own shape.
+    pub fn same<const D: usize>(
+        &mut self,
+        name: &str,
+        param: Param<Tensor<B, D>>,
+    ) -> Param<Tensor<B, D>> {
+        let shape = param.dims().to_vec();
+        self.param(name, param, &shape)
+    }
+
+    /// A bias-free linear layer stored PyTorch-style as `name` with shape `[out, in]`.
+    pub fn linear(&mut self, name: &str, mut layer: Linear<B>) -> Linear<B> {
+        let [d_in, d_out] = layer.weight.dims();
+        let Some(data) = self.fetch(name, &[d_out, d_in]) else {
+            return layer;
+        };
+        let device = self.device.clone();
+        layer.weight = layer.weight.map(|old| {
+            Tensor::<B, 2>::from_data(TensorData::new(data, [d_out, d_in]), (&device, old.dtype()))
+                .transpose()
+                .set_require_grad(old.is_require_grad())
+        });
+        layer
+    }
+
+    /// A host vector (e.g. the balance bias) stored as `name` with `len` elements.
+    pub fn vector(&mut self, name: &str, len: usize) -> Option<Vec<f32>> {
+        self.fetch(name, &[len])
+    }
+
+    /// Fails with every recorded problem, plus every tensor of the checkpoint no module asked for
+    /// (when `strict`).
+    pub fn finish(self, strict: bool) -> Result<()> {
+        let mut problems = self.problems;
+        if strict {
+            for name in self.reader.names() {
+                if !self.used.contains(name) {
+                    let shape = self.reader.shape(name).unwrap_or_default();
+                    problems.push(format!("unexpected tensor {name} with shape {shape:?}"));
+                }
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Checkpoint(problems.join("\n")))
+        }
+    }
+}
+
+/// Collects tensors under their Hugging Face names and writes them as one safetensors file.
+#[derive(Debug, Default)]
+pub struct Saver {
+    tensors: BTreeMap<String, HostTensor>,
+}
+
+impl Saver {
+    /// An empty saver.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `tensor` under `name` with the checkpoint shape `hf_shape` (same element count).
+    pub fn tensor<B: Backend, const D: usize>(
+        &mut self,
+        name: &str,
+        tensor: Tensor<B, D>,
+        hf_shape: &[usize],
+    ) {
+        let data: Vec<f32> = tensor.into_data().iter::<f32>().collect();
+        debug_assert_eq!(data.len(), hf_shape.iter().product::<usize>());
+        self.tensors.insert(
+            name.to_owned(),
+            HostTensor {
+                shape: hf_shape.to_vec(),
+                data,
+            },
+        );
+    }
+
+    /// Adds a parameter under its own shape.
+    pub fn same<B: Backend, const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
+        let shape = param.dims().to_vec();
+        self.tensor(name, param.val(), &shape);
+    }
+
+    /// Adds a bias-free linear layer PyTorch-style, `[out, in]`.
+    pub fn linear<B: Backend>(&mut self, name: &str, layer: &Linear<B>) {
+        let [d_in, d_out] = layer.weight.dims();
+        self.tensor(name, layer.weight.val().transpose(), &[d_out, d_in]);
+    }
+
+    /// Adds a host vector.
+    pub fn vector(&mut self, name: &str, data: Vec<f32>) {
+        self.tensors.insert(
+            name.to_owned(),
+            HostTensor {
+                shape: vec![data.len()],
+                data,
+            },
+        );
+    }
+
+    /// The collected tensors by name.
+    pub fn tensors(&self) -> &BTreeMap<String, HostTensor> {
+        &self.tensors
+    }
+
+    /// Writes everything as f32 to one `.safetensors` file.
+    pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let bytes: HashMap<&str, (Vec<usize>, Vec<u8>)> = self
+            .tensors
+            .iter()
+            .map(|(k, t)| {
+                (
+                    k.as_str(),
+                    (
+                        t.shape.clone(),
+                        t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    ),
+                )
+            })
+            .collect();
+        let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = bytes
+            .iter()
+            .map(|(k, (shape, data))| {
+                safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), data)
+                    .map(|v| (*k, v))
+            })
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| Error::SafeTensors {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            })?;
+        safetensors::serialize_to_file(views, None, path).map_err(|e| Error::SafeTensors {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })
+    }
+}
+
+/// A module's table of checkpoint names (SPEC §7): how to load it from and save it to a
+/// Hugging Face checkpoint under a name prefix such as `model.layers.3.`.
+pub trait HfCheckpoint<B: Backend>: Sized {
+    /// Replaces this module's tensors with those under `prefix`.
+    fn load_hf(self, prefix: &str, loader: &mut Loader<'_, B>) -> Self;
+    /// Adds this module's tensors under `prefix`.
+    fn save_hf(&self, prefix: &str, saver: &mut Saver);
+}
