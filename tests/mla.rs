@@ -52,9 +52,19 @@ fn mask<B: Backend>(pad: &[bool], shape: [usize; 2], device: &B::Device) -> Tens
     Tensor::from_data(TensorData::new(pad.to_vec(), shape), device)
 }
 
-fn rows(t: &[f64], batch: usize, seq: usize, width: usize, range: std::ops::Range<usize>) -> Vec<f64> {
+fn rows(
+    t: &[f64],
+    batch: usize,
+    seq: usize,
+    width: usize,
+    range: std::ops::Range<usize>,
+) -> Vec<f64> {
     (0..batch)
-        .flat_map(|b| range.clone().flat_map(move |i| (0..width).map(move |c| t[(b * seq + i) * width + c])))
+        .flat_map(|b| {
+            range
+                .clone()
+                .flat_map(move |i| (0..width).map(move |c| t[(b * seq + i) * width + c]))
+        })
         .collect()
 }
 
@@ -76,7 +86,13 @@ fn rms(x: &[f64], gain: &[f64], eps: f64) -> Vec<f64> {
     x.iter().zip(gain).map(|(v, g)| v * inv * g).collect()
 }
 
-fn reference<B: Backend>(mla: &GatedMla<B>, config: &MlaConfig, x: &[f64], shape: [usize; 3], pad: &[bool]) -> Vec<f64> {
+fn reference<B: Backend>(
+    mla: &GatedMla<B>,
+    config: &MlaConfig,
+    x: &[f64],
+    shape: [usize; 3],
+    pad: &[bool],
+) -> Vec<f64> {
     let [batch, seq, d] = shape;
     let (h, dn, dr, dv, r) = (
         config.num_heads,
@@ -97,15 +113,34 @@ fn reference<B: Backend>(mla: &GatedMla<B>, config: &MlaConfig, x: &[f64], shape
         None => {
             let rank = config.q_lora_rank.expect("q LoRA");
             let a = vecmat(xi, &w(mla.q_a_proj.as_ref().expect("q_a_proj")), rank);
-            let gain = host(mla.q_a_layernorm.as_ref().expect("q_a_layernorm").weight.val());
-            vecmat(&rms(&a, &gain, config.rms_norm_eps), &w(mla.q_b_proj.as_ref().expect("q_b_proj")), h * qk)
+            let gain = host(
+                mla.q_a_layernorm
+                    .as_ref()
+                    .expect("q_a_layernorm")
+                    .weight
+                    .val(),
+            );
+            vecmat(
+                &rms(&a, &gain, config.rms_norm_eps),
+                &w(mla.q_b_proj.as_ref().expect("q_b_proj")),
+                h * qk,
+            )
         }
     };
     let mut out = vec![0.0; batch * seq * d];
     for b in 0..batch {
         let tok = |i: usize| &x[(b * seq + i) * d..(b * seq + i + 1) * d];
         let ckv: Vec<Vec<f64>> = (0..seq).map(|j| vecmat(tok(j), &kv_a, r + dr)).collect();
-        let kv: Vec<Vec<f64>> = ckv.iter().map(|c| vecmat(&rms(&c[..r], &kv_gain, config.kv_norm_eps), &kv_b, h * (dn + dv))).collect();
+        let kv: Vec<Vec<f64>> = ckv
+            .iter()
+            .map(|c| {
+                vecmat(
+                    &rms(&c[..r], &kv_gain, config.kv_norm_eps),
+                    &kv_b,
+                    h * (dn + dv),
+                )
+            })
+            .collect();
         for i in 0..seq {
             let q = query(tok(i));
             let mut o = vec![0.0; h * dv];
@@ -152,7 +187,9 @@ fn expanded_matches_reference<B: AutodiffBackend>(device: &B::Device) {
     let mut rng = rng(11);
     let [batch, seq] = [2, 7];
     // Left padding in row 0, right padding in row 1.
-    let pad: Vec<bool> = (0..batch * seq).map(|k| (k < 2) || k >= 2 * seq - 1).collect();
+    let pad: Vec<bool> = (0..batch * seq)
+        .map(|k| (k < 2) || k >= 2 * seq - 1)
+        .collect();
     for config in variants() {
         let mla = layer::<B>(&config, &mut rng, device);
         let x = randn::<B, 3>(&mut rng, [batch, seq, 24], 1.0, device);
@@ -181,21 +218,46 @@ fn absorbed_decode_matches_expanded<B: AutodiffBackend>(device: &B::Device) {
         let mla = layer::<B>(&config, &mut rng, device);
         let x = randn::<B, 3>(&mut rng, [batch, t1 + t2, 24], 1.0, device);
         let full = host(mla.forward(x.clone(), None));
-        let mut cache = MlaCache::new();
-        let prefill = mla.forward_cached(x.clone().narrow(1, 0, t1), None, &mut cache);
-        let what = format!("{config:?}");
-        assert_close(&format!("prefill {what}"), &rows(&full, batch, t1 + t2, 24, 0..t1), &host(prefill), TOL);
-        for i in t1..t1 + t2 {
-            let y = mla.forward_cached(x.clone().narrow(1, i, 1), None, &mut cache);
-            assert_close(&format!("decode {i} {what}"), &rows(&full, batch, t1 + t2, 24, i..i + 1), &host(y), TOL);
+        // Prefill in the absorbed form (forward_cached) and in the expanded form (prefill).
+        for expanded_prefill in [false, true] {
+            let mut cache = MlaCache::new();
+            let head = x.clone().narrow(1, 0, t1);
+            let prefill = match expanded_prefill {
+                false => mla.forward_cached(head, None, &mut cache),
+                true => mla.prefill(head, None, &mut cache),
+            };
+            let what = format!("{config:?}, expanded prefill {expanded_prefill}");
+            assert_close(
+                &format!("prefill {what}"),
+                &rows(&full, batch, t1 + t2, 24, 0..t1),
+                &host(prefill),
+                TOL,
+            );
+            for i in t1..t1 + t2 {
+                let y = mla.forward_cached(x.clone().narrow(1, i, 1), None, &mut cache);
+                assert_close(
+                    &format!("decode {i} {what}"),
+                    &rows(&full, batch, t1 + t2, 24, i..i + 1),
+                    &host(y),
+                    TOL,
+                );
+            }
+            assert_eq!(cache.len(), t1 + t2);
+            let (c, k_pe) = cache.tensors().expect("filled");
+            assert_eq!(c.dims(), [batch, t1 + t2, config.kv_lora_rank]);
+            assert_eq!(k_pe.dims(), [batch, t1 + t2, config.qk_rope_head_dim]);
+            let err = mla
+                .try_prefill(x.clone(), None, &mut cache)
+                .expect_err("non-empty cache")
+                .to_string();
+            assert!(err.contains(&format!("{}", t1 + t2)), "{err}");
         }
-        assert_eq!(cache.len(), t1 + t2);
-        let (c, k_pe) = cache.tensors().expect("filled");
-        assert_eq!(c.dims(), [batch, t1 + t2, config.kv_lora_rank]);
-        assert_eq!(k_pe.dims(), [batch, t1 + t2, config.qk_rope_head_dim]);
     }
 }
-on_backends!(absorbed_decode_vs_expanded, absorbed_decode_matches_expanded);
+on_backends!(
+    absorbed_decode_vs_expanded,
+    absorbed_decode_matches_expanded
+);
 
 /// Chunked prefill (several tokens into a non-empty cache) with padding kept in the cache.
 fn chunked_prefill_with_padding<B: AutodiffBackend>(device: &B::Device) {
@@ -209,9 +271,20 @@ fn chunked_prefill_with_padding<B: AutodiffBackend>(device: &B::Device) {
     let mut cache = MlaCache::new();
     let mut start = 0;
     for len in [4, 1, 3, 1] {
-        let chunk_pad: Vec<bool> = (0..batch).flat_map(|b| pad[b * seq + start..b * seq + start + len].to_vec()).collect();
-        let y = mla.forward_cached(x.clone().narrow(1, start, len), Some(mask(&chunk_pad, [batch, len], device)), &mut cache);
-        assert_close(&format!("chunk at {start}"), &rows(&full, batch, seq, 24, start..start + len), &host(y), TOL);
+        let chunk_pad: Vec<bool> = (0..batch)
+            .flat_map(|b| pad[b * seq + start..b * seq + start + len].to_vec())
+            .collect();
+        let y = mla.forward_cached(
+            x.clone().narrow(1, start, len),
+            Some(mask(&chunk_pad, [batch, len], device)),
+            &mut cache,
+        );
+        assert_close(
+            &format!("chunk at {start}"),
+            &rows(&full, batch, seq, 24, start..start + len),
+            &host(y),
+            TOL,
+        );
         start += len;
     }
 }
@@ -229,7 +302,13 @@ fn nope_is_position_free<B: AutodiffBackend>(device: &B::Device) {
         let mla = layer::<B>(&config, &mut rng, device);
         let x = randn::<B, 3>(&mut rng, [1, seq, 24], 1.0, device);
         let plain = host(mla.forward(x.clone(), None));
-        let reversed = Tensor::cat(vec![x.clone().narrow(1, 0, seq - 1).flip([1]), x.clone().narrow(1, seq - 1, 1)], 1);
+        let reversed = Tensor::cat(
+            vec![
+                x.clone().narrow(1, 0, seq - 1).flip([1]),
+                x.clone().narrow(1, seq - 1, 1),
+            ],
+            1,
+        );
         let last = rows(&plain, 1, seq, 24, seq - 1..seq);
         let last_reversed = rows(&host(mla.forward(reversed, None)), 1, seq, 24, seq - 1..seq);
         if use_nope {
@@ -237,21 +316,44 @@ fn nope_is_position_free<B: AutodiffBackend>(device: &B::Device) {
             let junk = randn::<B, 3>(&mut rng, [1, prefix, 24], 3.0, device);
             let shifted = Tensor::cat(vec![junk, x.clone()], 1);
             let pad: Vec<bool> = (0..prefix + seq).map(|i| i < prefix).collect();
-            let moved = host(mla.forward(shifted.clone(), Some(mask(&pad, [1, prefix + seq], device))));
-            assert_close("NoPE shift", &plain, &rows(&moved, 1, prefix + seq, 24, prefix..prefix + seq), TOL);
+            let moved =
+                host(mla.forward(shifted.clone(), Some(mask(&pad, [1, prefix + seq], device))));
+            assert_close(
+                "NoPE shift",
+                &plain,
+                &rows(&moved, 1, prefix + seq, 24, prefix..prefix + seq),
+                TOL,
+            );
             // The same through the cache, which remembers the padding.
             let mut cache = MlaCache::new();
             let head = prefix + 2;
-            mla.forward_cached(shifted.clone().narrow(1, 0, head), Some(mask(&pad[..head], [1, head], device)), &mut cache);
+            mla.forward_cached(
+                shifted.clone().narrow(1, 0, head),
+                Some(mask(&pad[..head], [1, head], device)),
+                &mut cache,
+            );
             let rest = mla.forward_cached(shifted.narrow(1, head, seq - 2), None, &mut cache);
-            assert_close("NoPE shift, cached", &rows(&plain, 1, seq, 24, 2..seq), &host(rest), TOL);
+            assert_close(
+                "NoPE shift, cached",
+                &rows(&plain, 1, seq, 24, 2..seq),
+                &host(rest),
+                TOL,
+            );
         } else {
-            assert!(rel_err(&last, &last_reversed) > 1e-3, "RoPE should see the order");
+            assert!(
+                rel_err(&last, &last_reversed) > 1e-3,
+                "RoPE should see the order"
+            );
             // k_pe is rotated before it is cached: the absorbed decode still equals the expanded form.
             let mut cache = MlaCache::new();
             mla.forward_cached(x.clone().narrow(1, 0, 2), None, &mut cache);
             let rest = mla.forward_cached(x.narrow(1, 2, seq - 2), None, &mut cache);
-            assert_close("RoPE cached", &rows(&plain, 1, seq, 24, 2..seq), &host(rest), TOL);
+            assert_close(
+                "RoPE cached",
+                &rows(&plain, 1, seq, 24, 2..seq),
+                &host(rest),
+                TOL,
+            );
         }
     }
 }
@@ -278,19 +380,27 @@ fn padding_has_no_influence<B: AutodiffBackend>(device: &B::Device) {
         mla.attention = kind;
         let x = randn::<B, 3>(&mut rng, [batch, seq, 24], 1.0, device);
         let other = randn::<B, 3>(&mut rng, [batch, seq, 24], 5.0, device);
-        let m3 = mask::<B>(&pad, [batch, seq], device).reshape([batch, seq, 1]).expand([batch, seq, 24]);
+        let m3 = mask::<B>(&pad, [batch, seq], device)
+            .reshape([batch, seq, 1])
+            .expand([batch, seq, 24]);
         let x2 = x.clone().mask_where(m3, other);
         let x = x.require_grad();
         let y = mla.forward(x.clone(), Some(mask(&pad, [batch, seq], device)));
         let y2 = host(mla.forward(x2, Some(mask(&pad, [batch, seq], device))));
         let y_host = host(y.clone());
         assert_close(&format!("{kind:?}: padding content"), &y_host, &y2, TOL);
-        let zeros = y_host.chunks(24).zip(&pad).all(|(row, &p)| !p || row.iter().all(|v| *v == 0.0));
+        let zeros = y_host
+            .chunks(24)
+            .zip(&pad)
+            .all(|(row, &p)| !p || row.iter().all(|v| *v == 0.0));
         assert!(zeros, "{kind:?}: padded positions must output zero");
         let weights = randn::<B, 3>(&mut rng, [batch, seq, 24], 1.0, device);
         let grads = y.mul(weights).sum().backward();
         let gx = host(x.grad(&grads).expect("x grad"));
-        assert!(gx.iter().all(|v| v.is_finite()), "{kind:?}: NaN in the input gradient");
+        assert!(
+            gx.iter().all(|v| v.is_finite()),
+            "{kind:?}: NaN in the input gradient"
+        );
     }
 }
 on_backends!(padding_mask, padding_has_no_influence);
@@ -305,22 +415,46 @@ fn all_parameters_learn<B: AutodiffBackend>(device: &B::Device) {
         let grads = mla.forward(x, None).mul(weights).sum().backward();
         let mut params: Vec<(&str, Option<Tensor<B::InnerBackend, 1>>)> = vec![
             ("kv_a_layernorm", mla.kv_a_layernorm.weight.grad(&grads)),
-            ("kv_a_proj_with_mqa", mla.kv_a_proj_with_mqa.weight.grad(&grads).map(|g| g.flatten(0, 1))),
-            ("kv_b_proj", mla.kv_b_proj.weight.grad(&grads).map(|g| g.flatten(0, 1))),
-            ("o_proj", mla.o_proj.weight.grad(&grads).map(|g| g.flatten(0, 1))),
+            (
+                "kv_a_proj_with_mqa",
+                mla.kv_a_proj_with_mqa
+                    .weight
+                    .grad(&grads)
+                    .map(|g| g.flatten(0, 1)),
+            ),
+            (
+                "kv_b_proj",
+                mla.kv_b_proj.weight.grad(&grads).map(|g| g.flatten(0, 1)),
+            ),
+            (
+                "o_proj",
+                mla.o_proj.weight.grad(&grads).map(|g| g.flatten(0, 1)),
+            ),
         ];
-        let lin = |l: &Option<burn::nn::Linear<B>>| l.as_ref().and_then(|l| l.weight.grad(&grads)).map(|g| g.flatten(0, 1));
+        let lin = |l: &Option<burn::nn::Linear<B>>| {
+            l.as_ref()
+                .and_then(|l| l.weight.grad(&grads))
+                .map(|g| g.flatten(0, 1))
+        };
         params.push(("g_proj", lin(&mla.g_proj)));
         if config.q_lora_rank.is_some() {
             params.push(("q_a_proj", lin(&mla.q_a_proj)));
             params.push(("q_b_proj", lin(&mla.q_b_proj)));
-            params.push(("q_a_layernorm", mla.q_a_layernorm.as_ref().and_then(|n| n.weight.grad(&grads))));
+            params.push((
+                "q_a_layernorm",
+                mla.q_a_layernorm
+                    .as_ref()
+                    .and_then(|n| n.weight.grad(&grads)),
+            ));
         } else {
             params.push(("q_proj", lin(&mla.q_proj)));
         }
         for (name, g) in params {
             let g = host(g.unwrap_or_else(|| panic!("{name}: no gradient")));
-            assert!(g.iter().all(|v| v.is_finite()), "{name}: non-finite gradient");
+            assert!(
+                g.iter().all(|v| v.is_finite()),
+                "{name}: non-finite gradient"
+            );
             assert!(g.iter().any(|v| *v != 0.0), "{name}: zero gradient");
         }
     }
@@ -330,12 +464,37 @@ on_backends!(parameter_gradients, all_parameters_learn);
 #[test]
 fn presets_give_the_published_mla_shapes() {
     let linear = KimiConfig::kimi_linear_48b().mla_config();
-    assert_eq!((linear.num_heads, linear.q_lora_rank, linear.use_output_gate), (32, None, false));
+    assert_eq!(
+        (linear.num_heads, linear.q_lora_rank, linear.use_output_gate),
+        (32, None, false)
+    );
     let k3 = KimiConfig::k3().mla_config();
-    assert_eq!((k3.num_heads, k3.q_lora_rank, k3.use_output_gate, k3.use_nope), (96, Some(1536), true, true));
-    assert_eq!((k3.kv_lora_rank, k3.qk_nope_head_dim, k3.qk_rope_head_dim, k3.v_head_dim), (512, 128, 64, 128));
+    assert_eq!(
+        (
+            k3.num_heads,
+            k3.q_lora_rank,
+            k3.use_output_gate,
+            k3.use_nope
+        ),
+        (96, Some(1536), true, true)
+    );
+    assert_eq!(
+        (
+            k3.kv_lora_rank,
+            k3.qk_nope_head_dim,
+            k3.qk_rope_head_dim,
+            k3.v_head_dim
+        ),
+        (512, 128, 64, 128)
+    );
     // K3 counted by hand: q LoRA, kv_a (+ norm), kv_b, o_proj, g_proj.
-    let by_hand: u64 = 7168 * 1536 + 1536 + 1536 * 96 * 192 + 7168 * 576 + 512 + 512 * 96 * 256 + 2 * 96 * 128 * 7168;
+    let by_hand: u64 = 7168 * 1536
+        + 1536
+        + 1536 * 96 * 192
+        + 7168 * 576
+        + 512
+        + 512 * 96 * 256
+        + 2 * 96 * 128 * 7168;
     assert_eq!(KimiConfig::k3().mla_layer_params(), by_hand);
     let tiny = KimiConfig::tiny();
     let module = tiny.mla_config().init::<Cpu>(&Default::default());
@@ -375,7 +534,12 @@ fn attn_res_reference(sources: &[Vec<f64>], w_proj: &[f64], w_norm: &[f64], eps:
     out
 }
 
-fn random_sources<B: Backend>(rng: &mut StdRng, n: usize, shape: [usize; 3], device: &B::Device) -> Vec<Tensor<B, 3>> {
+fn random_sources<B: Backend>(
+    rng: &mut StdRng,
+    n: usize,
+    shape: [usize; 3],
+    device: &B::Device,
+) -> Vec<Tensor<B, 3>> {
     // Sources of very different scales, as residual streams are.
     (0..n)
         .map(|_| {
@@ -394,13 +558,26 @@ fn attn_res_matches_formula<B: AutodiffBackend>(device: &B::Device) {
         let (partial, blocks) = sources.split_last().expect("n ≥ 1");
         let mix: AttnResMix<B> = AttnResConfig::new(10).init(device);
         let hosts: Vec<Vec<f64>> = sources.iter().map(|s| host(s.clone())).collect();
-        let mean: Vec<f64> = (0..hosts[0].len()).map(|k| hosts.iter().map(|h| h[k]).sum::<f64>() / n as f64).collect();
-        assert_close(&format!("mean of {n}"), &mean, &host(mix.forward(partial.clone(), blocks)), TOL);
+        let mean: Vec<f64> = (0..hosts[0].len())
+            .map(|k| hosts.iter().map(|h| h[k]).sum::<f64>() / n as f64)
+            .collect();
+        assert_close(
+            &format!("mean of {n}"),
+            &mean,
+            &host(mix.forward(partial.clone(), blocks)),
+            TOL,
+        );
         let w_proj = randn::<B, 1>(&mut rng, [10], 1.0, device);
         let w_norm = uniform::<B, 1>(&mut rng, [10], 0.5, 2.0, device);
-        let expected = attn_res_reference(&hosts, &host(w_proj.clone()), &host(w_norm.clone()), 1e-5);
+        let expected =
+            attn_res_reference(&hosts, &host(w_proj.clone()), &host(w_norm.clone()), 1e-5);
         let out = attn_res(partial.clone(), blocks, w_proj, w_norm, 1e-5);
-        assert_close(&format!("formula with {n} sources"), &expected, &host(out), TOL);
+        assert_close(
+            &format!("formula with {n} sources"),
+            &expected,
+            &host(out),
+            TOL,
+        );
     }
 }
 on_backends!(attn_res_formula, attn_res_matches_formula);
@@ -414,12 +591,26 @@ fn attn_res_parameters_learn<B: AutodiffBackend>(device: &B::Device) {
     let (partial, blocks) = sources.split_last().expect("3 sources");
     let weights = randn::<B, 3>(&mut rng, shape, 1.0, device);
     let mut mix: AttnResMix<B> = AttnResConfig::new(10).init(device);
-    let grads = mix.forward(partial.clone(), blocks).mul(weights.clone()).sum().backward();
+    let grads = mix
+        .forward(partial.clone(), blocks)
+        .mul(weights.clone())
+        .sum()
+        .backward();
     let g_proj = host(mix.proj.grad(&grads).expect("proj grad"));
-    assert!(g_proj.iter().all(|v| v.is_finite()) && g_proj.iter().any(|v| v.abs() > 1e-6), "proj gradient {g_proj:?}");
+    assert!(
+        g_proj.iter().all(|v| v.is_finite()) && g_proj.iter().any(|v| v.abs() > 1e-6),
+        "proj gradient {g_proj:?}"
+    );
     mix.proj = Param::from_tensor(randn(&mut rng, [10], 0.5, device));
-    let grads = mix.forward(partial.clone(), blocks).mul(weights).sum().backward();
+    let grads = mix
+        .forward(partial.clone(), blocks)
+        .mul(weights)
+        .sum()
+        .backward();
     let g_norm = host(mix.norm.grad(&grads).expect("norm grad"));
-    assert!(g_norm.iter().all(|v| v.is_finite()) && g_norm.iter().any(|v| v.abs() > 1e-6), "norm gradient {g_norm:?}");
+    assert!(
+        g_norm.iter().all(|v| v.is_finite()) && g_norm.iter().any(|v| v.abs() > 1e-6),
+        "norm gradient {g_norm:?}"
+    );
 }
 on_backends!(attn_res_gradients, attn_res_parameters_learn);

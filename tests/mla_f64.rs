@@ -23,7 +23,11 @@ type Device = burn::backend::ndarray::NdArrayDevice;
 fn f64_device() -> Device {
     let device = Default::default();
     let dtype = Tensor::<B, 1>::zeros([1], &device).dtype();
-    assert_eq!(dtype, DType::F64, "the ndarray device defaults to {dtype:?}: an f32 test ran first");
+    assert_eq!(
+        dtype,
+        DType::F64,
+        "the ndarray device defaults to {dtype:?}: an f32 test ran first"
+    );
     device
 }
 
@@ -40,7 +44,8 @@ fn small(q_lora: Option<usize>, gate: bool) -> MlaConfig {
 /// A layer with random norm gains (they start at one, which would hide a wrong gain gradient).
 fn layer(config: &MlaConfig, rng: &mut StdRng, device: &Device) -> GatedMla<B> {
     let mut mla = config.init::<B>(device);
-    mla.kv_a_layernorm.weight = Param::from_tensor(uniform(rng, [config.kv_lora_rank], 0.5, 1.5, device));
+    mla.kv_a_layernorm.weight =
+        Param::from_tensor(uniform(rng, [config.kv_lora_rank], 0.5, 1.5, device));
     if let (Some(norm), Some(rank)) = (mla.q_a_layernorm.as_mut(), config.q_lora_rank) {
         norm.weight = Param::from_tensor(uniform(rng, [rank], 0.5, 1.5, device));
     }
@@ -64,7 +69,10 @@ fn input_gradient_matches_finite_differences() {
     let mut rng = rng(17);
     let shape = [2, 4, 24];
     let pad = [false, false, true, false, true, false, false, false];
-    for (config, kind) in [(small(Some(7), true), AttentionKind::Fused), (small(None, false), AttentionKind::Plain)] {
+    for (config, kind) in [
+        (small(Some(7), true), AttentionKind::Fused),
+        (small(None, false), AttentionKind::Plain),
+    ] {
         let mut mla = layer(&config, &mut rng, &device);
         mla.attention = kind;
         let x0 = host(randn::<B, 3>(&mut rng, shape, 1.0, &device));
@@ -80,7 +88,6 @@ fn input_gradient_matches_finite_differences() {
         assert_close(&format!("{kind:?} dx"), &numeric, &analytic, 1e-6);
     }
 }
-
 
 /// Gradients of the op (sources, query, gain) against central finite differences in f64.
 #[test]
@@ -99,19 +106,30 @@ fn attn_res_gradients_match_finite_differences() {
     let loss = |v: &[Tensor<B, 1>]| {
         let sources: Vec<Tensor<B, 3>> = v[..n].iter().map(|s| s.clone().reshape(shape)).collect();
         let (partial, blocks) = sources.split_last().expect("sources");
-        attn_res(partial.clone(), blocks, v[n].clone(), v[n + 1].clone(), 1e-5)
-            .mul(exact(&w, shape, &device))
-            .sum()
+        attn_res(
+            partial.clone(),
+            blocks,
+            v[n].clone(),
+            v[n + 1].clone(),
+            1e-5,
+        )
+        .mul(exact(&w, shape, &device))
+        .sum()
     };
     let split = |x: &[f64]| -> Vec<Tensor<B, 1>> {
-        let mut parts: Vec<Tensor<B, 1>> = (0..n).map(|i| exact(&x[i * len..(i + 1) * len], [len], &device)).collect();
+        let mut parts: Vec<Tensor<B, 1>> = (0..n)
+            .map(|i| exact(&x[i * len..(i + 1) * len], [len], &device))
+            .collect();
         parts.push(exact(&x[n * len..n * len + d], [d], &device));
         parts.push(exact(&x[n * len + d..], [d], &device));
         parts
     };
     let inputs: Vec<Tensor<B, 1>> = split(&x0).into_iter().map(|t| t.require_grad()).collect();
     let grads = loss(&inputs).backward();
-    let analytic: Vec<f64> = inputs.iter().flat_map(|t| host(t.grad(&grads).expect("grad"))).collect();
+    let analytic: Vec<f64> = inputs
+        .iter()
+        .flat_map(|t| host(t.grad(&grads).expect("grad")))
+        .collect();
     let numeric = finite_diff(&x0, 1e-6, |x| host(loss(&split(x)))[0]);
     assert_close("attn_res gradients", &numeric, &analytic, 1e-6);
 }

@@ -25,7 +25,10 @@ impl AttnResConfig {
             return Err(Error::config("d_model", "must be positive, got 0"));
         }
         if !(self.epsilon.is_finite() && self.epsilon > 0.0) {
-            return Err(Error::config("epsilon", format!("must be finite and positive, got {}", self.epsilon)));
+            return Err(Error::config(
+                "epsilon",
+                format!("must be finite and positive, got {}", self.epsilon),
+            ));
         }
         Ok(())
     }
@@ -88,7 +91,13 @@ impl<B: Backend> AttnResMix<B> {
     /// # Panics
     /// When a block's shape differs from `partial`'s, or `d` from the config's.
     pub fn forward(&self, partial: Tensor<B, 3>, blocks: &[Tensor<B, 3>]) -> Tensor<B, 3> {
-        attn_res(partial, blocks, self.proj.val(), self.norm.val(), self.epsilon)
+        attn_res(
+            partial,
+            blocks,
+            self.proj.val(),
+            self.norm.val(),
+            self.epsilon,
+        )
     }
 }
 
@@ -102,9 +111,16 @@ mod tests {
         let device = Default::default();
         let mix = AttnResConfig::new(12).init::<NdArray<f32>>(&device);
         assert_eq!(mix.num_params() as u64, AttnResConfig::new(12).num_params());
-        let err = AttnResConfig::new(0).try_init::<NdArray<f32>>(&device).expect_err("d").to_string();
+        let err = AttnResConfig::new(0)
+            .try_init::<NdArray<f32>>(&device)
+            .expect_err("d")
+            .to_string();
         assert!(err.contains("d_model"), "{err}");
-        let err = AttnResConfig::new(4).with_epsilon(0.0).validate().expect_err("eps").to_string();
+        let err = AttnResConfig::new(4)
+            .with_epsilon(0.0)
+            .validate()
+            .expect_err("eps")
+            .to_string();
         assert!(err.contains("epsilon") && err.contains('0'), "{err}");
     }
 }

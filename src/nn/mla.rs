@@ -10,8 +10,9 @@
 //!
 //! No rotary embedding is applied (NoPE; position comes from the KDA layers); the `dr` "rope" dims
 //! are kept for checkpoint compatibility. A RoPE switch (`use_nope = false`) exists for
-//! DeepSeek-style users. Training uses the expanded form; decode ([`GatedMla::forward_cached`])
-//! caches only `c` and `k_pe` per token ([`MlaCache`]) and attends in the absorbed form.
+//! DeepSeek-style users. Training uses the expanded form ([`GatedMla::forward`]); decode
+//! ([`GatedMla::forward_cached`]) caches only `c` and `k_pe` per token ([`MlaCache`]) and attends in
+//! the absorbed form; [`GatedMla::prefill`] fills an empty cache through the expanded form.
 
 use burn::config::Config;
 use burn::module::Module;
@@ -52,7 +53,9 @@ pub struct MlaConfig {
     /// The sigmoid output gate `g_proj` (`mla_use_output_gate`; K3 on, Kimi-Linear off).
     #[config(default = true)]
     pub use_output_gate: bool,
-    /// NoPE (`mla_use_nope`): no rotary embedding. `false` rotates `q_pe` and `k_pe` (DeepSeek).
+    /// NoPE (`mla_use_nope`): no rotary embedding. `false` rotates `q_pe` and `k_pe` (DeepSeek,
+    /// "rotate half" layout, no YaRN); positions count every token, padding included, from 0 in
+    /// [`GatedMla::forward`] and from the cache length in [`GatedMla::forward_cached`].
     #[config(default = true)]
     pub use_nope: bool,
     /// RoPE base, used only when `use_nope` is false.
@@ -86,20 +89,36 @@ impl MlaConfig {
             }
         }
         if self.q_lora_rank == Some(0) {
-            return Err(Error::config("q_lora_rank", "must be positive or None (a plain q_proj), got 0"));
-        }
-        if !self.use_nope && self.qk_rope_head_dim % 2 != 0 {
             return Err(Error::config(
-                "qk_rope_head_dim",
-                format!("RoPE (use_nope = false) needs an even width, got {}", self.qk_rope_head_dim),
+                "q_lora_rank",
+                "must be positive or None (a plain q_proj), got 0",
             ));
         }
-        if !self.use_nope && !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
-            return Err(Error::config("rope_theta", format!("must be finite and positive, got {}", self.rope_theta)));
+        if !self.use_nope && !self.qk_rope_head_dim.is_multiple_of(2) {
+            return Err(Error::config(
+                "qk_rope_head_dim",
+                format!(
+                    "RoPE (use_nope = false) needs an even width, got {}",
+                    self.qk_rope_head_dim
+                ),
+            ));
         }
-        for (field, eps) in [("rms_norm_eps", self.rms_norm_eps), ("kv_norm_eps", self.kv_norm_eps)] {
+        let theta_ok = self.rope_theta.is_finite() && self.rope_theta > 0.0;
+        if !self.use_nope && !theta_ok {
+            return Err(Error::config(
+                "rope_theta",
+                format!("must be finite and positive, got {}", self.rope_theta),
+            ));
+        }
+        for (field, eps) in [
+            ("rms_norm_eps", self.rms_norm_eps),
+            ("kv_norm_eps", self.kv_norm_eps),
+        ] {
             if !(eps.is_finite() && eps > 0.0) {
-                return Err(Error::config(field, format!("must be finite and positive, got {eps}")));
+                return Err(Error::config(
+                    field,
+                    format!("must be finite and positive, got {eps}"),
+                ));
             }
         }
         Ok(())
@@ -116,7 +135,11 @@ impl MlaConfig {
             Some(rank) => (
                 None,
                 Some(linear(d, rank)),
-                Some(RmsNormConfig::new(rank).with_epsilon(self.rms_norm_eps).init(device)),
+                Some(
+                    RmsNormConfig::new(rank)
+                        .with_epsilon(self.rms_norm_eps)
+                        .init(device),
+                ),
                 Some(linear(rank, q_width)),
             ),
         };
@@ -129,7 +152,10 @@ impl MlaConfig {
             kv_a_layernorm: RmsNormConfig::new(self.kv_lora_rank)
                 .with_epsilon(self.kv_norm_eps)
                 .init(device),
-            kv_b_proj: linear(self.kv_lora_rank, h * (self.qk_nope_head_dim + self.v_head_dim)),
+            kv_b_proj: linear(
+                self.kv_lora_rank,
+                h * (self.qk_nope_head_dim + self.v_head_dim),
+            ),
             o_proj: linear(h * self.v_head_dim, d),
             g_proj: self.use_output_gate.then(|| linear(d, h * self.v_head_dim)),
             num_heads: h,
@@ -237,24 +263,89 @@ impl<B: Backend> GatedMla<B> {
     /// # Panics
     /// On a shape mismatch (see [`try_forward`](Self::try_forward)).
     pub fn forward(&self, x: Tensor<B, 3>, padding: Option<Tensor<B, 2, Bool>>) -> Tensor<B, 3> {
-        self.try_forward(x, padding).unwrap_or_else(|e| panic!("{e}"))
+        self.try_forward(x, padding)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`try_prefill`](Self::try_prefill), panicking on error.
+    ///
+    /// # Panics
+    /// On a shape mismatch or a non-empty cache.
+    pub fn prefill(
+        &self,
+        x: Tensor<B, 3>,
+        padding: Option<Tensor<B, 2, Bool>>,
+        cache: &mut MlaCache<B>,
+    ) -> Tensor<B, 3> {
+        self.try_prefill(x, padding, cache)
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// [`forward`](Self::forward), reporting a wrong input or mask shape as an [`Error`].
-    pub fn try_forward(&self, x: Tensor<B, 3>, padding: Option<Tensor<B, 2, Bool>>) -> Result<Tensor<B, 3>> {
-        let [batch, t, _] = self.check_input(&x, padding.as_ref())?;
+    pub fn try_forward(
+        &self,
+        x: Tensor<B, 3>,
+        padding: Option<Tensor<B, 2, Bool>>,
+    ) -> Result<Tensor<B, 3>> {
+        self.check_input(&x, padding.as_ref())?;
+        let (y, _, _) = self.expanded(x, padding)?;
+        Ok(y)
+    }
+
+    /// Prefill an **empty** cache with the expanded form: the same output as
+    /// [`forward_cached`](Self::forward_cached) into an empty cache, but through the (fused)
+    /// expanded attention, which for long prompts costs `dn + dr` rather than `r + dr` per score
+    /// and element (192 vs 576 in the real models). Then decode with `forward_cached`.
+    ///
+    /// `x: [B, T, d]`, `padding: [B, T]` → `[B, T, d]`. Fails on a shape mismatch or when the
+    /// cache already holds tokens (their positions would be ignored).
+    pub fn try_prefill(
+        &self,
+        x: Tensor<B, 3>,
+        padding: Option<Tensor<B, 2, Bool>>,
+        cache: &mut MlaCache<B>,
+    ) -> Result<Tensor<B, 3>> {
+        self.check_input(&x, padding.as_ref())?;
+        if !cache.is_empty() {
+            return Err(Error::argument(
+                "cache",
+                format!(
+                    "prefill needs an empty cache, it holds {} tokens; use forward_cached",
+                    cache.len()
+                ),
+            ));
+        }
+        let (y, latent, k_pe) = self.expanded(x, padding.clone())?;
+        cache.append(latent, k_pe, padding)?;
+        Ok(y)
+    }
+
+    /// The expanded form over positions `0..T`; also returns the cache entries `(c, k_pe)`.
+    fn expanded(
+        &self,
+        x: Tensor<B, 3>,
+        padding: Option<Tensor<B, 2, Bool>>,
+    ) -> Result<(Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 3>)> {
+        let [batch, t, _] = x.dims();
         let (h, dn, dv) = (self.num_heads, self.qk_nope_head_dim, self.v_head_dim);
-        let (q_nope, q_pe) = self.query(x.clone(), 0);
+        let (q_nope, q_pe) = self.query(x.clone(), 0)?;
         let (latent, k_pe) = self.latent(x.clone(), 0);
         // [B, T, H, dn + dv] → per-head keys and values.
-        let kv = self.kv_b_proj.forward(latent).reshape([batch, t, h, dn + dv]).swap_dims(1, 2);
+        let kv = self
+            .kv_b_proj
+            .forward(latent.clone())
+            .reshape([batch, t, h, dn + dv])
+            .swap_dims(1, 2);
         let k_nope = kv.clone().narrow(3, 0, dn);
         let v = kv.narrow(3, dn, dv);
-        let k_pe = k_pe.unsqueeze_dim::<4>(1).expand([batch, h, t, self.qk_rope_head_dim]);
+        let k_pe_heads =
+            k_pe.clone()
+                .unsqueeze_dim::<4>(1)
+                .expand([batch, h, t, self.qk_rope_head_dim]);
         let q = Tensor::cat(vec![q_nope, q_pe], 3);
-        let k = Tensor::cat(vec![k_nope, k_pe], 3);
+        let k = Tensor::cat(vec![k_nope, k_pe_heads], 3);
         let o = causal_attention(q, k, v, padding.clone(), self.attention);
-        Ok(self.output(x, o, padding))
+        Ok((self.output(x, o, padding), latent, k_pe))
     }
 
     /// Decode / prefill through a latent cache: appends the new tokens' `c` and `k_pe` to `cache`
@@ -272,7 +363,8 @@ impl<B: Backend> GatedMla<B> {
         padding: Option<Tensor<B, 2, Bool>>,
         cache: &mut MlaCache<B>,
     ) -> Tensor<B, 3> {
-        self.try_forward_cached(x, padding, cache).unwrap_or_else(|e| panic!("{e}"))
+        self.try_forward_cached(x, padding, cache)
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// [`forward_cached`](Self::forward_cached), reporting a wrong input, mask or cache shape as
@@ -285,11 +377,13 @@ impl<B: Backend> GatedMla<B> {
     ) -> Result<Tensor<B, 3>> {
         let [batch, t, _] = self.check_input(&x, padding.as_ref())?;
         let start = cache.len();
+        let (q_nope, q_pe) = self.query(x.clone(), start)?;
         let (latent, k_pe) = self.latent(x.clone(), start);
         cache.append(latent, k_pe, padding.clone())?;
-        let (q_nope, q_pe) = self.query(x.clone(), start);
         let (w_uk, w_uv) = self.absorbed_weights();
-        let (latent, k_pe) = cache.tensors().ok_or_else(|| Error::argument("cache", "empty after append"))?;
+        let (latent, k_pe) = cache
+            .tensors()
+            .ok_or_else(|| Error::argument("cache", "empty after append"))?;
         let tk = start + t;
         let mask = attention_mask(batch, t, tk, cache.padding(), &x.device());
         let o = absorbed_attention(q_nope, q_pe, latent, k_pe, w_uk, w_uv, mask, self.scale());
@@ -315,29 +409,45 @@ impl<B: Backend> GatedMla<B> {
     /// `W_UK: [H, dn, r]` (so that `q_lat = q_nope · W_UK[h]`) and `W_UV: [H, r, dv]`.
     pub fn absorbed_weights(&self) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let (h, dn, dv) = (self.num_heads, self.qk_nope_head_dim, self.v_head_dim);
-        let w = self.kv_b_proj.weight.val().reshape([self.kv_lora_rank(), h, dn + dv]).swap_dims(0, 1);
+        let w = self
+            .kv_b_proj
+            .weight
+            .val()
+            .reshape([self.kv_lora_rank(), h, dn + dv])
+            .swap_dims(0, 1);
         let w_uk = w.clone().narrow(2, 0, dn).swap_dims(1, 2);
         let w_uv = w.narrow(2, dn, dv);
         (w_uk, w_uv)
     }
 
     /// Per-head queries `(q_nope [B, H, T, dn], q_pe [B, H, T, dr])` for positions from `start`.
-    fn query(&self, x: Tensor<B, 3>, start: usize) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    fn query(&self, x: Tensor<B, 3>, start: usize) -> Result<(Tensor<B, 4>, Tensor<B, 4>)> {
         let [batch, t, _] = x.dims();
         let (dn, dr) = (self.qk_nope_head_dim, self.qk_rope_head_dim);
-        let q = match (&self.q_proj, &self.q_a_proj, &self.q_a_layernorm, &self.q_b_proj) {
-            (Some(q_proj), ..) => q_proj.forward(x),
-            (None, Some(a), Some(norm), Some(b)) => b.forward(norm.forward(a.forward(x))),
-            // `try_init` builds exactly one of the two forms; a hand-assembled module may not.
-            _ => panic!("GatedMla needs either q_proj or all of q_a_proj, q_a_layernorm, q_b_proj"),
-        };
-        let q = q.reshape([batch, t, self.num_heads, dn + dr]).swap_dims(1, 2);
+        let q =
+            match (
+                &self.q_proj,
+                &self.q_a_proj,
+                &self.q_a_layernorm,
+                &self.q_b_proj,
+            ) {
+                (Some(q_proj), ..) => q_proj.forward(x),
+                (None, Some(a), Some(norm), Some(b)) => b.forward(norm.forward(a.forward(x))),
+                // `try_init` builds exactly one of the two forms; a hand-assembled module may not.
+                _ => return Err(Error::config(
+                    "q_proj",
+                    "GatedMla needs either q_proj or all of q_a_proj, q_a_layernorm and q_b_proj",
+                )),
+            };
+        let q = q
+            .reshape([batch, t, self.num_heads, dn + dr])
+            .swap_dims(1, 2);
         let q_nope = q.clone().narrow(3, 0, dn);
         let mut q_pe = q.narrow(3, dn, dr);
         if let Some(base) = self.rope {
             q_pe = rotary(q_pe, start, base);
         }
-        (q_nope, q_pe)
+        Ok((q_nope, q_pe))
     }
 
     /// The normalised latent `c: [B, T, r]` and the shared key slice `k_pe: [B, T, dr]` of the
@@ -354,7 +464,12 @@ impl<B: Backend> GatedMla<B> {
     }
 
     /// Heads `o: [B, H, T, dv]` → `W_o (concat_h(o_h) ⊙ σ(W_g x))`, zero at padding positions.
-    fn output(&self, x: Tensor<B, 3>, o: Tensor<B, 4>, padding: Option<Tensor<B, 2, Bool>>) -> Tensor<B, 3> {
+    fn output(
+        &self,
+        x: Tensor<B, 3>,
+        o: Tensor<B, 4>,
+        padding: Option<Tensor<B, 2, Bool>>,
+    ) -> Tensor<B, 3> {
         let [batch, _, t, _] = o.dims();
         let width = self.num_heads * self.v_head_dim;
         let mut o = o.swap_dims(1, 2).reshape([batch, t, width]);
@@ -369,7 +484,11 @@ impl<B: Backend> GatedMla<B> {
         self.o_proj.forward(o)
     }
 
-    fn check_input(&self, x: &Tensor<B, 3>, padding: Option<&Tensor<B, 2, Bool>>) -> Result<[usize; 3]> {
+    fn check_input(
+        &self,
+        x: &Tensor<B, 3>,
+        padding: Option<&Tensor<B, 2, Bool>>,
+    ) -> Result<[usize; 3]> {
         let dims = x.dims();
         let d = self.d_model();
         if dims[2] != d {
@@ -377,7 +496,11 @@ impl<B: Backend> GatedMla<B> {
         }
         if let Some(pad) = padding {
             if pad.dims() != [dims[0], dims[1]] {
-                return Err(Error::shape("padding", format!("[{}, {}]", dims[0], dims[1]), pad.dims()));
+                return Err(Error::shape(
+                    "padding",
+                    format!("[{}, {}]", dims[0], dims[1]),
+                    pad.dims(),
+                ));
             }
         }
         Ok(dims)
@@ -406,7 +529,11 @@ mod tests {
             for gate in [false, true] {
                 let config = tiny().with_q_lora_rank(q_lora).with_use_output_gate(gate);
                 let module = config.init::<B>(&device);
-                assert_eq!(config.num_params(), module.num_params() as u64, "q_lora {q_lora:?}, gate {gate}");
+                assert_eq!(
+                    config.num_params(),
+                    module.num_params() as u64,
+                    "q_lora {q_lora:?}, gate {gate}"
+                );
             }
         }
     }
@@ -415,18 +542,31 @@ mod tests {
     fn invalid_configs_name_the_field_and_value() {
         let device = Default::default();
         let cases = [
-            (MlaConfig { num_heads: 0, ..tiny() }, "num_heads"),
+            (
+                MlaConfig {
+                    num_heads: 0,
+                    ..tiny()
+                },
+                "num_heads",
+            ),
             (tiny().with_kv_lora_rank(0), "kv_lora_rank"),
             (tiny().with_v_head_dim(0), "v_head_dim"),
             (tiny().with_q_lora_rank(Some(0)), "q_lora_rank"),
-            (tiny().with_use_nope(false).with_qk_rope_head_dim(5), "qk_rope_head_dim"),
+            (
+                tiny().with_use_nope(false).with_qk_rope_head_dim(5),
+                "qk_rope_head_dim",
+            ),
             (tiny().with_kv_norm_eps(-1.0), "kv_norm_eps"),
         ];
         for (config, field) in cases {
             let err = config.try_init::<B>(&device).expect_err(field).to_string();
             assert!(err.contains(field), "{err}");
         }
-        let err = tiny().with_kv_norm_eps(-1.0).validate().expect_err("eps").to_string();
+        let err = tiny()
+            .with_kv_norm_eps(-1.0)
+            .validate()
+            .expect_err("eps")
+            .to_string();
         assert!(err.contains("-1"), "{err}");
     }
 
@@ -438,13 +578,22 @@ mod tests {
         let err = mla.try_forward(x, None).expect_err("width").to_string();
         assert!(err.contains("23") && err.contains("24"), "{err}");
         let x = Tensor::<B, 3>::zeros([2, 3, 24], &device);
-        let pad = Tensor::<B, 2, Bool>::from_data(burn::tensor::TensorData::new(vec![false; 8], [2, 4]), &device);
-        let err = mla.try_forward(x.clone(), Some(pad)).expect_err("padding").to_string();
+        let pad = Tensor::<B, 2, Bool>::from_data(
+            burn::tensor::TensorData::new(vec![false; 8], [2, 4]),
+            &device,
+        );
+        let err = mla
+            .try_forward(x.clone(), Some(pad))
+            .expect_err("padding")
+            .to_string();
         assert!(err.contains("[2, 4]"), "{err}");
         let mut cache = MlaCache::new();
         mla.forward_cached(x, None, &mut cache);
         let x = Tensor::<B, 3>::zeros([3, 1, 24], &device);
-        let err = mla.try_forward_cached(x, None, &mut cache).expect_err("batch").to_string();
+        let err = mla
+            .try_forward_cached(x, None, &mut cache)
+            .expect_err("batch")
+            .to_string();
         assert!(err.contains("batch"), "{err}");
         assert_eq!(cache.len(), 3, "a failed call must leave the cache alone");
     }

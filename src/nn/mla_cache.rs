@@ -68,11 +68,19 @@ impl<B: Backend> MlaCache<B> {
         let [batch, t, r] = latent.dims();
         let dr = k_pe.dims()[2];
         if k_pe.dims() != [batch, t, dr] {
-            return Err(Error::shape("k_pe", format!("[{batch}, {t}, qk_rope_head_dim]"), k_pe.dims()));
+            return Err(Error::shape(
+                "k_pe",
+                format!("[{batch}, {t}, qk_rope_head_dim]"),
+                k_pe.dims(),
+            ));
         }
         if let Some(pad) = &padding {
             if pad.dims() != [batch, t] {
-                return Err(Error::shape("padding", format!("[{batch}, {t}]"), pad.dims()));
+                return Err(Error::shape(
+                    "padding",
+                    format!("[{batch}, {t}]"),
+                    pad.dims(),
+                ));
             }
         }
         let (Some(old_c), Some(old_pe)) = (&self.latent, &self.k_pe) else {
@@ -95,8 +103,10 @@ impl<B: Backend> MlaCache<B> {
             (None, None) => None,
             (old, new) => {
                 let device = latent.device();
-                let old = old.unwrap_or_else(|| Tensor::<B, 2, Bool>::full([batch, old_t], false, &device));
-                let new = new.unwrap_or_else(|| Tensor::<B, 2, Bool>::full([batch, t], false, &device));
+                let old = old
+                    .unwrap_or_else(|| Tensor::<B, 2, Bool>::full([batch, old_t], false, &device));
+                let new =
+                    new.unwrap_or_else(|| Tensor::<B, 2, Bool>::full([batch, t], false, &device));
                 Some(Tensor::cat(vec![old, new], 1))
             }
         };

@@ -29,17 +29,35 @@ pub fn attn_res<B: Backend>(
     let dims = partial.dims();
     let d = dims[2];
     for (i, b) in blocks.iter().enumerate() {
-        assert!(b.dims() == dims, "attn_res: block {i} has shape {:?}, the partial sum {dims:?}", b.dims());
+        assert!(
+            b.dims() == dims,
+            "attn_res: block {i} has shape {:?}, the partial sum {dims:?}",
+            b.dims()
+        );
     }
     for (what, w) in [("w_proj", &w_proj), ("w_norm", &w_norm)] {
-        assert!(w.dims() == [d], "attn_res: {what} has shape {:?}, expected [{d}]", w.dims());
+        assert!(
+            w.dims() == [d],
+            "attn_res: {what} has shape {:?}, expected [{d}]",
+            w.dims()
+        );
     }
     let (partial, dtype) = widen(partial);
-    let sources: Vec<Tensor<B, 3>> = blocks.iter().map(|b| widen(b.clone()).0).chain([partial]).collect();
+    let sources: Vec<Tensor<B, 3>> = blocks
+        .iter()
+        .map(|b| widen(b.clone()).0)
+        .chain([partial])
+        .collect();
     let v = Tensor::stack::<4>(sources, 0); // [N, B, T, d]
-    // Σ_d K·(w_norm⊙w_proj) = (Σ_d V·w_norm⊙w_proj) / rms(V): K itself is never materialised.
+                                            // Σ_d K·(w_norm⊙w_proj) = (Σ_d V·w_norm⊙w_proj) / rms(V): K itself is never materialised.
     let query = widen(w_norm).0.mul(widen(w_proj).0).reshape([1, 1, 1, d]);
-    let inv_rms = v.clone().square().mean_dim(3).add_scalar(eps).sqrt().recip();
+    let inv_rms = v
+        .clone()
+        .square()
+        .mean_dim(3)
+        .add_scalar(eps)
+        .sqrt()
+        .recip();
     let scores = v.clone().mul(query).sum_dim(3).mul(inv_rms); // [N, B, T, 1]
     let p = softmax(scores, 0);
     restore(v.mul(p).sum_dim(0).squeeze_dim(0), dtype)

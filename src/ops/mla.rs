@@ -15,9 +15,11 @@ use super::precision::{restore, widen};
 pub enum AttentionKind {
     /// Burn's `attention` op, which a backend may implement with a flash kernel.
     ///
-    /// In Burn 0.21 ndarray and every autodiff backend run Burn's own unfused fallback, and the
-    /// CubeCL backends (wgpu, cuda) try flash kernels only when Burn's `autotune` feature is on
-    /// (without it they also run the fallback).
+    /// What runs in Burn 0.21: ndarray and **every autodiff backend** (so all training) run
+    /// Burn's unfused fallback, which handles `dqk ≠ dv` (192 vs 128) and masks. The CubeCL
+    /// backends (wgpu, cuda) consider flash kernels only with Burn's `autotune` feature, and
+    /// only without an explicit scale; those kernels need `dqk ≥ dv` and autotune keeps the
+    /// fallback when they fail (on Mesa's lavapipe they do, so wgpu in CI runs the fallback).
     #[default]
     Fused,
     /// The plain `softmax(scale·QKᵀ + mask)·V`, materialising the `T×T` scores: the reference.
@@ -33,7 +35,10 @@ const MASKED_SCORE: f64 = -1e30;
 ///
 /// `tk ≥ tq` (the queries are the last `tq` of the `tk` positions: prefill into a cache).
 pub fn causal_mask<B: Backend>(tq: usize, tk: usize, device: &B::Device) -> Tensor<B, 2, Bool> {
-    debug_assert!(tk >= tq, "causal mask needs tk ≥ tq, got tq = {tq}, tk = {tk}");
+    debug_assert!(
+        tk >= tq,
+        "causal mask needs tk ≥ tq, got tq = {tq}, tk = {tk}"
+    );
     let offset = (tk - tq) as i64;
     let rows = Tensor::<B, 1, Int>::arange(offset..offset + tq as i64, device)
         .reshape([tq, 1])
@@ -115,7 +120,8 @@ pub fn causal_attention<B: Backend>(
     let [batch, heads, t, dqk] = q.dims();
     match kind {
         AttentionKind::Fused => {
-            let mask = key_padding.map(|pad| pad.reshape([batch, 1, 1, t]).expand([batch, heads, t, t]));
+            let mask =
+                key_padding.map(|pad| pad.reshape([batch, 1, 1, t]).expand([batch, heads, t, t]));
             let options = AttentionModuleOptions {
                 scale: None,
                 softcap: None,
@@ -187,7 +193,8 @@ pub fn rotary<B: Backend>(x: Tensor<B, 4>, offset: usize, base: f64) -> Tensor<B
     }
     let device = x.device();
     let table = |v: Vec<f64>| {
-        Tensor::<B, 2>::from_data(TensorData::new(v, [t, half]), (&device, x.dtype())).reshape([1, 1, t, half])
+        Tensor::<B, 2>::from_data(TensorData::new(v, [t, half]), (&device, x.dtype()))
+            .reshape([1, 1, t, half])
     };
     let (cos, sin) = (table(cos), table(sin));
     let a = x.clone().narrow(3, 0, half);
