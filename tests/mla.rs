@@ -194,12 +194,15 @@ fn expanded_matches_reference<B: AutodiffBackend>(device: &B::Device) {
         let mla = layer::<B>(&config, &mut rng, device);
         let x = randn::<B, 3>(&mut rng, [batch, seq, 24], 1.0, device);
         let expected = reference(&mla, &config, &host(x.clone()), [batch, seq, 24], &pad);
+        let mut outputs = Vec::new();
         for kind in [AttentionKind::Fused, AttentionKind::Plain] {
             let mut mla = mla.clone();
             mla.attention = kind;
-            let y = mla.forward(x.clone(), Some(mask(&pad, [batch, seq], device)));
-            assert_close(&format!("{config:?} {kind:?}"), &expected, &host(y), TOL);
+            let y = host(mla.forward(x.clone(), Some(mask(&pad, [batch, seq], device))));
+            assert_close(&format!("{config:?} {kind:?}"), &expected, &y, TOL);
+            outputs.push(y);
         }
+        assert_close("fused vs plain", &outputs[1], &outputs[0], TOL);
         let no_pad = vec![false; batch * seq];
         let expected = reference(&mla, &config, &host(x.clone()), [batch, seq, 24], &no_pad);
         assert_close("no padding", &expected, &host(mla.forward(x, None)), TOL);
