@@ -10,6 +10,7 @@ mod hf;
 use crate::error::{Error, Result};
 use crate::nn::balance::BalancerKind;
 use crate::nn::latent_moe::{LatentMoeConfig, MoeLayout};
+use crate::nn::mla::MlaConfig;
 use crate::nn::router::RouterOptions;
 use crate::nn::situ_glu::GluActivation;
 use crate::ops::route::Scoring;
@@ -321,6 +322,7 @@ impl KimiConfig {
                 ));
             }
         }
+        self.mla_config().validate()?;
         self.moe_config().validate()
     }
 
@@ -341,25 +343,24 @@ impl KimiConfig {
         qkv + conv + forget + beta + out_gate + dk + p * d // o_norm weight (per head dim) + o_proj
     }
 
+    /// The MLA layer config of the MLA layers of this model (`use_nope = false` turns on RoPE
+    /// with DeepSeek's base 10 000; every Kimi preset is NoPE).
+    pub fn mla_config(&self) -> MlaConfig {
+        let m = &self.mla;
+        MlaConfig::new(self.hidden_size, m.num_heads)
+            .with_q_lora_rank(m.q_lora_rank)
+            .with_kv_lora_rank(m.kv_lora_rank)
+            .with_qk_nope_head_dim(m.qk_nope_head_dim)
+            .with_qk_rope_head_dim(m.qk_rope_head_dim)
+            .with_v_head_dim(m.v_head_dim)
+            .with_use_output_gate(m.use_output_gate)
+            .with_use_nope(m.use_nope)
+            .with_rms_norm_eps(self.rms_norm_eps)
+    }
+
     /// Parameters of one MLA layer.
     pub fn mla_layer_params(&self) -> u64 {
-        let d = self.hidden_size as u64;
-        let m = &self.mla;
-        let h = m.num_heads as u64;
-        let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as u64;
-        let q = match m.q_lora_rank {
-            Some(r) => d * r as u64 + r as u64 + r as u64 * h * qk,
-            None => d * h * qk,
-        };
-        let kv_a = d * (m.kv_lora_rank + m.qk_rope_head_dim) as u64 + m.kv_lora_rank as u64;
-        let kv_b = m.kv_lora_rank as u64 * h * (m.qk_nope_head_dim + m.v_head_dim) as u64;
-        let o = h * m.v_head_dim as u64 * d;
-        let gate = if m.use_output_gate {
-            d * h * m.v_head_dim as u64
-        } else {
-            0
-        };
-        q + kv_a + kv_b + o + gate
+        self.mla_config().num_params()
     }
 
     fn params(&self, active: bool) -> u64 {

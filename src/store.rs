@@ -131,27 +131,28 @@ impl SafeTensorsReader {
             reason: e.to_string(),
         })?;
         let raw = view.data();
-        let data: Vec<f32> =
-            match view.dtype() {
-                Dtype::F32 => raw
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect(),
-                Dtype::F16 => raw
-                    .chunks_exact(2)
-                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect(),
-                Dtype::BF16 => raw
-                    .chunks_exact(2)
-                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect(),
-                other => return Err(Error::SafeTensors {
+        let data: Vec<f32> = match view.dtype() {
+            Dtype::F32 => raw
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::F16 => raw
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::BF16 => raw
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(Error::SafeTensors {
                     path: path.clone(),
                     reason: format!(
                         "tensor {name} has dtype {other:?}; only F32, F16 and BF16 are supported"
                     ),
-                }),
-            };
+                })
+            }
+        };
         Ok(Some(HostTensor {
             shape: view.shape().to_vec(),
             data,

@@ -4,14 +4,20 @@
 //! `#[derive(Module)]` struct with a `forward` method. Configs also offer `try_init`, which reports
 //! invalid values as an [`Error`](crate::Error) instead of panicking.
 
+pub mod attn_res;
 pub mod balance;
 pub mod latent_moe;
+pub mod mla;
+mod mla_cache;
 pub mod norm;
 pub mod router;
 pub mod situ_glu;
 
+pub use attn_res::{AttnResConfig, AttnResMix};
 pub use balance::{BalanceState, Balancer, BalancerKind, MoeStats, QuantileBalancer, SignBalancer};
 pub use latent_moe::{LatentMoe, LatentMoeConfig, MoeLayout, MoeOutput};
+pub use mla::{GatedMla, MlaConfig};
+pub use mla_cache::MlaCache;
 pub use norm::{RmsNorm, RmsNormConfig};
 pub use router::{Router, RouterConfig, RouterOptions, Routing};
 pub use situ_glu::{GluActivation, SituGlu, SituGluConfig};

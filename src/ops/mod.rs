@@ -2,7 +2,9 @@
 //!
 //! Each op here runs on any Burn backend (with autodiff); modules in [`crate::nn`] call them.
 
+pub mod attn_res;
 pub mod dispatch;
+pub mod mla;
 pub mod norm;
 pub mod precision;
 pub mod route;

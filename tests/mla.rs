@@ -1,0 +1,619 @@
+//! Gated NoPE MLA (SPEC §5) and Attention Residuals (SPEC §6) against independent references.
+
+mod common;
+
+use burn::module::{Module, Param};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Bool, Tensor, TensorData};
+use common::*;
+use kimi_burn::nn::mla::AttentionKind;
+use kimi_burn::nn::{AttnResConfig, AttnResMix, GatedMla, MlaCache, MlaConfig};
+use kimi_burn::ops::attn_res::attn_res;
+use kimi_burn::KimiConfig;
+use rand::rngs::StdRng;
+use rand::Rng;
+
+const TOL: f64 = 1e-5;
+
+/// Small, deliberately uneven head geometry (dn ≠ dv, dr ≠ dn).
+fn small(q_lora: Option<usize>, gate: bool) -> MlaConfig {
+    MlaConfig::new(24, 3)
+        .with_q_lora_rank(q_lora)
+        .with_kv_lora_rank(10)
+        .with_qk_nope_head_dim(6)
+        .with_qk_rope_head_dim(4)
+        .with_v_head_dim(5)
+        .with_use_output_gate(gate)
+}
+
+/// The four variants: with and without q LoRA, with and without the gate.
+fn variants() -> Vec<MlaConfig> {
+    let mut v = Vec::new();
+    for q_lora in [None, Some(7)] {
+        for gate in [false, true] {
+            v.push(small(q_lora, gate));
+        }
+    }
+    v
+}
+
+/// A layer with random norm gains too (they start at one, which would hide a missing gain).
+fn layer<B: Backend>(config: &MlaConfig, rng: &mut StdRng, device: &B::Device) -> GatedMla<B> {
+    let mut mla = config.init::<B>(device);
+    let r = config.kv_lora_rank;
+    mla.kv_a_layernorm.weight = Param::from_tensor(uniform(rng, [r], 0.5, 1.5, device));
+    if let (Some(norm), Some(rank)) = (mla.q_a_layernorm.as_mut(), config.q_lora_rank) {
+        norm.weight = Param::from_tensor(uniform(rng, [rank], 0.5, 1.5, device));
+    }
+    mla
+}
+
+fn mask<B: Backend>(pad: &[bool], shape: [usize; 2], device: &B::Device) -> Tensor<B, 2, Bool> {
+    Tensor::from_data(TensorData::new(pad.to_vec(), shape), device)
+}
+
+fn rows(
+    t: &[f64],
+    batch: usize,
+    seq: usize,
+    width: usize,
+    range: std::ops::Range<usize>,
+) -> Vec<f64> {
+    (0..batch)
+        .flat_map(|b| {
+            range
+                .clone()
+                .flat_map(move |i| (0..width).map(move |c| t[(b * seq + i) * width + c]))
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host f64 reference of the expanded layer, written from SPEC §5 with plain loops.
+
+fn vecmat(x: &[f64], w: &[f64], d_out: usize) -> Vec<f64> {
+    let mut y = vec![0.0; d_out];
+    for (i, xi) in x.iter().enumerate() {
+        for (o, yo) in y.iter_mut().enumerate() {
+            *yo += xi * w[i * d_out + o];
+        }
+    }
+    y
+}
+
+fn rms(x: &[f64], gain: &[f64], eps: f64) -> Vec<f64> {
+    let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + eps).sqrt();
+    x.iter().zip(gain).map(|(v, g)| v * inv * g).collect()
+}
+
+fn reference<B: Backend>(
+    mla: &GatedMla<B>,
+    config: &MlaConfig,
+    x: &[f64],
+    shape: [usize; 3],
+    pad: &[bool],
+) -> Vec<f64> {
+    let [batch, seq, d] = shape;
+    let (h, dn, dr, dv, r) = (
+        config.num_heads,
+        config.qk_nope_head_dim,
+        config.qk_rope_head_dim,
+        config.v_head_dim,
+        config.kv_lora_rank,
+    );
+    let w = |l: &burn::nn::Linear<B>| host(l.weight.val());
+    let qk = dn + dr;
+    let scale = 1.0 / (qk as f64).sqrt();
+    let kv_a = w(&mla.kv_a_proj_with_mqa);
+    let kv_gain = host(mla.kv_a_layernorm.weight.val());
+    let kv_b = w(&mla.kv_b_proj);
+    let o_proj = w(&mla.o_proj);
+    let query = |xi: &[f64]| match &mla.q_proj {
+        Some(q) => vecmat(xi, &w(q), h * qk),
+        None => {
+            let rank = config.q_lora_rank.expect("q LoRA");
+            let a = vecmat(xi, &w(mla.q_a_proj.as_ref().expect("q_a_proj")), rank);
+            let gain = host(
+                mla.q_a_layernorm
+                    .as_ref()
+                    .expect("q_a_layernorm")
+                    .weight
+                    .val(),
+            );
+            vecmat(
+                &rms(&a, &gain, config.rms_norm_eps),
+                &w(mla.q_b_proj.as_ref().expect("q_b_proj")),
+                h * qk,
+            )
+        }
+    };
+    let mut out = vec![0.0; batch * seq * d];
+    for b in 0..batch {
+        let tok = |i: usize| &x[(b * seq + i) * d..(b * seq + i + 1) * d];
+        let ckv: Vec<Vec<f64>> = (0..seq).map(|j| vecmat(tok(j), &kv_a, r + dr)).collect();
+        let kv: Vec<Vec<f64>> = ckv
+            .iter()
+            .map(|c| {
+                vecmat(
+                    &rms(&c[..r], &kv_gain, config.kv_norm_eps),
+                    &kv_b,
+                    h * (dn + dv),
+                )
+            })
+            .collect();
+        for i in 0..seq {
+            let q = query(tok(i));
+            let mut o = vec![0.0; h * dv];
+            for head in 0..h {
+                let qh = &q[head * qk..(head + 1) * qk];
+                let keys: Vec<usize> = (0..=i).filter(|&j| !pad[b * seq + j]).collect();
+                let scores: Vec<f64> = keys
+                    .iter()
+                    .map(|&j| {
+                        let k_nope = &kv[j][head * (dn + dv)..head * (dn + dv) + dn];
+                        let k_pe = &ckv[j][r..];
+                        let s: f64 = qh[..dn].iter().zip(k_nope).map(|(a, b)| a * b).sum::<f64>()
+                            + qh[dn..].iter().zip(k_pe).map(|(a, b)| a * b).sum::<f64>();
+                        s * scale
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for (&j, ej) in keys.iter().zip(&e) {
+                    let v = &kv[j][head * (dn + dv) + dn..(head + 1) * (dn + dv)];
+                    for c in 0..dv {
+                        o[head * dv + c] += ej / z * v[c];
+                    }
+                }
+            }
+            if let Some(g) = &mla.g_proj {
+                let gate = vecmat(tok(i), &w(g), h * dv);
+                for (oc, gc) in o.iter_mut().zip(gate) {
+                    *oc /= 1.0 + (-gc).exp();
+                }
+            }
+            if pad[b * seq + i] {
+                o.fill(0.0);
+            }
+            out[(b * seq + i) * d..(b * seq + i + 1) * d].copy_from_slice(&vecmat(&o, &o_proj, d));
+        }
+    }
+    out
+}
+
+/// The expanded forward (both attention kinds) equals the host reference, with padding.
+fn expanded_matches_reference<B: AutodiffBackend>(device: &B::Device) {
+    let mut rng = rng(11);
+    let [batch, seq] = [2, 7];
+    // Left padding in row 0, right padding in row 1.
+    let pad: Vec<bool> = (0..batch * seq)
+        .map(|k| (k < 2) || k >= 2 * seq - 1)
+        .collect();
+    for config in variants() {
+        let mla = layer::<B>(&config, &mut rng, device);
+        let x = randn::<B, 3>(&mut rng, [batch, seq, 24], 1.0, device);
+        let expected = reference(&mla, &config, &host(x.clone()), [batch, seq, 24], &pad);
+        let mut outputs = Vec::new();
+        for kind in [AttentionKind::Fused, AttentionKind::Plain] {
+            let mut mla = mla.clone();
+            mla.attention = kind;
+            let y = host(mla.forward(x.clone(), Some(mask(&pad, [batch, seq], device))));
+            assert_close(&format!("{config:?} {kind:?}"), &expected, &y, TOL);
+            outputs.push(y);
+        }
+        assert_close("fused vs plain", &outputs[1], &outputs[0], TOL);
+        let no_pad = vec![false; batch * seq];
+        let expected = reference(&mla, &config, &host(x.clone()), [batch, seq, 24], &no_pad);
+        assert_close("no padding", &expected, &host(mla.forward(x, None)), TOL);
+    }
+}
+on_backends!(expanded_vs_host_reference, expanded_matches_reference);
+
+// ---------------------------------------------------------------------------------------------
+
+/// Prefill T1 tokens into an empty cache, then decode T2 tokens one by one: every output equals
+/// the expanded forward over T1 + T2 at the same position (absorbed vs expanded form).
+fn absorbed_decode_matches_expanded<B: AutodiffBackend>(device: &B::Device) {
+    let mut rng = rng(12);
+    let [batch, t1, t2] = [2, 5, 3];
+    for config in variants() {
+        let mla = layer::<B>(&config, &mut rng, device);
+        let x = randn::<B, 3>(&mut rng, [batch, t1 + t2, 24], 1.0, device);
+        let full = host(mla.forward(x.clone(), None));
+        // Prefill in the absorbed form (forward_cached) and in the expanded form (prefill).
+        for expanded_prefill in [false, true] {
+            let mut cache = MlaCache::new();
+            let head = x.clone().narrow(1, 0, t1);
+            let prefill = match expanded_prefill {
+                false => mla.forward_cached(head, None, &mut cache),
+                true => mla.prefill(head, None, &mut cache),
+            };
+            let what = format!("{config:?}, expanded prefill {expanded_prefill}");
+            assert_close(
+                &format!("prefill {what}"),
+                &rows(&full, batch, t1 + t2, 24, 0..t1),
+                &host(prefill),
+                TOL,
+            );
+            for i in t1..t1 + t2 {
+                let y = mla.forward_cached(x.clone().narrow(1, i, 1), None, &mut cache);
+                assert_close(
+                    &format!("decode {i} {what}"),
+                    &rows(&full, batch, t1 + t2, 24, i..i + 1),
+                    &host(y),
+                    TOL,
+                );
+            }
+            assert_eq!(cache.len(), t1 + t2);
+            let (c, k_pe) = cache.tensors().expect("filled");
+            assert_eq!(c.dims(), [batch, t1 + t2, config.kv_lora_rank]);
+            assert_eq!(k_pe.dims(), [batch, t1 + t2, config.qk_rope_head_dim]);
+            let err = mla
+                .try_prefill(x.clone(), None, &mut cache)
+                .expect_err("non-empty cache")
+                .to_string();
+            assert!(err.contains(&format!("{}", t1 + t2)), "{err}");
+        }
+    }
+}
+on_backends!(
+    absorbed_decode_vs_expanded,
+    absorbed_decode_matches_expanded
+);
+
+/// Chunked prefill (several tokens into a non-empty cache) with padding kept in the cache.
+fn chunked_prefill_with_padding<B: AutodiffBackend>(device: &B::Device) {
+    let mut rng = rng(13);
+    let [batch, seq] = [2, 9];
+    let config = small(Some(7), true);
+    let mla = layer::<B>(&config, &mut rng, device);
+    let x = randn::<B, 3>(&mut rng, [batch, seq, 24], 1.0, device);
+    let pad: Vec<bool> = (0..batch * seq).map(|k| k < 3 || k == seq + 4).collect();
+    let full = host(mla.forward(x.clone(), Some(mask(&pad, [batch, seq], device))));
+    let mut cache = MlaCache::new();
+    let mut start = 0;
+    for len in [4, 1, 3, 1] {
+        let chunk_pad: Vec<bool> = (0..batch)
+            .flat_map(|b| pad[b * seq + start..b * seq + start + len].to_vec())
+            .collect();
+        let y = mla.forward_cached(
+            x.clone().narrow(1, start, len),
+            Some(mask(&chunk_pad, [batch, len], device)),
+            &mut cache,
+        );
+        assert_close(
+            &format!("chunk at {start}"),
+            &rows(&full, batch, seq, 24, start..start + len),
+            &host(y),
+            TOL,
+        );
+        start += len;
+    }
+}
+on_backends!(chunked_prefill_padding, chunked_prefill_with_padding);
+
+/// NoPE: prefixing a sequence with masked padding shifts every token's position but not its
+/// output, in the expanded and the cached form. NoPE also ignores the order of the earlier
+/// tokens (a shift alone cannot tell it from RoPE, which is relative): reversing them leaves the
+/// last token's output unchanged, and with RoPE switched on it must change (the check can fail).
+fn nope_is_position_free<B: AutodiffBackend>(device: &B::Device) {
+    let mut rng = rng(14);
+    let [seq, prefix] = [6, 3];
+    for use_nope in [true, false] {
+        let config = small(Some(7), true).with_use_nope(use_nope);
+        let mla = layer::<B>(&config, &mut rng, device);
+        let x = randn::<B, 3>(&mut rng, [1, seq, 24], 1.0, device);
+        let plain = host(mla.forward(x.clone(), None));
+        let reversed = Tensor::cat(
+            vec![
+                x.clone().narrow(1, 0, seq - 1).flip([1]),
+                x.clone().narrow(1, seq - 1, 1),
+            ],
+            1,
+        );
+        let last = rows(&plain, 1, seq, 24, seq - 1..seq);
+        let last_reversed = rows(&host(mla.forward(reversed, None)), 1, seq, 24, seq - 1..seq);
+        if use_nope {
+            assert_close("NoPE order", &last, &last_reversed, TOL);
+            let junk = randn::<B, 3>(&mut rng, [1, prefix, 24], 3.0, device);
+            let shifted = Tensor::cat(vec![junk, x.clone()], 1);
+            let pad: Vec<bool> = (0..prefix + seq).map(|i| i < prefix).collect();
+            let moved =
+                host(mla.forward(shifted.clone(), Some(mask(&pad, [1, prefix + seq], device))));
+            assert_close(
+                "NoPE shift",
+                &plain,
+                &rows(&moved, 1, prefix + seq, 24, prefix..prefix + seq),
+                TOL,
+            );
+            // The same through the cache, which remembers the padding.
+            let mut cache = MlaCache::new();
+            let head = prefix + 2;
+            mla.forward_cached(
+                shifted.clone().narrow(1, 0, head),
+                Some(mask(&pad[..head], [1, head], device)),
+                &mut cache,
+            );
+            let rest = mla.forward_cached(shifted.narrow(1, head, seq - 2), None, &mut cache);
+            assert_close(
+                "NoPE shift, cached",
+                &rows(&plain, 1, seq, 24, 2..seq),
+                &host(rest),
+                TOL,
+            );
+        } else {
+            assert!(
+                rel_err(&last, &last_reversed) > 1e-3,
+                "RoPE should see the order"
+            );
+            // k_pe is rotated before it is cached: the absorbed decode still equals the expanded form.
+            let mut cache = MlaCache::new();
+            mla.forward_cached(x.clone().narrow(1, 0, 2), None, &mut cache);
+            let rest = mla.forward_cached(x.narrow(1, 2, seq - 2), None, &mut cache);
+            assert_close(
+                "RoPE cached",
+                &rows(&plain, 1, seq, 24, 2..seq),
+                &host(rest),
+                TOL,
+            );
+        }
+    }
+}
+on_backends!(nope_position_free, nope_is_position_free);
+
+/// Padding keys have no influence: new content at padded positions leaves the valid outputs
+/// unchanged, padded outputs are zero, and a fully padded row gives zeros and finite gradients.
+fn padding_has_no_influence<B: AutodiffBackend>(device: &B::Device) {
+    let mut rng = rng(15);
+    let [batch, seq] = [3, 6];
+    // Row 0: padding in the middle and at the end; row 1: left padding; row 2: all padding.
+    let pad: Vec<bool> = (0..batch * seq)
+        .map(|k| {
+            let (b, i) = (k / seq, k % seq);
+            match b {
+                0 => i == 2 || i == 5,
+                1 => i < 2,
+                _ => true,
+            }
+        })
+        .collect();
+    for kind in [AttentionKind::Fused, AttentionKind::Plain] {
+        let mut mla = layer::<B>(&small(None, true), &mut rng, device);
+        mla.attention = kind;
+        let x = randn::<B, 3>(&mut rng, [batch, seq, 24], 1.0, device);
+        let other = randn::<B, 3>(&mut rng, [batch, seq, 24], 5.0, device);
+        let m3 = mask::<B>(&pad, [batch, seq], device)
+            .reshape([batch, seq, 1])
+            .expand([batch, seq, 24]);
+        let x2 = x.clone().mask_where(m3, other);
+        let x = x.require_grad();
+        let y = mla.forward(x.clone(), Some(mask(&pad, [batch, seq], device)));
+        let y2 = host(mla.forward(x2, Some(mask(&pad, [batch, seq], device))));
+        let y_host = host(y.clone());
+        assert_close(&format!("{kind:?}: padding content"), &y_host, &y2, TOL);
+        let zeros = y_host
+            .chunks(24)
+            .zip(&pad)
+            .all(|(row, &p)| !p || row.iter().all(|v| *v == 0.0));
+        assert!(zeros, "{kind:?}: padded positions must output zero");
+        let weights = randn::<B, 3>(&mut rng, [batch, seq, 24], 1.0, device);
+        let grads = y.mul(weights).sum().backward();
+        let gx = host(x.grad(&grads).expect("x grad"));
+        assert!(
+            gx.iter().all(|v| v.is_finite()),
+            "{kind:?}: NaN in the input gradient"
+        );
+    }
+}
+on_backends!(padding_mask, padding_has_no_influence);
+
+/// Every parameter gets a finite, non-zero gradient (both q forms, gate on).
+fn all_parameters_learn<B: AutodiffBackend>(device: &B::Device) {
+    let mut rng = rng(16);
+    for config in [small(None, true), small(Some(7), true)] {
+        let mla = layer::<B>(&config, &mut rng, device);
+        let x = randn::<B, 3>(&mut rng, [2, 5, 24], 1.0, device);
+        let weights = randn::<B, 3>(&mut rng, [2, 5, 24], 1.0, device);
+        let grads = mla.forward(x, None).mul(weights).sum().backward();
+        let mut params: Vec<(&str, Option<Tensor<B::InnerBackend, 1>>)> = vec![
+            ("kv_a_layernorm", mla.kv_a_layernorm.weight.grad(&grads)),
+            (
+                "kv_a_proj_with_mqa",
+                mla.kv_a_proj_with_mqa
+                    .weight
+                    .grad(&grads)
+                    .map(|g| g.flatten(0, 1)),
+            ),
+            (
+                "kv_b_proj",
+                mla.kv_b_proj.weight.grad(&grads).map(|g| g.flatten(0, 1)),
+            ),
+            (
+                "o_proj",
+                mla.o_proj.weight.grad(&grads).map(|g| g.flatten(0, 1)),
+            ),
+        ];
+        let lin = |l: &Option<burn::nn::Linear<B>>| {
+            l.as_ref()
+                .and_then(|l| l.weight.grad(&grads))
+                .map(|g| g.flatten(0, 1))
+        };
+        params.push(("g_proj", lin(&mla.g_proj)));
+        if config.q_lora_rank.is_some() {
+            params.push(("q_a_proj", lin(&mla.q_a_proj)));
+            params.push(("q_b_proj", lin(&mla.q_b_proj)));
+            params.push((
+                "q_a_layernorm",
+                mla.q_a_layernorm
+                    .as_ref()
+                    .and_then(|n| n.weight.grad(&grads)),
+            ));
+        } else {
+            params.push(("q_proj", lin(&mla.q_proj)));
+        }
+        for (name, g) in params {
+            let g = host(g.unwrap_or_else(|| panic!("{name}: no gradient")));
+            assert!(
+                g.iter().all(|v| v.is_finite()),
+                "{name}: non-finite gradient"
+            );
+            assert!(g.iter().any(|v| *v != 0.0), "{name}: zero gradient");
+        }
+    }
+}
+on_backends!(parameter_gradients, all_parameters_learn);
+
+#[test]
+fn presets_give_the_published_mla_shapes() {
+    let linear = KimiConfig::kimi_linear_48b().mla_config();
+    assert_eq!(
+        (linear.num_heads, linear.q_lora_rank, linear.use_output_gate),
+        (32, None, false)
+    );
+    let k3 = KimiConfig::k3().mla_config();
+    assert_eq!(
+        (
+            k3.num_heads,
+            k3.q_lora_rank,
+            k3.use_output_gate,
+            k3.use_nope
+        ),
+        (96, Some(1536), true, true)
+    );
+    assert_eq!(
+        (
+            k3.kv_lora_rank,
+            k3.qk_nope_head_dim,
+            k3.qk_rope_head_dim,
+            k3.v_head_dim
+        ),
+        (512, 128, 64, 128)
+    );
+    // K3 counted by hand: q LoRA, kv_a (+ norm), kv_b, o_proj, g_proj.
+    let by_hand: u64 = 7168 * 1536
+        + 1536
+        + 1536 * 96 * 192
+        + 7168 * 576
+        + 512
+        + 512 * 96 * 256
+        + 2 * 96 * 128 * 7168;
+    assert_eq!(KimiConfig::k3().mla_layer_params(), by_hand);
+    let tiny = KimiConfig::tiny();
+    let module = tiny.mla_config().init::<Cpu>(&Default::default());
+    assert_eq!(tiny.mla_layer_params(), module.num_params() as u64);
+    let mut bad = KimiConfig::tiny();
+    bad.mla.qk_rope_head_dim = 0;
+    let err = bad.validate().expect_err("rope 0").to_string();
+    assert!(err.contains("qk_rope_head_dim"), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// AttnRes (SPEC §6)
+
+/// Host f64 evaluation of the SPEC §6 formula.
+fn attn_res_reference(sources: &[Vec<f64>], w_proj: &[f64], w_norm: &[f64], eps: f64) -> Vec<f64> {
+    let d = w_proj.len();
+    let tokens = sources[0].len() / d;
+    let mut out = vec![0.0; sources[0].len()];
+    for t in 0..tokens {
+        let scores: Vec<f64> = sources
+            .iter()
+            .map(|v| {
+                let row = &v[t * d..(t + 1) * d];
+                let inv = 1.0 / (row.iter().map(|x| x * x).sum::<f64>() / d as f64 + eps).sqrt();
+                (0..d).map(|k| row[k] * inv * w_norm[k] * w_proj[k]).sum()
+            })
+            .collect();
+        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+        let z: f64 = e.iter().sum();
+        for (v, en) in sources.iter().zip(&e) {
+            for k in 0..d {
+                out[t * d + k] += en / z * v[t * d + k];
+            }
+        }
+    }
+    out
+}
+
+fn random_sources<B: Backend>(
+    rng: &mut StdRng,
+    n: usize,
+    shape: [usize; 3],
+    device: &B::Device,
+) -> Vec<Tensor<B, 3>> {
+    // Sources of very different scales, as residual streams are.
+    (0..n)
+        .map(|_| {
+            let scale = rng.random_range(0.2..4.0);
+            randn(rng, shape, scale, device)
+        })
+        .collect()
+}
+
+/// At init the mix is the mean of its sources; with random parameters it follows the formula.
+fn attn_res_matches_formula<B: AutodiffBackend>(device: &B::Device) {
+    let mut rng = rng(21);
+    let shape = [2, 3, 10];
+    for n in [1, 2, 4] {
+        let sources = random_sources::<B>(&mut rng, n, shape, device);
+        let (partial, blocks) = sources.split_last().expect("n ≥ 1");
+        let mix: AttnResMix<B> = AttnResConfig::new(10).init(device);
+        let hosts: Vec<Vec<f64>> = sources.iter().map(|s| host(s.clone())).collect();
+        let mean: Vec<f64> = (0..hosts[0].len())
+            .map(|k| hosts.iter().map(|h| h[k]).sum::<f64>() / n as f64)
+            .collect();
+        assert_close(
+            &format!("mean of {n}"),
+            &mean,
+            &host(mix.forward(partial.clone(), blocks)),
+            TOL,
+        );
+        let w_proj = randn::<B, 1>(&mut rng, [10], 1.0, device);
+        let w_norm = uniform::<B, 1>(&mut rng, [10], 0.5, 2.0, device);
+        let expected =
+            attn_res_reference(&hosts, &host(w_proj.clone()), &host(w_norm.clone()), 1e-5);
+        let out = attn_res(partial.clone(), blocks, w_proj, w_norm, 1e-5);
+        assert_close(
+            &format!("formula with {n} sources"),
+            &expected,
+            &host(out),
+            TOL,
+        );
+    }
+}
+on_backends!(attn_res_formula, attn_res_matches_formula);
+
+/// From the zero-query init, the pseudo-query gets a non-zero gradient (so training can leave
+/// the mean); once it is non-zero, so does the norm gain.
+fn attn_res_parameters_learn<B: AutodiffBackend>(device: &B::Device) {
+    let mut rng = rng(22);
+    let shape = [2, 3, 10];
+    let sources = random_sources::<B>(&mut rng, 3, shape, device);
+    let (partial, blocks) = sources.split_last().expect("3 sources");
+    let weights = randn::<B, 3>(&mut rng, shape, 1.0, device);
+    let mut mix: AttnResMix<B> = AttnResConfig::new(10).init(device);
+    let grads = mix
+        .forward(partial.clone(), blocks)
+        .mul(weights.clone())
+        .sum()
+        .backward();
+    let g_proj = host(mix.proj.grad(&grads).expect("proj grad"));
+    assert!(
+        g_proj.iter().all(|v| v.is_finite()) && g_proj.iter().any(|v| v.abs() > 1e-6),
+        "proj gradient {g_proj:?}"
+    );
+    mix.proj = Param::from_tensor(randn(&mut rng, [10], 0.5, device));
+    let grads = mix
+        .forward(partial.clone(), blocks)
+        .mul(weights)
+        .sum()
+        .backward();
+    let g_norm = host(mix.norm.grad(&grads).expect("norm grad"));
+    assert!(
+        g_norm.iter().all(|v| v.is_finite()) && g_norm.iter().any(|v| v.abs() > 1e-6),
+        "norm gradient {g_norm:?}"
+    );
+}
+on_backends!(attn_res_gradients, attn_res_parameters_learn);
