@@ -5,12 +5,14 @@
 //! invalid values as an [`Error`](crate::Error) instead of panicking.
 
 pub mod balance;
+pub mod kda;
 pub mod latent_moe;
 pub mod norm;
 pub mod router;
 pub mod situ_glu;
 
 pub use balance::{BalanceState, Balancer, BalancerKind, MoeStats, QuantileBalancer, SignBalancer};
+pub use kda::{KdaCache, KdaConfig, KimiDeltaAttention};
 pub use latent_moe::{LatentMoe, LatentMoeConfig, MoeLayout, MoeOutput};
 pub use norm::{RmsNorm, RmsNormConfig};
 pub use router::{Router, RouterConfig, RouterOptions, Routing};

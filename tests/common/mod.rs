@@ -70,8 +70,11 @@ pub fn uniform<B: Backend, const D: usize>(rng: &mut StdRng, shape: [usize; D], 
 }
 
 /// Uploads host values in the backend's float dtype.
+///
+/// `from_data`, not `from_floats`: Burn's `from_floats` converts to f32 first, which would round
+/// f64 finite-difference inputs to f32.
 pub fn from_f64<B: Backend, const D: usize>(v: &[f64], shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
-    Tensor::<B, 1>::from_floats(TensorData::new(v.to_vec(), Shape::new([v.len()])), device).reshape(shape)
+    Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), Shape::new([v.len()])), device).reshape(shape)
 }
 
 /// Reads any float tensor back as f64.
