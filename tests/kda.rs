@@ -321,3 +321,308 @@ fn chunk_gradients_match_finite_differences_f64() {
     }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Gate helpers against scalar formulas in f64.
+
+fn sigmoid64(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+#[test]
+fn kda_gate_matches_the_scalar_formula() {
+    let d: burn::tensor::Device<Cpu64> = Default::default();
+    let (b, t, h, k) = (2, 3, 3, 5);
+    let mut r = rng(200);
+    // Scaled so that some f + dt_bias exceed 20, where softplus is the identity.
+    let f = randn::<Cpu64, 4>(&mut r, [b, t, h, k], 12.0, &d);
+    let a_log = uniform::<Cpu64, 1>(&mut r, [h], 1.0, 16.0, &d).log();
+    let dt_bias = randn::<Cpu64, 1>(&mut r, [h * k], 1.0, &d);
+    let (fv, av, dv) = (host(f.clone()), host(a_log.clone()), host(dt_bias.clone()));
+    assert!(fv.iter().any(|x| *x > 25.0), "the draw must reach the linear branch of softplus");
+    for lb in [None, Some(-5.0f32), Some(-0.5)] {
+        let got = host(kda_gate(f.clone(), a_log.clone(), dt_bias.clone(), lb));
+        let want: Vec<f64> = (0..fv.len())
+            .map(|i| {
+                let (hi, ki) = ((i / k) % h, i % k);
+                let x = fv[i] + dv[hi * k + ki];
+                let a = av[hi].exp();
+                match lb {
+                    None => -a * if x > 20.0 { x } else { x.exp().ln_1p() },
+                    Some(lb) => lb as f64 * sigmoid64(a * x),
+                }
+            })
+            .collect();
+        assert!(got.iter().all(|g| *g <= 0.0), "gates must be ≤ 0");
+        assert_close(&format!("kda_gate lb={lb:?}"), &want, &got, 1e-12);
+    }
+}
+
+#[test]
+fn rms_norm_gated_matches_the_scalar_formula() {
+    let d: burn::tensor::Device<Cpu64> = Default::default();
+    let dims = [2, 3, 4, 6];
+    let mut r = rng(210);
+    let o = randn::<Cpu64, 4>(&mut r, dims, 2.0, &d);
+    let z = randn::<Cpu64, 4>(&mut r, dims, 3.0, &d);
+    let w = randn::<Cpu64, 1>(&mut r, [6], 1.0, &d);
+    let eps = 1e-5;
+    let got = host(rms_norm_gated(o.clone(), z.clone(), w.clone(), eps));
+    let (ov, zv, wv) = (host(o), host(z), host(w));
+    let mut want = Vec::new();
+    for (row, zrow) in ov.chunks(6).zip(zv.chunks(6)) {
+        let rms = (row.iter().map(|x| x * x).sum::<f64>() / 6.0 + eps).sqrt();
+        want.extend(row.iter().zip(zrow).zip(&wv).map(|((x, z), w)| x / rms * w * sigmoid64(*z)));
+    }
+    assert_close("rms_norm_gated", &want, &got, 1e-12);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The layer.
+
+fn small_configs() -> [KdaConfig; 2] {
+    [
+        // Kimi-Linear style: softplus gate, low-rank output gate.
+        KdaConfig::new(32, 2, 16),
+        // K3 style: safe gate at −5, full-rank output gate, chunks of 16.
+        KdaConfig::new(32, 2, 16).with_gate_lower_bound(Some(-5.0)).with_use_full_rank_gate(true).with_chunk_size(16),
+    ]
+}
+
+#[test]
+fn layer_param_count_matches_config_and_presets() {
+    let d = Default::default();
+    for cfg in small_configs().into_iter().chain([KdaConfig::new(24, 3, 8).with_conv_size(3)]) {
+        let layer: KimiDeltaAttention<Cpu> = cfg.init(&d);
+        assert_eq!(layer.num_params() as u64, cfg.num_params(), "{cfg:?}");
+    }
+    let tiny = KimiConfig::tiny();
+    let layer: KimiDeltaAttention<Cpu> = tiny.kda_config().init(&d);
+    assert_eq!(layer.num_params() as u64, tiny.kda_layer_params());
+
+    let kl = KimiConfig::kimi_linear_48b().kda_config();
+    assert_eq!((kl.num_heads, kl.head_dim, kl.gate_lower_bound, kl.use_full_rank_gate), (32, 128, None, false));
+    assert_eq!(kl.d_model, 2304);
+    let k3 = KimiConfig::k3().kda_config();
+    assert_eq!((k3.num_heads, k3.head_dim, k3.gate_lower_bound, k3.use_full_rank_gate), (96, 128, Some(-5.0), true));
+    for cfg in [&kl, &k3] {
+        cfg.validate().expect("preset KDA config is valid");
+    }
+    assert!(KimiConfig::k3().validate().is_ok());
+}
+
+/// Prefill `t1` tokens through the cache, then decode `t2` one at a time: equal to one pass.
+fn check_prefill_then_decode<B: Backend>(cfg: &KdaConfig, t1: usize, t2: usize, device: &B::Device) {
+    B::seed(device, 7);
+    let layer: KimiDeltaAttention<B> = cfg.init(device);
+    let x = randn::<B, 3>(&mut rng(300 + t1 as u64), [2, t1 + t2, cfg.d_model], 1.0, device);
+    let full = host(layer.forward(x.clone(), None));
+    let mut cache = KdaCache::new();
+    let mut parts = vec![layer.forward(x.clone().narrow(1, 0, t1), Some(&mut cache))];
+    for t in t1..t1 + t2 {
+        parts.push(layer.forward(x.clone().narrow(1, t, 1), Some(&mut cache)));
+    }
+    let stepped = host(Tensor::cat(parts, 1));
+    assert_close(&format!("prefill {t1} + decode {t2}, {cfg:?}"), &full, &stepped, 1e-5);
+    assert_eq!(cache.state.expect("state").dims(), [2, cfg.num_heads, cfg.head_dim, cfg.head_dim]);
+    assert_eq!(cache.conv.expect("conv tail").dims(), [2, 3 * cfg.num_heads * cfg.head_dim, cfg.conv_size - 1]);
+}
+
+#[test]
+fn layer_prefill_then_decode_equals_one_pass() {
+    let d = Default::default();
+    for cfg in &small_configs() {
+        check_prefill_then_decode::<Cpu>(cfg, 70, 5, &d);
+    }
+    // A prefill short enough for the recurrent path, and one shorter than the conv history.
+    check_prefill_then_decode::<Cpu>(&small_configs()[0], 10, 3, &d);
+    check_prefill_then_decode::<Cpu>(&small_configs()[1], 2, 20, &d);
+}
+
+/// Packed sequences through the layer equal separate runs: outputs, states and conv tails; then a
+/// packed decode step (one token per sequence) equals separate decode steps.
+#[test]
+fn layer_packed_sequences_equal_separate_runs() {
+    let d: burn::tensor::Device<Cpu> = Default::default();
+    let cfg = &small_configs()[1];
+    let layer: KimiDeltaAttention<Cpu> = cfg.init(&d);
+    let cu = offsets(&LENGTHS);
+    let n = LENGTHS.len();
+    let total = cu[n];
+    let mut r = rng(310);
+    let x = randn::<Cpu, 3>(&mut r, [1, total, cfg.d_model], 1.0, &d);
+    let next = randn::<Cpu, 3>(&mut r, [1, n, cfg.d_model], 1.0, &d);
+
+    let mut caches: Vec<KdaCache<Cpu>> = (0..n).map(|_| KdaCache::new()).collect();
+    let mut want = Vec::new();
+    let mut want_next = Vec::new();
+    for (i, w) in cu.windows(2).enumerate() {
+        want.push(host(layer.forward(x.clone().narrow(1, w[0], w[1] - w[0]), Some(&mut caches[i]))));
+        want_next.push(host(layer.forward(next.clone().narrow(1, i, 1), Some(&mut caches[i]))));
+    }
+    let mut cache = KdaCache::new();
+    let got = host(layer.forward_packed(x, &cu, Some(&mut cache)));
+    assert_close("packed layer output", &want.concat(), &got, 1e-5);
+    let got_next = host(layer.forward_packed(next, &offsets(&[1; 6]), Some(&mut cache)));
+    assert_close("packed decode output", &want_next.concat(), &got_next, 1e-5);
+    let states: Vec<f64> = caches.iter().flat_map(|c| host(c.state.clone().expect("state"))).collect();
+    let tails: Vec<f64> = caches.iter().flat_map(|c| host(c.conv.clone().expect("tail"))).collect();
+    assert_close("packed states", &states, &host(cache.state.expect("state")), 1e-5);
+    assert_close("packed conv tails", &tails, &host(cache.conv.expect("tail")), 1e-6);
+}
+
+/// Every parameter path with its gradient's max |·| and whether it is all finite.
+struct GradReport<'a, B: AutodiffBackend> {
+    grads: &'a B::Gradients,
+    path: Vec<String>,
+    seen: Vec<(String, f64, bool)>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for GradReport<'_, B> {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let name = self.path.join(".");
+        let g = host(param.val().grad(self.grads).unwrap_or_else(|| panic!("{name} has no gradient")));
+        let max = g.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        self.seen.push((name, max, g.iter().all(|v| v.is_finite())));
+    }
+}
+
+fn check_layer_gradients<B: AutodiffBackend>(device: &B::Device) {
+    for cfg in &small_configs() {
+        B::seed(device, 11);
+        let layer: KimiDeltaAttention<B> = cfg.init(device);
+        let mut r = rng(320);
+        let x = randn::<B, 3>(&mut r, [2, 40, cfg.d_model], 1.0, device);
+        let w = randn::<B, 3>(&mut r, [2, 40, cfg.d_model], 1.0, device);
+        let grads = layer.forward(x, None).mul(w).sum().backward();
+        let mut report = GradReport::<B> { grads: &grads, path: Vec::new(), seen: Vec::new() };
+        layer.visit(&mut report);
+        assert_eq!(report.seen.len(), if cfg.use_full_rank_gate { 14 } else { 15 }, "{:?}", report.seen);
+        for (name, max, finite) in &report.seen {
+            assert!(*finite && *max > 0.0, "{name}: gradient max |g| = {max}, finite = {finite}");
+        }
+    }
+}
+
+#[test]
+fn layer_parameters_all_get_gradients() {
+    check_layer_gradients::<CpuAd>(&Default::default());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input: each case gives the expected error with the offending values in the message.
+
+fn expect_err<T>(what: &str, r: Result<T, Error>, variant: fn(&Error) -> bool, needles: &[&str]) {
+    let Err(e) = r else { panic!("{what}: expected an error") };
+    let msg = e.to_string();
+    assert!(variant(&e), "{what}: wrong variant {e:?}");
+    for n in needles {
+        assert!(msg.contains(n), "{what}: message {msg:?} lacks {n:?}");
+    }
+}
+
+#[test]
+fn bad_input_gives_clear_errors() {
+    let d: burn::tensor::Device<Cpu> = Default::default();
+    let x = inputs::<Cpu>(&mut rng(400), 1, 10, 2, 8, 4, Gates::LogSigmoid(1.0), 1, &d);
+    let is_shape = |e: &Error| matches!(e, Error::Shape { .. });
+    let is_arg = |e: &Error| matches!(e, Error::Argument { .. });
+    let call = |x: &Inputs<Cpu>, opts: KdaOptions<Cpu>| try_chunk_kda(x.q.clone(), x.k.clone(), x.v.clone(), x.g.clone(), x.beta.clone(), opts);
+
+    let bad_k = Inputs { k: x.k.clone().narrow(3, 0, 7), ..clone_inputs(&x) };
+    expect_err("k shape", call(&bad_k, KdaOptions::default()), is_shape, &["`k`", "[1, 10, 2, 7]"]);
+    let bad_v = Inputs { v: x.v.clone().narrow(1, 0, 9), ..clone_inputs(&x) };
+    expect_err("v shape", call(&bad_v, KdaOptions::default()), is_shape, &["`v`", "[1, 9, 2, 4]"]);
+    let bad_beta = Inputs { beta: x.beta.clone().narrow(2, 0, 1), ..clone_inputs(&x) };
+    expect_err("beta shape", call(&bad_beta, KdaOptions::default()), is_shape, &["`beta`", "[1, 10, 1]"]);
+    let bad_g = Inputs { g: x.g.clone().narrow(0, 0, 1).narrow(1, 0, 5), ..clone_inputs(&x) };
+    expect_err("g shape", call(&bad_g, KdaOptions::default()), is_shape, &["`g`", "[1, 5, 2, 8]"]);
+
+    for (cu, needle) in [(vec![1, 10], "start at 0"), (vec![0, 6, 6, 10], "6 then 6"), (vec![0, 4, 9], "T = 10, got 9")] {
+        expect_err("cu_seqlens", call(&x, KdaOptions::default().with_cu_seqlens(cu.clone())), is_arg, &["cu_seqlens", needle]);
+    }
+    let two = inputs::<Cpu>(&mut rng(401), 2, 10, 2, 8, 4, Gates::LogSigmoid(1.0), 2, &d);
+    expect_err("B with cu_seqlens", call(&two, KdaOptions::default().with_cu_seqlens(vec![0, 10])), is_arg, &["B = 2"]);
+
+    let wide = inputs::<Cpu>(&mut rng(402), 1, 3, 1, 257, 4, Gates::LogSigmoid(1.0), 1, &d);
+    expect_err("K > 256", call(&wide, KdaOptions::default()), is_arg, &["256", "257"]);
+
+    let mut gv = host(x.g.clone());
+    gv[17] = 0.25;
+    let positive = Inputs { g: from_f64(&gv, [1, 10, 2, 8], &d), ..clone_inputs(&x) };
+    expect_err("g > 0", call(&positive, KdaOptions::default()), is_arg, &["`g`", "0.25"]);
+    let opts = || KdaOptions::default();
+    expect_err("g > 0 naive", try_naive_recurrent_kda(positive.q.clone(), positive.k.clone(), positive.v.clone(), positive.g.clone(), positive.beta.clone(), opts()), is_arg, &["0.25"]);
+    expect_err("g > 0 fused", try_fused_recurrent_kda(positive.q.clone(), positive.k.clone(), positive.v.clone(), positive.g.clone(), positive.beta.clone(), opts()), is_arg, &["0.25"]);
+
+    for c in [8, 48, 128] {
+        expect_err("chunk size", call(&x, KdaOptions::default().with_chunk_size(c)), is_arg, &["chunk_size", &format!("got {c}")]);
+    }
+    let h0 = Tensor::<Cpu, 4>::zeros([1, 2, 4, 8], &d);
+    expect_err("initial state", call(&x, KdaOptions::default().with_initial_state(h0)), is_shape, &["initial_state", "[1, 2, 8, 4]", "[1, 2, 4, 8]"]);
+    let h0 = Tensor::<Cpu, 4>::zeros([1, 2, 8, 4], &d);
+    expect_err("initial state per sequence", call(&x, KdaOptions::default().with_initial_state(h0).with_cu_seqlens(vec![0, 3, 10])), is_shape, &["[2, 2, 8, 4]"]);
+
+    let a_log = Tensor::<Cpu, 1>::zeros([3], &d);
+    let dt = Tensor::<Cpu, 1>::zeros([16], &d);
+    expect_err("a_log shape", try_kda_gate(x.g.clone(), a_log, dt.clone(), None), is_shape, &["a_log", "[3]"]);
+    expect_err("lower bound", try_kda_gate(x.g.clone(), Tensor::zeros([2], &d), dt, Some(-7.0)), is_arg, &["-7"]);
+
+    let is_config = |e: &Error| matches!(e, Error::Config { .. });
+    expect_err("config head_dim", KdaConfig::new(32, 2, 300).try_init::<Cpu>(&d), is_config, &["head_dim", "300"]);
+    expect_err("config lower bound", KdaConfig::new(32, 2, 16).with_gate_lower_bound(Some(0.5)).try_init::<Cpu>(&d), is_config, &["0.5"]);
+    expect_err("config chunk", KdaConfig::new(32, 2, 16).with_chunk_size(100).try_init::<Cpu>(&d), is_config, &["100"]);
+    let layer: KimiDeltaAttention<Cpu> = KdaConfig::new(32, 2, 16).init(&d);
+    let xs = randn::<Cpu, 3>(&mut rng(403), [2, 5, 32], 1.0, &d);
+    let mut cache = KdaCache { state: Some(Tensor::zeros([3, 2, 16, 16], &d)), conv: None };
+    expect_err("layer cache", layer.try_forward(xs.clone(), None, Some(&mut cache)), is_shape, &["cache.state", "[3, 2, 16, 16]"]);
+    expect_err("layer width", layer.try_forward(xs.narrow(2, 0, 30), None, None), is_shape, &["[2, 5, 30]"]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Half-precision inputs: computed in f32, output in the input dtype, state in f32.
+
+fn check_half_inputs<B: Backend>(device: &B::Device) {
+    let x = inputs::<B>(&mut rng(500), 1, 40, 2, 16, 16, Gates::LogSigmoid(1.0), 1, device);
+    let (o_ref, s_ref) = run(naive_recurrent_kda, &x, KdaOptions::default());
+    let half = |t: Tensor<B, 4>| t.cast(FloatDType::F16);
+    let (o, s) = chunk_kda(half(x.q.clone()), half(x.k.clone()), half(x.v.clone()), half(x.g.clone()), x.beta.clone().cast(FloatDType::F16), KdaOptions::default().with_initial_state(x.h0.clone()).with_final_state(true).with_chunk_size(16));
+    let s = s.expect("state");
+    assert_eq!(o.dtype(), DType::F16);
+    assert_eq!(s.dtype(), DType::F32);
+    assert_close("f16 output", &o_ref, &host(o), 5e-3);
+    assert_close("f16 state", &s_ref, &host(s), 5e-3);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same checks on wgpu (small shapes: CI runs lavapipe, a software Vulkan).
+
+fn wgpu_ops<B: AutodiffBackend>(device: &B::Device) {
+    check_against_naive::<B>(chunk_kda, 600, (1, 40, 2, 16, 8), Gates::Extreme(0.1), 16, device);
+    check_against_naive::<B>(fused_recurrent_kda, 601, (2, 7, 1, 16, 8), Gates::Safe, 16, device);
+    check_packed::<B>(&[1, 15, 20], device);
+}
+on_backends!(ops_on_backends, wgpu_ops);
+
+fn wgpu_grads<B: AutodiffBackend>(device: &B::Device) {
+    check_grads_against_naive::<B>(device, (1, 20, 1, 8, 8), Gates::LogSigmoid(1.0), 16, None);
+}
+on_backends!(grads_on_backends, wgpu_grads);
+
+fn wgpu_layer<B: AutodiffBackend>(device: &B::Device) {
+    check_prefill_then_decode::<B>(&small_configs()[1], 20, 2, device);
+    check_layer_gradients::<B>(device);
+}
+on_backends!(layer_on_backends, wgpu_layer);
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn half_inputs_on_wgpu() {
+    check_half_inputs::<Gpu>(&Default::default());
+}
