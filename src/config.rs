@@ -9,6 +9,7 @@ mod hf;
 
 use crate::error::{Error, Result};
 use crate::nn::balance::BalancerKind;
+use crate::nn::kda::KdaConfig;
 use crate::nn::latent_moe::{LatentMoeConfig, MoeLayout};
 use crate::nn::mla::MlaConfig;
 use crate::nn::router::RouterOptions;
@@ -323,24 +324,23 @@ impl KimiConfig {
             }
         }
         self.mla_config().validate()?;
+        self.kda_config().validate()?;
         self.moe_config().validate()
+    }
+
+    /// The config of this model's KDA layers (Kimi-Linear: 32 heads × 128, softplus gate, low-rank
+    /// output gate; K3: 96 × 128, safe gate at −5, full-rank output gate).
+    pub fn kda_config(&self) -> KdaConfig {
+        KdaConfig::new(self.hidden_size, self.kda.num_heads, self.kda.head_dim)
+            .with_conv_size(self.kda.short_conv_kernel_size)
+            .with_gate_lower_bound(self.kda.gate_lower_bound)
+            .with_use_full_rank_gate(self.kda.use_full_rank_gate)
+            .with_norm_eps(self.rms_norm_eps)
     }
 
     /// Parameters of one KDA layer (projections, convs, gates, norm, output).
     pub fn kda_layer_params(&self) -> u64 {
-        let d = self.hidden_size as u64;
-        let (h, dk) = (self.kda.num_heads as u64, self.kda.head_dim as u64);
-        let p = h * dk;
-        let qkv = 3 * d * p;
-        let conv = 3 * p * self.kda.short_conv_kernel_size as u64;
-        let forget = d * dk + dk * p + h + p; // f_a, f_b, A_log, dt_bias
-        let beta = d * h;
-        let out_gate = if self.kda.use_full_rank_gate {
-            d * p
-        } else {
-            d * dk + dk * p
-        };
-        qkv + conv + forget + beta + out_gate + dk + p * d // o_norm weight (per head dim) + o_proj
+        self.kda_config().num_params()
     }
 
     /// The MLA layer config of the MLA layers of this model (`use_nope = false` turns on RoPE

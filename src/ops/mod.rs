@@ -4,6 +4,7 @@
 
 pub mod attn_res;
 pub mod dispatch;
+pub mod kda;
 pub mod mla;
 pub mod norm;
 pub mod precision;

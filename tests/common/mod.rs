@@ -2,7 +2,7 @@
 #![allow(dead_code, unused_macros, unused_imports)]
 
 use burn::backend::{Autodiff, NdArray};
-use burn::tensor::{backend::Backend, Shape, Tensor, TensorData};
+use burn::tensor::{backend::Backend, Element, Shape, Tensor, TensorData};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 /// CPU reference backend in f32.
@@ -86,15 +86,15 @@ pub fn uniform<B: Backend, const D: usize>(
     from_f64(&v, shape, device)
 }
 
-/// Uploads host values in the backend's float dtype (`from_data`, not `from_floats`, which
-/// rounds through f32 and would spoil f64 checks).
-pub fn from_f64<B: Backend, const D: usize>(
-    v: &[f64],
-    shape: [usize; D],
-    device: &B::Device,
-) -> Tensor<B, D> {
-    Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), Shape::new([v.len()])), device)
-        .reshape(shape)
+/// Uploads host values in the backend's float dtype.
+///
+/// `from_data` with the backend's own float dtype, not `from_floats`: Burn's `from_floats` converts
+/// to f32 first, and a bare device picks the dtype registered for that device by whichever backend
+/// used it first in the process (`NdArray<f32>` and `NdArray<f64>` share one device), which would
+/// round f64 finite-difference inputs to f32.
+pub fn from_f64<B: Backend, const D: usize>(v: &[f64], shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
+    let dtype = <B::FloatElem as Element>::dtype();
+    Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), Shape::new([v.len()])), (device, dtype)).reshape(shape)
 }
 
 /// Reads any float tensor back as f64.
