@@ -1,8 +1,11 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
+pub mod cache;
 pub mod config;
 pub mod error;
+pub mod generate;
+pub mod model;
 pub mod nn;
 pub mod ops;
 pub mod store;

@@ -17,6 +17,9 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::error::{Error, Result};
 
+mod kda;
+mod mla;
+mod model;
 mod moe;
 
 /// A tensor on the host, in f32, with its checkpoint shape.

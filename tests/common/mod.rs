@@ -92,9 +92,17 @@ pub fn uniform<B: Backend, const D: usize>(
 /// to f32 first, and a bare device picks the dtype registered for that device by whichever backend
 /// used it first in the process (`NdArray<f32>` and `NdArray<f64>` share one device), which would
 /// round f64 finite-difference inputs to f32.
-pub fn from_f64<B: Backend, const D: usize>(v: &[f64], shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
+pub fn from_f64<B: Backend, const D: usize>(
+    v: &[f64],
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
     let dtype = <B::FloatElem as Element>::dtype();
-    Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), Shape::new([v.len()])), (device, dtype)).reshape(shape)
+    Tensor::<B, 1>::from_data(
+        TensorData::new(v.to_vec(), Shape::new([v.len()])),
+        (device, dtype),
+    )
+    .reshape(shape)
 }
 
 /// Reads any float tensor back as f64.

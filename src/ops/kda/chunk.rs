@@ -215,7 +215,8 @@ fn run<B: Backend>(p: Prepared<B>, c: usize) -> (Tensor<B, 4>, Option<Tensor<B, 
     for (n, &(_, count)) in starts.iter().enumerate() {
         let mut s = initial(n);
         for _ in 0..count {
-            let (Some(wc), Some(uc), Some(kc), Some(dc)) = (ws.next(), us.next(), ks.next(), ds.next())
+            let (Some(wc), Some(uc), Some(kc), Some(dc)) =
+                (ws.next(), us.next(), ks.next(), ds.next())
             else {
                 unreachable!("the layout has exactly nc chunks");
             };

@@ -65,7 +65,10 @@ pub(crate) fn intra_chunk<B: Backend>(
     let decay = g_cum.clone().narrow(1, c - 1, 1).exp();
     // g_next[t] = g[t + 1] (0 past the end), so that a suffix sum of g_next excludes position t.
     let g_next = Tensor::cat(
-        vec![g.clone().narrow(1, 1, c - 1), g.zeros_like().narrow(1, 0, 1)],
+        vec![
+            g.clone().narrow(1, 1, c - 1),
+            g.zeros_like().narrow(1, 0, 1),
+        ],
         1,
     );
     let to_end = reverse_cumsum(g_next.clone(), 1);
@@ -111,7 +114,11 @@ pub(crate) fn intra_chunk<B: Backend>(
     };
     let strict = mask(&|i, j| j < i, s, s).reshape([1, 1, s, s]);
     let eye_blocks = mask(&|a, b| a == b, nb, nb).reshape([1, nb, 1, nb, 1]);
-    let block_diag = |x: Tensor<B, 4>| x.unsqueeze_dim::<5>(3).mul(eye_blocks.clone()).reshape([m, c, c]);
+    let block_diag = |x: Tensor<B, 4>| {
+        x.unsqueeze_dim::<5>(3)
+            .mul(eye_blocks.clone())
+            .reshape([m, c, c])
+    };
     let a_qk = qk_off.add(block_diag(diag(q_blocks)));
     let beta_rows = beta.clone().reshape([m, c, 1]);
     let a_kk = kk_off

@@ -1,0 +1,330 @@
+//! The hybrid causal language model (SPEC §6, §7): embedding, decoder layers with a KDA or MLA
+//! mixer and a dense or MoE FFN, optional Attention Residuals, final norm, untied `lm_head`.
+//!
+//! Read top to bottom: [`KimiForCausalLM::run`] is the whole forward pass, for training, prefill and
+//! decode alike.
+
+use burn::module::Module;
+use burn::nn::{Embedding, EmbeddingConfig, Linear};
+use burn::tensor::{backend::Backend, Bool, ElementConversion, Int, Tensor};
+
+pub use crate::cache::{KimiCache, LayerCache};
+pub use crate::config::KimiConfig;
+use crate::error::{Error, Result};
+pub use crate::generate::Sampling;
+use crate::nn::attn_res::{AttnResConfig, AttnResMix};
+use crate::nn::{
+    GatedMla, KimiDeltaAttention, LatentMoe, MoeStats, RmsNorm, RmsNormConfig, SituGlu,
+    SituGluConfig,
+};
+
+/// The token mixer of a decoder layer.
+// One per layer, so the size difference costs nothing; Burn's Module derive does not box.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum Mixer<B: Backend> {
+    /// Kimi Delta Attention (linear attention with a recurrent state).
+    Kda(KimiDeltaAttention<B>),
+    /// Gated NoPE MLA (global softmax attention over a latent cache).
+    Mla(GatedMla<B>),
+}
+
+/// The FFN of a decoder layer.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum Ffn<B: Backend> {
+    /// A dense SiTU-GLU / SwiGLU FFN (`mlp.*`, the first `first_k_dense_replace` layers).
+    Dense(SituGlu<B>),
+    /// The (Stable Latent) MoE (`block_sparse_moe.*`).
+    Moe(LatentMoe<B>),
+}
+
+/// One decoder layer.
+#[derive(Module, Debug)]
+pub struct DecoderLayer<B: Backend> {
+    /// Pre-mixer RMSNorm (`input_layernorm`).
+    pub input_layernorm: RmsNorm<B>,
+    /// KDA or MLA (`self_attn`).
+    pub mixer: Mixer<B>,
+    /// Pre-FFN RMSNorm (`post_attention_layernorm`).
+    pub post_attention_layernorm: RmsNorm<B>,
+    /// Dense FFN or MoE.
+    pub ffn: Ffn<B>,
+    /// AttnRes mix before the mixer (`self_attention_res_{proj,norm}`), with AttnRes on.
+    pub attn_res: Option<AttnResMix<B>>,
+    /// AttnRes mix before the FFN (`mlp_res_{proj,norm}`), with AttnRes on.
+    pub mlp_res: Option<AttnResMix<B>>,
+}
+
+/// The Kimi hybrid causal LM (Kimi-Linear, K3, and the tiny preset).
+#[derive(Module, Debug)]
+pub struct KimiForCausalLM<B: Backend> {
+    /// Token embedding `[vocab, d]` (`model.embed_tokens`).
+    pub embed_tokens: Embedding<B>,
+    /// The decoder layers (`model.layers.{i}`).
+    pub layers: Vec<DecoderLayer<B>>,
+    /// Final RMSNorm (`model.norm`).
+    pub norm: RmsNorm<B>,
+    /// The final AttnRes mix (`model.output_attn_res_{proj,norm}`), with AttnRes on.
+    pub output_res: Option<AttnResMix<B>>,
+    /// Output projection `[d, vocab]` (`lm_head`); `None` when tied to the embedding.
+    pub lm_head: Option<Linear<B>>,
+    #[module(skip)]
+    config: KimiConfig,
+}
+
+impl KimiConfig {
+    /// Builds the model, or reports an invalid config.
+    pub fn try_init<B: Backend>(&self, device: &B::Device) -> Result<KimiForCausalLM<B>> {
+        self.validate()?;
+        let d = self.hidden_size;
+        let norm = |eps| RmsNormConfig::new(d).with_epsilon(eps).init(device);
+        let res = AttnResConfig::new(d).with_epsilon(self.rms_norm_eps);
+        let with_res = self.attn_res_block_size.is_some();
+        let mut layers = Vec::with_capacity(self.num_hidden_layers);
+        for i in 0..self.num_hidden_layers {
+            let mixer = if self.is_mla_layer(i) {
+                Mixer::Mla(self.mla_config().try_init(device)?)
+            } else {
+                Mixer::Kda(self.kda_config().try_init(device)?)
+            };
+            let ffn = if self.is_moe_layer(i) {
+                Ffn::Moe(self.moe_config().try_init(device)?)
+            } else {
+                Ffn::Dense(
+                    SituGluConfig::new(d, self.intermediate_size)
+                        .with_activation(self.activation)
+                        .try_init(device)?,
+                )
+            };
+            layers.push(DecoderLayer {
+                input_layernorm: norm(self.rms_norm_eps),
+                mixer,
+                post_attention_layernorm: norm(self.rms_norm_eps),
+                ffn,
+                attn_res: with_res.then(|| res.init(device)),
+                mlp_res: with_res.then(|| res.init(device)),
+            });
+        }
+        let embed_tokens = EmbeddingConfig::new(self.vocab_size, d).init(device);
+        let _ = embed_tokens.weight.val(); // eager: clones must share the same weights
+        Ok(KimiForCausalLM {
+            embed_tokens,
+            layers,
+            norm: norm(self.rms_norm_eps),
+            output_res: with_res.then(|| res.init(device)),
+            lm_head: (!self.tie_word_embeddings)
+                .then(|| crate::nn::linear(d, self.vocab_size, device)),
+            config: self.clone(),
+        })
+    }
+
+    /// Builds the model.
+    ///
+    /// # Panics
+    /// On an invalid config (see [`try_init`](Self::try_init)).
+    pub fn init<B: Backend>(&self, device: &B::Device) -> KimiForCausalLM<B> {
+        self.try_init(device).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+/// What one forward pass produced.
+#[derive(Debug, Clone)]
+pub struct CausalLmOutput<B: Backend> {
+    /// `[B, T, vocab]`.
+    pub logits: Tensor<B, 3>,
+    /// Load statistics of every MoE layer, in layer order.
+    pub moe_stats: Vec<MoeStats>,
+}
+
+/// The AttnRes state between layers (SPEC §6): the completed block sums and the running partial sum.
+struct Residual<B: Backend> {
+    blocks: Vec<Tensor<B, 3>>,
+    block_size: Option<usize>,
+}
+
+impl<B: Backend> KimiForCausalLM<B> {
+    /// The config the model was built from.
+    pub fn config(&self) -> &KimiConfig {
+        &self.config
+    }
+
+    /// `ids: [B, T]` → logits `[B, T, vocab]`.
+    ///
+    /// # Panics
+    /// On a token id outside the vocabulary (see [`try_forward`](Self::try_forward)).
+    pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.try_forward(ids, None, None)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .logits
+    }
+
+    /// Logits and per-layer MoE statistics for `ids: [B, T]`.
+    pub fn forward_with_stats(&self, ids: Tensor<B, 2, Int>) -> Result<CausalLmOutput<B>> {
+        self.try_forward(ids, None, None)
+    }
+
+    /// The full forward pass.
+    ///
+    /// `ids: [B, T]`; `padding: [B, T]` (`true` = padding: never attended to by MLA, never routed
+    /// or counted by the MoE; KDA layers are causal, so right padding cannot affect valid tokens);
+    /// `cache`: continue the cached sequences and advance the cache (prefill, then decode).
+    pub fn try_forward(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        padding: Option<Tensor<B, 2, Bool>>,
+        mut cache: Option<&mut KimiCache<B>>,
+    ) -> Result<CausalLmOutput<B>> {
+        let [batch, t] = ids.dims();
+        if batch == 0 || t == 0 {
+            return Err(Error::shape("ids", "[B ≥ 1, T ≥ 1]", [batch, t]));
+        }
+        self.check_ids(&ids)?;
+        if let Some(c) = cache.as_deref_mut() {
+            c.check(&self.config)?;
+        }
+        let mut x = self.embed_tokens.forward(ids);
+        let mut res = Residual {
+            blocks: Vec::new(),
+            block_size: self.config.attn_res_block_size,
+        };
+        let mut moe_stats = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let (next, stats) = self.layer(i, layer, x, &mut res, padding.clone(), layer_cache)?;
+            x = next;
+            moe_stats.extend(stats);
+        }
+        if let Some(mix) = &self.output_res {
+            x = mix.forward(x, &res.blocks);
+        }
+        if let Some(c) = cache {
+            c.advance(t);
+        }
+        let h = self.norm.forward(x);
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(h),
+            None => h.matmul(self.embed_tokens.weight.val().transpose().unsqueeze()),
+        };
+        Ok(CausalLmOutput { logits, moe_stats })
+    }
+
+    /// One decoder layer with the AttnRes bookkeeping of SPEC §6, or plain pre-norm residuals.
+    fn layer(
+        &self,
+        index: usize,
+        layer: &DecoderLayer<B>,
+        x: Tensor<B, 3>,
+        res: &mut Residual<B>,
+        padding: Option<Tensor<B, 2, Bool>>,
+        cache: Option<&mut LayerCache<B>>,
+    ) -> Result<(Tensor<B, 3>, Option<MoeStats>)> {
+        let Some(size) = res.block_size else {
+            let h = x.clone().add(self.mixer(
+                layer,
+                layer.input_layernorm.forward(x),
+                padding.clone(),
+                cache,
+            )?);
+            let (f, stats) = self.ffn(
+                layer,
+                layer.post_attention_layernorm.forward(h.clone()),
+                padding,
+            )?;
+            return Ok((h.add(f), stats));
+        };
+        let (Some(attn_res), Some(mlp_res)) = (&layer.attn_res, &layer.mlp_res) else {
+            return Err(Error::config(
+                "attn_res_block_size",
+                format!("layer {index} has no AttnRes parameters"),
+            ));
+        };
+        // `x` is the partial sum of the current block (the embedding before layer 0).
+        let mut partial = Some(x.clone());
+        let mut h = x.clone();
+        if !res.blocks.is_empty() {
+            h = attn_res.forward(x.clone(), &res.blocks);
+        }
+        if index.is_multiple_of(size) {
+            res.blocks.push(x);
+            partial = None;
+        }
+        let a = self.mixer(
+            layer,
+            layer.input_layernorm.forward(h),
+            padding.clone(),
+            cache,
+        )?;
+        let partial = match partial {
+            Some(p) => p.add(a),
+            None => a,
+        };
+        let h = mlp_res.forward(partial.clone(), &res.blocks);
+        let (f, stats) = self.ffn(layer, layer.post_attention_layernorm.forward(h), padding)?;
+        Ok((partial.add(f), stats))
+    }
+
+    fn mixer(
+        &self,
+        layer: &DecoderLayer<B>,
+        x: Tensor<B, 3>,
+        padding: Option<Tensor<B, 2, Bool>>,
+        cache: Option<&mut LayerCache<B>>,
+    ) -> Result<Tensor<B, 3>> {
+        match (&layer.mixer, cache) {
+            (Mixer::Kda(kda), None) => kda.try_forward(x, None, None),
+            (Mixer::Kda(kda), Some(LayerCache::Kda(c))) => kda.try_forward(x, None, Some(c)),
+            (Mixer::Mla(mla), None) => mla.try_forward(x, padding),
+            (Mixer::Mla(mla), Some(LayerCache::Mla(c))) if c.is_empty() => {
+                mla.try_prefill(x, padding, c)
+            }
+            (Mixer::Mla(mla), Some(LayerCache::Mla(c))) => mla.try_forward_cached(x, padding, c),
+            _ => Err(Error::argument(
+                "cache",
+                "layer kinds differ from the model's",
+            )),
+        }
+    }
+
+    fn ffn(
+        &self,
+        layer: &DecoderLayer<B>,
+        x: Tensor<B, 3>,
+        padding: Option<Tensor<B, 2, Bool>>,
+    ) -> Result<(Tensor<B, 3>, Option<MoeStats>)> {
+        match &layer.ffn {
+            Ffn::Dense(glu) => Ok((glu.forward(x), None)),
+            Ffn::Moe(moe) => {
+                let out = moe.try_forward(x, padding)?;
+                Ok((out.output, Some(out.stats)))
+            }
+        }
+    }
+
+    fn check_ids(&self, ids: &Tensor<B, 2, Int>) -> Result<()> {
+        let vocab = self.config.vocab_size as i64;
+        let lo = ids.clone().min().into_scalar().elem::<i64>();
+        let hi = ids.clone().max().into_scalar().elem::<i64>();
+        if lo < 0 || hi >= vocab {
+            return Err(Error::argument(
+                "ids",
+                format!("token ids must lie in 0..{vocab}, got values in {lo}..={hi}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A fresh decode cache for this model.
+    pub fn new_cache(&self) -> KimiCache<B> {
+        KimiCache::new(&self.config)
+    }
+
+    /// Applies every MoE layer's balancer (once per optimiser step).
+    pub fn update_balance(&self) {
+        for layer in &self.layers {
+            if let Ffn::Moe(moe) = &layer.ffn {
+                moe.update_balance();
+            }
+        }
+    }
+}

@@ -1,0 +1,134 @@
+//! Checkpoint names of the whole model (SPEC §7) and the `from_safetensors` / `save_safetensors`
+//! entry points.
+
+use std::path::Path;
+
+use burn::tensor::backend::Backend;
+
+use super::moe::{load_glu, save_glu, PROJ_NAMES};
+use super::{HfCheckpoint, Loader, SafeTensorsReader, Saver};
+use crate::config::KimiConfig;
+use crate::error::Result;
+use crate::model::{DecoderLayer, Ffn, KimiForCausalLM, Mixer};
+
+impl<B: Backend> HfCheckpoint<B> for DecoderLayer<B> {
+    /// Under `model.layers.{i}.`: `input_layernorm`, `post_attention_layernorm`, `self_attn.*`,
+    /// `mlp.*` (dense) or `block_sparse_moe.*`, and with AttnRes `self_attention_res_{proj,norm}` and
+    /// `mlp_res_{proj,norm}`.
+    fn load_hf(mut self, prefix: &str, l: &mut Loader<'_, B>) -> Self {
+        self.input_layernorm = self
+            .input_layernorm
+            .load_hf(&format!("{prefix}input_layernorm."), l);
+        self.post_attention_layernorm = self
+            .post_attention_layernorm
+            .load_hf(&format!("{prefix}post_attention_layernorm."), l);
+        let attn = format!("{prefix}self_attn.");
+        self.mixer = match self.mixer {
+            Mixer::Kda(m) => Mixer::Kda(m.load_hf(&attn, l)),
+            Mixer::Mla(m) => Mixer::Mla(m.load_hf(&attn, l)),
+        };
+        self.ffn = match self.ffn {
+            Ffn::Dense(g) => Ffn::Dense(load_glu(g, &format!("{prefix}mlp."), PROJ_NAMES, l)),
+            Ffn::Moe(m) => Ffn::Moe(m.load_hf(&format!("{prefix}block_sparse_moe."), l)),
+        };
+        self.attn_res = self
+            .attn_res
+            .map(|r| r.load_hf(&format!("{prefix}self_attention_res"), l));
+        self.mlp_res = self
+            .mlp_res
+            .map(|r| r.load_hf(&format!("{prefix}mlp_res"), l));
+        self
+    }
+
+    fn save_hf(&self, prefix: &str, s: &mut Saver) {
+        self.input_layernorm
+            .save_hf(&format!("{prefix}input_layernorm."), s);
+        self.post_attention_layernorm
+            .save_hf(&format!("{prefix}post_attention_layernorm."), s);
+        let attn = format!("{prefix}self_attn.");
+        match &self.mixer {
+            Mixer::Kda(m) => m.save_hf(&attn, s),
+            Mixer::Mla(m) => m.save_hf(&attn, s),
+        }
+        match &self.ffn {
+            Ffn::Dense(g) => save_glu(g, &format!("{prefix}mlp."), PROJ_NAMES, s),
+            Ffn::Moe(m) => m.save_hf(&format!("{prefix}block_sparse_moe."), s),
+        }
+        if let Some(r) = &self.attn_res {
+            r.save_hf(&format!("{prefix}self_attention_res"), s);
+        }
+        if let Some(r) = &self.mlp_res {
+            r.save_hf(&format!("{prefix}mlp_res"), s);
+        }
+    }
+}
+
+impl<B: Backend> HfCheckpoint<B> for KimiForCausalLM<B> {
+    /// `model.embed_tokens.weight [vocab, d]`, `model.layers.{i}.*`, `model.norm.weight`,
+    /// `model.output_attn_res_{proj,norm}` with AttnRes, `lm_head.weight [vocab, d]` unless tied.
+    /// The `prefix` is prepended to every name (normally empty).
+    fn load_hf(mut self, prefix: &str, l: &mut Loader<'_, B>) -> Self {
+        self.embed_tokens.weight = l.same(
+            &format!("{prefix}model.embed_tokens.weight"),
+            self.embed_tokens.weight,
+        );
+        self.layers = std::mem::take(&mut self.layers)
+            .into_iter()
+            .enumerate()
+            .map(|(i, layer)| layer.load_hf(&format!("{prefix}model.layers.{i}."), l))
+            .collect();
+        self.norm = self.norm.load_hf(&format!("{prefix}model.norm."), l);
+        self.output_res = self
+            .output_res
+            .map(|r| r.load_hf(&format!("{prefix}model.output_attn_res"), l));
+        self.lm_head = self
+            .lm_head
+            .map(|h| l.linear(&format!("{prefix}lm_head.weight"), h));
+        self
+    }
+
+    fn save_hf(&self, prefix: &str, s: &mut Saver) {
+        s.same(
+            &format!("{prefix}model.embed_tokens.weight"),
+            &self.embed_tokens.weight,
+        );
+        for (i, layer) in self.layers.iter().enumerate() {
+            layer.save_hf(&format!("{prefix}model.layers.{i}."), s);
+        }
+        self.norm.save_hf(&format!("{prefix}model.norm."), s);
+        if let Some(r) = &self.output_res {
+            r.save_hf(&format!("{prefix}model.output_attn_res"), s);
+        }
+        if let Some(h) = &self.lm_head {
+            s.linear(&format!("{prefix}lm_head.weight"), h);
+        }
+    }
+}
+
+impl<B: Backend> KimiForCausalLM<B> {
+    /// Loads a Hugging Face checkpoint of `config`: `path` is a `.safetensors` file or a folder
+    /// with `model.safetensors.index.json` (sharded) or `model.safetensors`. Linear weights are
+    /// transposed from `[out, in]`, `A_log` and the conv kernels reshaped; bf16, f16 and f32 on
+    /// disk are accepted. Every missing, mis-shaped or unexpected tensor is listed, by name and
+    /// shape, in one [`Error::Checkpoint`](crate::Error::Checkpoint).
+    pub fn from_safetensors(
+        config: &KimiConfig,
+        path: impl AsRef<Path>,
+        device: &B::Device,
+    ) -> Result<Self> {
+        let reader = SafeTensorsReader::open(path)?;
+        let model = config.try_init::<B>(device)?;
+        let mut loader = Loader::new(&reader, device);
+        let model = model.load_hf("", &mut loader);
+        loader.finish(true)?;
+        Ok(model)
+    }
+
+    /// Writes the model in the Hugging Face layout as one f32 `.safetensors` file (the balance
+    /// biases included, as `e_score_correction_bias`).
+    pub fn save_safetensors(&self, path: impl AsRef<Path>) -> Result<()> {
+        let mut saver = Saver::new();
+        self.save_hf("", &mut saver);
+        saver.write(path)
+    }
+}

@@ -1,0 +1,260 @@
+//! The hybrid model: presets, incremental decoding, generation and Hugging Face checkpoints
+//! (SPEC §6, §7).
+
+mod common;
+
+use burn::module::Module;
+use burn::tensor::{backend::AutodiffBackend, Int, Tensor, TensorData};
+use common::*;
+use kimi_burn::model::{KimiConfig, KimiForCausalLM, Sampling};
+use rand::Rng;
+
+/// The tiny preset, shrunk further so that the wgpu (lavapipe) runs stay quick.
+fn small() -> KimiConfig {
+    let mut c = KimiConfig::tiny();
+    c.vocab_size = 64;
+    c
+}
+
+fn ids<B: burn::tensor::backend::Backend>(
+    r: &mut rand::rngs::StdRng,
+    batch: usize,
+    t: usize,
+    vocab: usize,
+    device: &B::Device,
+) -> Tensor<B, 2, Int> {
+    let v: Vec<i64> = (0..batch * t)
+        .map(|_| r.random_range(0..vocab as i64))
+        .collect();
+    Tensor::from_data(TensorData::new(v, [batch, t]), device)
+}
+
+#[test]
+fn preset_parameter_counts_match_the_published_totals() {
+    // Published: K3 about 2.8T total / 104B active; Kimi-Linear-48B-A3B 48B / 3B.
+    let k3 = KimiConfig::k3();
+    let (total, active) = (k3.num_params() as f64, k3.active_params() as f64);
+    println!("K3: {total:.4e} total, {active:.4e} active");
+    assert!((2.7e12..2.9e12).contains(&total), "K3 total {total:e}");
+    assert!((0.95e11..1.15e11).contains(&active), "K3 active {active:e}");
+    let kl = KimiConfig::kimi_linear_48b();
+    let (total, active) = (kl.num_params() as f64, kl.active_params() as f64);
+    println!("Kimi-Linear-48B: {total:.4e} total, {active:.4e} active");
+    assert!(
+        (4.6e10..5.0e10).contains(&total),
+        "Kimi-Linear total {total:e}"
+    );
+    assert!(
+        (2.5e9..3.5e9).contains(&active),
+        "Kimi-Linear active {active:e}"
+    );
+}
+
+#[test]
+fn config_parameter_count_equals_the_built_model() {
+    let device = Default::default();
+    // Burn's `num_params` also counts the balance bias, a `RunningState` buffer `[n]` per MoE layer.
+    let buffers = |c: &KimiConfig| {
+        ((c.num_hidden_layers - c.first_k_dense_replace) * c.moe.num_experts) as u64
+    };
+    for mut config in [KimiConfig::tiny(), small()] {
+        let model = config.init::<Cpu>(&device);
+        assert_eq!(
+            model.num_params() as u64,
+            config.num_params() + buffers(&config)
+        );
+        config.attn_res_block_size = None;
+        config.tie_word_embeddings = true;
+        let model = config.init::<Cpu>(&device);
+        assert_eq!(
+            model.num_params() as u64,
+            config.num_params() + buffers(&config)
+        );
+    }
+}
+
+fn check_prefill_then_decode_equals_one_pass<B: AutodiffBackend>(device: &B::Device) {
+    let mut r = rng(51);
+    let config = small();
+    let model = config.init::<B::InnerBackend>(device);
+    let (t1, t2) = (5, 4);
+    let all = ids::<B::InnerBackend>(&mut r, 2, t1 + t2, config.vocab_size, device);
+    let full = host(model.forward(all.clone()));
+    let mut cache = model.new_cache();
+    let mut parts = vec![
+        model
+            .try_forward(all.clone().narrow(1, 0, t1), None, Some(&mut cache))
+            .unwrap()
+            .logits,
+    ];
+    for i in t1..t1 + t2 {
+        parts.push(
+            model
+                .try_forward(all.clone().narrow(1, i, 1), None, Some(&mut cache))
+                .unwrap()
+                .logits,
+        );
+    }
+    assert_eq!(cache.len(), t1 + t2);
+    let stepped = host(Tensor::cat(parts, 1));
+    assert_close("prefill + decode vs one pass", &full, &stepped, 1e-4);
+}
+on_backends!(
+    prefill_then_decode_equals_one_pass,
+    check_prefill_then_decode_equals_one_pass
+);
+
+#[test]
+fn greedy_generation_equals_repeated_full_forwards() {
+    let device = Default::default();
+    let mut r = rng(52);
+    let config = small();
+    let model = config.init::<Cpu>(&device);
+    let prompt = ids::<Cpu>(&mut r, 2, 6, config.vocab_size, &device);
+    let generated = model.generate(prompt.clone(), 5, Sampling::Greedy).unwrap();
+    let mut seq = prompt;
+    for _ in 0..5 {
+        let logits = model.forward(seq.clone());
+        let [b, t, _] = logits.dims();
+        let next = logits.narrow(1, t - 1, 1).argmax(2).reshape([b, 1]);
+        seq = Tensor::cat(vec![seq, next], 1);
+    }
+    assert_eq!(
+        generated.into_data().iter::<i64>().collect::<Vec<_>>(),
+        seq.into_data().iter::<i64>().collect::<Vec<_>>()
+    );
+    let sampled = model
+        .generate(
+            ids::<Cpu>(&mut r, 1, 3, config.vocab_size, &device),
+            4,
+            Sampling::TopP {
+                temperature: 0.8,
+                top_p: 0.9,
+                seed: 3,
+            },
+        )
+        .unwrap();
+    assert_eq!(sampled.dims(), [1, 7]);
+    assert!(model
+        .generate(
+            ids::<Cpu>(&mut r, 1, 3, 64, &device),
+            1,
+            Sampling::TopP {
+                temperature: 0.0,
+                top_p: 0.9,
+                seed: 3
+            }
+        )
+        .is_err());
+}
+
+#[test]
+fn stats_cover_every_moe_layer_and_bad_ids_are_rejected() {
+    let device = Default::default();
+    let mut r = rng(53);
+    let config = small();
+    let model = config.init::<Cpu>(&device);
+    let out = model
+        .forward_with_stats(ids::<Cpu>(&mut r, 2, 7, config.vocab_size, &device))
+        .unwrap();
+    assert_eq!(
+        out.moe_stats.len(),
+        config.num_hidden_layers - config.first_k_dense_replace
+    );
+    for s in &out.moe_stats {
+        assert_eq!(
+            s.tokens_per_expert.iter().sum::<u64>(),
+            2 * 7 * config.moe.num_experts_per_token as u64
+        );
+    }
+    let bad = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(vec![1i64, 64], [1, 2]), &device);
+    let err = model.forward_with_stats(bad).unwrap_err().to_string();
+    assert!(err.contains("0..64") && err.contains("64"), "{err}");
+}
+
+#[test]
+fn checkpoint_round_trip_and_mismatches_name_the_tensors() {
+    let device = Default::default();
+    let mut r = rng(54);
+    let config = small();
+    let model = config.init::<Cpu>(&device);
+    if let kimi_burn::model::Ffn::Moe(moe) = &model.layers[2].ffn {
+        moe.balance
+            .set_bias(&[0.1, -0.1, 0.2, 0.0, 0.0, -0.2, 0.05, -0.05]);
+    }
+    let dir = std::env::temp_dir().join(format!("kimi-burn-model-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("model.safetensors");
+    model.save_safetensors(&file).unwrap();
+    let loaded = KimiForCausalLM::<Cpu>::from_safetensors(&config, &file, &device).unwrap();
+    let x = ids::<Cpu>(&mut r, 2, 6, config.vocab_size, &device);
+    assert_eq!(
+        host(model.forward(x.clone())),
+        host(loaded.forward(x.clone()))
+    );
+    // The folder form with a sharded index.
+    let index = serde_json::json!({ "weight_map": { "model.norm.weight": "model.safetensors" } });
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let from_dir = KimiForCausalLM::<Cpu>::from_safetensors(&config, &dir, &device).unwrap();
+    assert_eq!(host(model.forward(x.clone())), host(from_dir.forward(x)));
+
+    // More KDA heads than the checkpoint has: every affected tensor is named with both shapes.
+    let mut wider = config.clone();
+    wider.kda.num_heads = 4;
+    let err = KimiForCausalLM::<Cpu>::from_safetensors(&wider, &file, &device)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("wrong shape for model.layers.0.self_attn.q_proj.weight: expected [128, 64], found [64, 64]"), "{err}");
+    assert!(err.contains("model.layers.0.self_attn.A_log"), "{err}");
+    // One more layer: its tensors are missing.
+    let mut deeper = config.clone();
+    deeper.num_hidden_layers = 5;
+    deeper.full_attn_layers = vec![3, 4];
+    let err = KimiForCausalLM::<Cpu>::from_safetensors(&deeper, &file, &device)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("missing tensor model.layers.4.self_attn.kv_b_proj.weight"),
+        "{err}"
+    );
+    // One layer fewer: the checkpoint holds tensors the model does not expect.
+    let mut shallower = config.clone();
+    shallower.num_hidden_layers = 3;
+    shallower.full_attn_layers = vec![2];
+    let err = KimiForCausalLM::<Cpu>::from_safetensors(&shallower, &file, &device)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("unexpected tensor model.layers.3."), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_few_training_steps_reach_every_parameter() {
+    use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+    let device = Default::default();
+    let mut r = rng(55);
+    let config = small();
+    let mut model = config.init::<CpuAd>(&device);
+    let mut optim = AdamWConfig::new().init();
+    let x = ids::<CpuAd>(&mut r, 2, 9, config.vocab_size, &device);
+    let target = x.clone().slice([0..2, 1..9]).reshape([16]);
+    let loss_of = |m: &KimiForCausalLM<CpuAd>| {
+        let logits = m
+            .forward(x.clone())
+            .slice([0..2, 0..8])
+            .reshape([16, config.vocab_size]);
+        burn::nn::loss::CrossEntropyLossConfig::new()
+            .init(&device)
+            .forward(logits, target.clone())
+    };
+    let first: f32 = loss_of(&model).into_scalar();
+    for _ in 0..5 {
+        let loss = loss_of(&model);
+        let grads = loss.backward();
+        let params = GradientsParams::from_grads(grads, &model);
+        model = optim.step(1e-2, model, params);
+        model.update_balance();
+    }
+    let last: f32 = loss_of(&model).into_scalar();
+    assert!(last < first, "loss must decrease: {first} -> {last}");
+}
