@@ -2,9 +2,11 @@
 #![warn(missing_docs)]
 
 pub mod config;
+pub mod data;
 pub mod error;
 pub mod nn;
 pub mod ops;
+pub mod optim;
 pub mod store;
 
 pub use config::KimiConfig;
