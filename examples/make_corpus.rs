@@ -37,27 +37,77 @@ const NAMES: [&str; 16] = [
     "Mira", "Nils", "Oona", "Pim",
 ];
 const PLACES: [&str; 12] = [
-    "the river", "the old mill", "the market", "the hill", "the harbour", "the library",
-    "the orchard", "the bridge", "the bakery", "the lighthouse", "the forest", "the station",
+    "the river",
+    "the old mill",
+    "the market",
+    "the hill",
+    "the harbour",
+    "the library",
+    "the orchard",
+    "the bridge",
+    "the bakery",
+    "the lighthouse",
+    "the forest",
+    "the station",
 ];
 const THINGS: [&str; 14] = [
-    "a red kite", "a small key", "a blue cup", "a map", "a lantern", "a wooden box", "a letter",
-    "a green apple", "a silver coin", "a feather", "a warm loaf", "a compass", "a book", "a shell",
+    "a red kite",
+    "a small key",
+    "a blue cup",
+    "a map",
+    "a lantern",
+    "a wooden box",
+    "a letter",
+    "a green apple",
+    "a silver coin",
+    "a feather",
+    "a warm loaf",
+    "a compass",
+    "a book",
+    "a shell",
 ];
 const ADJECTIVES: [&str; 10] = [
     "quiet", "busy", "cold", "bright", "windy", "foggy", "sunny", "crowded", "empty", "warm",
 ];
 const FEELINGS: [&str; 6] = ["happy", "surprised", "curious", "tired", "proud", "calm"];
 const TIMES: [&str; 6] = [
-    "In the morning", "At noon", "In the evening", "Late at night", "After lunch", "At dawn",
+    "In the morning",
+    "At noon",
+    "In the evening",
+    "Late at night",
+    "After lunch",
+    "At dawn",
 ];
 const WEATHER: [&str; 6] = ["rain", "snow", "sun", "wind", "fog", "clouds"];
 const DAYS: [&str; 7] = [
-    "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday",
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
 ];
 const UNITS: [&str; 20] = [
-    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-    "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
     "nineteen",
 ];
 const TENS: [&str; 10] = [
@@ -72,7 +122,7 @@ fn pick<'a>(rng: &mut SeededRng, items: &[&'a str]) -> &'a str {
 fn number(n: usize) -> String {
     match n {
         0..=19 => UNITS[n].to_string(),
-        _ if n % 10 == 0 => TENS[n / 10].to_string(),
+        _ if n.is_multiple_of(10) => TENS[n / 10].to_string(),
         _ => format!("{}-{}", TENS[n / 10], UNITS[n % 10]),
     }
 }
@@ -117,9 +167,7 @@ fn story(rng: &mut SeededRng) -> String {
         }
         _ => {
             let other = pick(rng, &PLACES);
-            s += &format!(
-                "Then {hero} carried {thing} to {other}, where {friend} was waiting. "
-            );
+            s += &format!("Then {hero} carried {thing} to {other}, where {friend} was waiting. ");
         }
     }
     s += &format!("That was the end of the day for {hero}.\n");

@@ -44,7 +44,12 @@ fn check_mqar_sequence(task: &Mqar, x: &[i64], y: &[i64], random_filler: bool) -
         }
         assert_eq!((t - 2 * pairs) % 2, 0, "query at odd offset {t}");
         let value = value_of.get(&x[t]).copied();
-        assert_eq!(value, Some(y[t]), "target at {t} is not the value of key {}", x[t]);
+        assert_eq!(
+            value,
+            Some(y[t]),
+            "target at {t} is not the value of key {}",
+            x[t]
+        );
         assert!(queried.insert(x[t]), "key {} queried twice", x[t]);
         scored.push(t);
     }
@@ -66,7 +71,9 @@ fn mqar_sequences_have_the_zoology_structure() {
         assert_eq!((batch.batch, batch.seq_len), (6, task.seq_len()));
         assert_eq!(batch.inputs.len(), 6 * task.seq_len());
         for (x, y) in rows(&batch) {
-            assert!(x.iter().all(|&t| (0..task.vocab_size() as i64).contains(&t)));
+            assert!(x
+                .iter()
+                .all(|&t| (0..task.vocab_size() as i64).contains(&t)));
             check_mqar_sequence(task, x, y, task.random_filler());
         }
         assert_eq!(batch.scored(), 6 * task.num_pairs());
@@ -90,8 +97,14 @@ fn mqar_queries_cluster_early_under_the_power_law() {
     let skewed = mean_offset(&Mqar::new(512, 256, 16).unwrap());
     let uniform = mean_offset(&Mqar::new(512, 256, 16).unwrap().with_power_a(1.0).unwrap());
     // Uniform: 16 distinct gaps out of 112, mean offset ≈ 111; the power law roughly halves it.
-    assert!(uniform > 90.0 && uniform < 130.0, "uniform mean offset {uniform}");
-    assert!(skewed < 0.7 * uniform, "skewed {skewed} vs uniform {uniform}");
+    assert!(
+        uniform > 90.0 && uniform < 130.0,
+        "uniform mean offset {uniform}"
+    );
+    assert!(
+        skewed < 0.7 * uniform,
+        "skewed {skewed} vs uniform {uniform}"
+    );
 }
 
 #[test]
@@ -130,10 +143,22 @@ fn impossible_settings_are_errors_naming_the_values() {
     config_error(Mqar::new(0, 64, 4), &["vocab_size", "got 0"]);
     config_error(Mqar::new(64, 0, 4), &["seq_len", "got 0"]);
     config_error(Mqar::new(64, 64, 0), &["num_pairs", "got 0"]);
-    config_error(Mqar::new(64, 64, 20), &["num_pairs 20", "seq_len ≥", "80", "got 64"]);
-    config_error(Mqar::new(16, 64, 8), &["vocab_size 16", "7 distinct keys", "18"]);
-    assert!(Mqar::new(18, 32, 8).is_ok(), "the smallest vocabulary that fits");
-    config_error(Mqar::new(64, 64, 4).unwrap().with_power_a(0.0), &["power_a", "got 0"]);
+    config_error(
+        Mqar::new(64, 64, 20),
+        &["num_pairs 20", "seq_len ≥", "80", "got 64"],
+    );
+    config_error(
+        Mqar::new(16, 64, 8),
+        &["vocab_size 16", "7 distinct keys", "18"],
+    );
+    assert!(
+        Mqar::new(18, 32, 8).is_ok(),
+        "the smallest vocabulary that fits"
+    );
+    config_error(
+        Mqar::new(64, 64, 4).unwrap().with_power_a(0.0),
+        &["power_a", "got 0"],
+    );
     config_error(Palindrome::new(2, 8), &["vocab_size", "got 2"]);
     config_error(Palindrome::new(10, 0), &["length", "got 0"]);
     config_error(ByteLm::new(&b"abc"[..], 3), &["at least 4 bytes", "got 3"]);
@@ -148,7 +173,10 @@ fn palindrome_targets_spell_the_sequence_reversed() {
     let mut distinct = HashSet::new();
     for (x, y) in rows(&batch) {
         let (first, second) = x.split_at(9);
-        assert!(first.iter().all(|&t| (0..10).contains(&t)), "content avoids the separator");
+        assert!(
+            first.iter().all(|&t| (0..10).contains(&t)),
+            "content avoids the separator"
+        );
         assert_eq!(second[0], task.separator());
         assert!(y[..9].iter().all(|&t| t == IGNORE_INDEX));
         let reversed: Vec<i64> = first.iter().rev().copied().collect();
@@ -221,7 +249,13 @@ fn accuracy_counts_only_scored_targets() {
     let (b, t, v) = (4, 7, 6);
     let logits_host = normal_vec(&mut rng, b * t * v);
     let targets: Vec<i64> = (0..b * t)
-        .map(|i| if i % 3 == 0 { IGNORE_INDEX } else { (i % v) as i64 })
+        .map(|i| {
+            if i % 3 == 0 {
+                IGNORE_INDEX
+            } else {
+                (i % v) as i64
+            }
+        })
         .collect();
     let argmax: Vec<i64> = logits_host
         .chunks(v)
@@ -232,7 +266,10 @@ fn accuracy_counts_only_scored_targets() {
         .collect();
     let expected = accuracy(&argmax, &targets).unwrap();
     let logits = from_f64::<Cpu, 3>(&logits_host, [b, t, v], &device);
-    assert_eq!(accuracy_from_logits(logits.clone(), &targets).unwrap(), expected);
+    assert_eq!(
+        accuracy_from_logits(logits.clone(), &targets).unwrap(),
+        expected
+    );
     assert!(accuracy_from_logits(logits, &targets[1..]).is_err());
 }
 
@@ -287,11 +324,15 @@ fn masked_cross_entropy_matches_a_host_reference() {
         from_f64::<Cpu, 3>(&logits_host, [b, t, v], &device),
         target_tensor,
     );
-    assert_close("masked cross-entropy", &[sum / count as f64], &host(loss), 1e-5);
+    assert_close(
+        "masked cross-entropy",
+        &[sum / count as f64],
+        &host(loss),
+        1e-5,
+    );
 
     // Nothing scored: zero, not NaN.
-    let none: Tensor<Cpu, 2, burn::tensor::Int> =
-        Tensor::full([b, t], IGNORE_INDEX, &device);
+    let none: Tensor<Cpu, 2, burn::tensor::Int> = Tensor::full([b, t], IGNORE_INDEX, &device);
     let zero = masked_cross_entropy(from_f64::<Cpu, 3>(&logits_host, [b, t, v], &device), none);
     assert_eq!(host(zero), vec![0.0]);
 }

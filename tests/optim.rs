@@ -5,13 +5,13 @@ mod common;
 
 use burn::module::{Module, Param, ParamId, RunningState};
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{
     AdamWConfig, AdjustLrFn, GradientsParams, MultiGradientsParams, MuonConfig, Optimizer,
     SimpleOptimizer,
 };
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::{Backend, DeviceOps};
 use burn::tensor::Tensor;
 use common::*;
@@ -157,9 +157,22 @@ fn newton_schulz_matches_host_and_lands_in_the_band() {
             .collect::<Vec<_>>();
         let s_in = singular_values(&x, rows, cols);
         let fro = x.iter().map(|v| v * v).sum::<f64>().sqrt();
+        // The host SVD is itself checked: Σσ² = ‖X‖²_F.
+        let sum_sq: f64 = s_in.iter().map(|s| s * s).sum();
+        assert!(
+            (sum_sq / (fro * fro) - 1.0).abs() < 1e-9,
+            "Jacobi: {sum_sq} vs {}",
+            fro * fro
+        );
         // Preconditions that make the band a fair claim, and that show it is not trivially met.
-        assert!(s_in[0] / fro > 0.005, "{rows}x{cols}: input too ill-conditioned");
-        assert!(s_in.iter().any(|&v| v > BAND.1), "{rows}x{cols}: input already in band");
+        assert!(
+            s_in[0] / fro > 0.005,
+            "{rows}x{cols}: input too ill-conditioned"
+        );
+        assert!(
+            s_in.iter().any(|&v| v > BAND.1),
+            "{rows}x{cols}: input already in band"
+        );
 
         let out = host(newton_schulz(
             from_f64::<Cpu, 2>(&x, [rows, cols], &device),
@@ -186,7 +199,10 @@ fn newton_schulz_batched_is_each_matrix_alone() {
     let x = randn::<Cpu, 3>(&mut rng, [batch, rows, cols], 1.0, &device);
     let all = host(newton_schulz_batched(x.clone(), 5));
     for b in 0..batch {
-        let one = x.clone().slice([b..b + 1, 0..rows, 0..cols]).reshape([rows, cols]);
+        let one = x
+            .clone()
+            .slice([b..b + 1, 0..rows, 0..cols])
+            .reshape([rows, cols]);
         let expected = host(newton_schulz(one, 5));
         let got = &all[b * rows * cols..(b + 1) * rows * cols];
         assert_close(&format!("batch entry {b}"), &expected, got, 1e-6);
@@ -197,12 +213,7 @@ fn newton_schulz_batched_is_each_matrix_alone() {
 // Muon per head.
 
 /// One `HeadMuon` step from zero momentum and no decay; returns `(W0 − W1) / lr`.
-fn head_muon_update(
-    w: &[f64],
-    g: &[f64],
-    shape: [usize; 2],
-    split: Option<HeadSplit>,
-) -> Vec<f64> {
+fn head_muon_update(w: &[f64], g: &[f64], shape: [usize; 2], split: Option<HeadSplit>) -> Vec<f64> {
     let device = Default::default();
     let lr = 0.01;
     let optim = HeadMuon::<Cpu>::new(0.95, false, 5, 0.0, split);
@@ -273,7 +284,10 @@ fn per_head_muon_orthogonalises_each_row_block() {
             &block,
             1e-4,
         );
-        assert_in_band(&format!("row head {h}"), &singular_values(&block, height, cols));
+        assert_in_band(
+            &format!("row head {h}"),
+            &singular_values(&block, height, cols),
+        );
     }
 }
 
@@ -392,7 +406,11 @@ fn default_roles_follow_rank_and_skip_buffers() {
     assert_eq!(roles.get(module.matrix.id), ParamRole::MUON);
     assert_eq!(roles.get(module.q_proj.id), ParamRole::MUON);
     assert_eq!(roles.get(module.vector.id), ParamRole::AdamW);
-    assert_eq!(roles.get(ParamId::new()), ParamRole::AdamW, "unlisted → AdamW");
+    assert_eq!(
+        roles.get(ParamId::new()),
+        ParamRole::AdamW,
+        "unlisted → AdamW"
+    );
 }
 
 #[test]
@@ -427,21 +445,32 @@ fn each_group_matches_burns_optimiser_applied_alone() {
     // Three steps, so momentum and Adam moments carry over.
     for step in 0..3 {
         let grads = grads_of(&ours, &mut rng);
-        let (m, q, v) = (reference.matrix.id, reference.q_proj.id, reference.vector.id);
+        let (m, q, v) = (
+            reference.matrix.id,
+            reference.q_proj.id,
+            reference.vector.id,
+        );
         reference = muon.step(LR, reference, only(&grads, m, 2));
         reference = heads.step(LR, reference, only(&grads, q, 2));
         reference = adamw.step(LR, reference, only(&grads, v, 1));
         ours = optim.step(LR, ours, grads);
 
         let (a, b) = (params(&ours), params(&reference));
-        for (name, i) in [("matrix (Muon)", 0), ("q_proj (per head)", 1), ("vector (AdamW)", 2)] {
+        for (name, i) in [
+            ("matrix (Muon)", 0),
+            ("q_proj (per head)", 1),
+            ("vector (AdamW)", 2),
+        ] {
             assert_close(&format!("step {step}: {name}"), &b[i], &a[i], 1e-6);
             assert!(
                 rel_err(&initial[i], &a[i]) > 1e-4,
                 "step {step}: {name} did not move"
             );
         }
-        assert_eq!(a[3], initial[3], "step {step}: the buffer must never change");
+        assert_eq!(
+            a[3], initial[3],
+            "step {step}: the buffer must never change"
+        );
     }
 }
 
@@ -506,7 +535,12 @@ fn records_survive_a_save_and_load() {
     let reloaded = params(&restored.step(LR, module.clone(), g1));
     let from_scratch = params(&fresh.step(LR, module, g2));
     for i in 0..3 {
-        assert_close(&format!("reloaded param {i}"), &continued[i], &reloaded[i], 1e-6);
+        assert_close(
+            &format!("reloaded param {i}"),
+            &continued[i],
+            &reloaded[i],
+            1e-6,
+        );
         assert!(
             rel_err(&continued[i], &from_scratch[i]) > 1e-6,
             "param {i}: the saved state should matter"
@@ -541,14 +575,12 @@ fn step_multi_with_one_device_equals_step() {
 fn invalid_roles_and_configs_are_reported_with_values() {
     let module = Tiny::<CpuAd>::new(&mut rng(35), &Default::default());
     let config = KimiOptimizerConfig::new();
-    let expect_err = |roles: ParamRoles, needle: &str| {
-        match config.init(&module, roles) {
-            Err(Error::Argument { reason, .. }) => {
-                assert!(reason.contains(needle), "`{reason}` lacks `{needle}`")
-            }
-            Err(other) => panic!("wrong error {other}"),
-            Ok(_) => panic!("expected an error mentioning `{needle}`"),
+    let expect_err = |roles: ParamRoles, needle: &str| match config.init(&module, roles) {
+        Err(Error::Argument { reason, .. }) => {
+            assert!(reason.contains(needle), "`{reason}` lacks `{needle}`")
         }
+        Err(other) => panic!("wrong error {other}"),
+        Ok(_) => panic!("expected an error mentioning `{needle}`"),
     };
     expect_err(
         ParamRoles::adamw_only().with(module.vector.id, ParamRole::MUON),

@@ -29,7 +29,10 @@ impl ByteLm {
     pub fn new(corpus: impl Into<Arc<[u8]>>, seq_len: usize) -> Result<Self> {
         let corpus = corpus.into();
         if seq_len == 0 {
-            return Err(Error::config("byte_lm.seq_len", "must be at least 1, got 0"));
+            return Err(Error::config(
+                "byte_lm.seq_len",
+                "must be at least 1, got 0",
+            ));
         }
         if corpus.len() < seq_len + 1 {
             return Err(Error::config(

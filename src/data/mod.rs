@@ -148,11 +148,7 @@ pub fn accuracy_from_logits<B: Backend>(logits: Tensor<B, 3>, targets: &[i64]) -
             logits.dims(),
         ));
     }
-    let predictions: Vec<i64> = logits
-        .argmax(2)
-        .into_data()
-        .iter::<i64>()
-        .collect();
+    let predictions: Vec<i64> = logits.argmax(2).into_data().iter::<i64>().collect();
     accuracy(&predictions, targets)
 }
 
@@ -186,7 +182,13 @@ mod tests {
         let targets = [3, IGNORE_INDEX, 5, IGNORE_INDEX, 7];
         let predictions = [3, 9, 4, 9, 7];
         let acc = accuracy(&predictions, &targets).unwrap();
-        assert_eq!(acc, Accuracy { correct: 2, total: 3 });
+        assert_eq!(
+            acc,
+            Accuracy {
+                correct: 2,
+                total: 3
+            }
+        );
         assert_eq!(Accuracy::default().fraction(), None);
         assert!(accuracy(&predictions[..4], &targets).is_err());
     }

@@ -92,7 +92,10 @@ mod tests {
             counts[rng.below(6)] += 1;
         }
         // Each bin expects 10 000 with std ≈ 91; 500 is over five sigma.
-        assert!(counts.iter().all(|&c| c.abs_diff(10_000) < 500), "{counts:?}");
+        assert!(
+            counts.iter().all(|&c| c.abs_diff(10_000) < 500),
+            "{counts:?}"
+        );
         assert_eq!(rng.below(0), 0);
     }
 

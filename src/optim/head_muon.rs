@@ -123,11 +123,42 @@ impl<B: Backend> SimpleOptimizer<B> for HeadMuon<B> {
         } else {
             tensor
         };
-        (tensor - update.mul_scalar(lr), Some(MuonState::new(momentum)))
+        (
+            tensor - update.mul_scalar(lr),
+            Some(MuonState::new(momentum)),
+        )
     }
 
     fn to_device<const D: usize>(mut state: Self::State<D>, device: &B::Device) -> Self::State<D> {
         state.momentum = state.momentum.to_device(device);
         state
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+    use burn::tensor::TensorData;
+
+    #[test]
+    fn moonlight_scale_uses_the_larger_side() {
+        assert!((moonlight_scale(1024, 512) - 6.4).abs() < 1e-12);
+        assert!((moonlight_scale(16, 64) - 1.6).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_vector_is_one_normalised_row() {
+        // A rank-1 row: NS keeps its direction, the scale is 0.2·sqrt(n).
+        let device = Default::default();
+        let v = vec![3.0f32, -4.0, 0.0, 12.0];
+        let x = Tensor::<NdArray<f32>, 1>::from_data(TensorData::new(v.clone(), [4]), &device);
+        let out: Vec<f32> = orthogonalised_update(x, None, 5)
+            .into_data()
+            .iter::<f32>()
+            .collect();
+        let ratio: Vec<f32> = out.iter().zip(&v).map(|(o, v)| o / v).collect();
+        assert!(out[2] == 0.0 && (ratio[0] - ratio[1]).abs() < 1e-6 && ratio[0] > 0.0);
+        assert!((ratio[0] - ratio[3]).abs() < 1e-6);
     }
 }

@@ -122,6 +122,12 @@ impl KimiOptimizerConfig {
 /// The record of one adaptor: `HashMap<ParamId, AdaptorRecord<O, B>>`.
 type AdaptorRecordOf<O, M, B> = <OptimizerAdaptor<O, M, B> as Optimizer<M, B>>::Record;
 
+/// One [`HeadMuon`] adaptor per distinct head split (`None`: stacked whole matrices).
+type HeadMuonAdaptor<M, B> = OptimizerAdaptor<HeadMuon<<B as AutodiffBackend>::InnerBackend>, M, B>;
+
+/// The per-head record, to be split by head split on load.
+type HeadMuonRecord<M, B> = AdaptorRecordOf<HeadMuon<<B as AutodiffBackend>::InnerBackend>, M, B>;
+
 /// Muon for hidden matrices and AdamW for everything else, each parameter routed by its
 /// [`ParamRole`] (SPEC §8). Implements Burn's [`Optimizer`], so it drops into any training loop.
 ///
@@ -141,7 +147,7 @@ type AdaptorRecordOf<O, M, B> = <OptimizerAdaptor<O, M, B> as Optimizer<M, B>>::
 /// current role (states of parameters now under AdamW are dropped).
 pub struct KimiOptimizer<M: AutodiffModule<B>, B: AutodiffBackend> {
     muon: OptimizerAdaptor<Muon<B::InnerBackend>, M, B>,
-    blocks: BTreeMap<Option<HeadSplit>, OptimizerAdaptor<HeadMuon<B::InnerBackend>, M, B>>,
+    blocks: BTreeMap<Option<HeadSplit>, HeadMuonAdaptor<M, B>>,
     adamw: OptimizerAdaptor<AdamW, M, B>,
     roles: ParamRoles,
     config: KimiOptimizerConfig,
@@ -202,7 +208,7 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend> KimiOptimizer<M, B> {
 impl<M: AutodiffModule<B>, B: AutodiffBackend> Optimizer<M, B> for KimiOptimizer<M, B> {
     type Record = (
         AdaptorRecordOf<Muon<B::InnerBackend>, M, B>,
-        AdaptorRecordOf<HeadMuon<B::InnerBackend>, M, B>,
+        HeadMuonRecord<M, B>,
         AdaptorRecordOf<AdamW, M, B>,
     );
 
@@ -241,7 +247,7 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend> Optimizer<M, B> for KimiOptimizer
     }
 
     fn to_record(&self) -> Self::Record {
-        let mut blocks = AdaptorRecordOf::<HeadMuon<B::InnerBackend>, M, B>::default();
+        let mut blocks = HeadMuonRecord::<M, B>::default();
         for adaptor in self.blocks.values() {
             blocks.extend(adaptor.to_record());
         }
@@ -250,8 +256,7 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend> Optimizer<M, B> for KimiOptimizer
 
     fn load_record(mut self, record: Self::Record) -> Self {
         let (muon, blocks, adamw) = record;
-        let mut by_split: BTreeMap<Option<HeadSplit>, AdaptorRecordOf<HeadMuon<B::InnerBackend>, M, B>> =
-            BTreeMap::new();
+        let mut by_split: BTreeMap<Option<HeadSplit>, HeadMuonRecord<M, B>> = BTreeMap::new();
         for (id, state) in blocks {
             if let ParamRole::Muon { heads } = self.roles.get(id) {
                 by_split.entry(heads).or_default().insert(id, state);

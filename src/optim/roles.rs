@@ -55,7 +55,7 @@ impl HeadSplit {
             Self::Columns { .. } => (cols, [rows, cols / heads.max(1)]),
             Self::Rows { .. } => (rows, [rows / heads.max(1), cols]),
         };
-        (heads > 0 && split > 0 && split % heads == 0).then_some(block)
+        (heads > 0 && split > 0 && split.is_multiple_of(heads)).then_some(block)
     }
 }
 
@@ -161,7 +161,9 @@ impl ParamRoles {
         let mut problems = Vec::new();
         for (&id, role) in &self.roles {
             let Some(shape) = shapes.get(&id) else {
-                problems.push(format!("{id}: no float parameter with this id in the module"));
+                problems.push(format!(
+                    "{id}: no float parameter with this id in the module"
+                ));
                 continue;
             };
             let ParamRole::Muon { heads } = role else {
@@ -217,4 +219,18 @@ fn collect_params<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamInfo> {
     let mut collector = ParamCollector { params: Vec::new() };
     module.visit(&mut collector);
     collector.params
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_shapes_split_the_right_dimension() {
+        assert_eq!(HeadSplit::columns(4).block_shape(16, 32), Some([16, 8]));
+        assert_eq!(HeadSplit::rows(4).block_shape(16, 32), Some([4, 32]));
+        assert_eq!(HeadSplit::columns(3).block_shape(16, 32), None);
+        assert_eq!(HeadSplit::rows(0).block_shape(16, 32), None);
+        assert_eq!(HeadSplit::columns(5).heads(), 5);
+    }
 }
