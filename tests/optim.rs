@@ -605,3 +605,47 @@ fn invalid_roles_and_configs_are_reported_with_values() {
         .unwrap_or_default();
     assert!(err.contains("got 1"), "{err}");
 }
+
+#[test]
+fn a_stable_latent_moe_trains_and_its_balance_bias_is_left_alone() {
+    use kimi_burn::nn::{LatentMoeConfig, MoeLayout};
+
+    let device = Default::default();
+    let mut rng = rng(36);
+    let moe = LatentMoeConfig::new(12, 6, 2, 10)
+        .with_layout(MoeLayout::StableLatent { dim: 8 })
+        .with_n_shared(1)
+        .init::<CpuAd>(&device);
+    // A non-zero bias, as after a balancing step.
+    let _ = moe.forward(randn(&mut rng, [2, 9, 12], 1.0, &device));
+    moe.update_balance();
+    let bias_before = host(moe.balance.bias.value().inner());
+    assert!(
+        bias_before.iter().any(|&b| b != 0.0),
+        "QB should have moved the bias"
+    );
+
+    let roles = ParamRoles::from_module(&moe);
+    let bias_id = burn::module::list_param_ids(&moe.balance);
+    assert_eq!(bias_id.len(), 1);
+    assert!(
+        roles.iter().all(|(id, _)| id != bias_id[0]),
+        "the balance bias must not get an optimiser role"
+    );
+    assert_eq!(roles.len(), burn::module::list_param_ids(&moe).len() - 1);
+    let before = moe.clone();
+    let mut optim = KimiOptimizerConfig::new()
+        .init(&moe, roles.clone())
+        .unwrap();
+    let out = moe.forward(randn(&mut rng, [2, 9, 12], 1.0, &device));
+    let grads = GradientsParams::from_grads(out.output.powi_scalar(2).sum().backward(), &moe);
+    let moe = optim.step(LR, moe, grads);
+
+    assert_eq!(host(moe.balance.bias.value().inner()), bias_before);
+    // Every parameter with a role moved (all of them receive a gradient here).
+    let moved = |a: &burn::nn::Linear<CpuAd>, b: &burn::nn::Linear<CpuAd>| {
+        rel_err(&host(a.weight.val().inner()), &host(b.weight.val().inner())) > 1e-5
+    };
+    let (new_up, old_up) = (moe.up.as_ref().unwrap(), before.up.as_ref().unwrap());
+    assert!(moved(new_up, old_up), "W_up should have moved");
+}

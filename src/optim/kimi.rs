@@ -135,12 +135,18 @@ type HeadMuonRecord<M, B> = AdaptorRecordOf<HeadMuon<<B as AutodiffBackend>::Inn
 ///
 /// - whole 2-D matrices: Burn's `Muon` with `AdjustLrFn::MatchRmsAdamW`, i.e.
 ///   `W ← W(1 − ηλ) − η·0.2·sqrt(max(A, B))·NS(M)`;
-/// - per-head splits and stacked (≥3-D) matrices: [`HeadMuon`], one adaptor per distinct split;
+/// - per-head splits and stacked (≥3-D) matrices: [`HeadMuon`], one adaptor per distinct split,
+///   each head block orthogonalised on its own with its own `0.2·sqrt(max(A, B))`
+///   (reconstruction, SPEC §8);
 /// - everything else: Burn's `AdamW`.
 ///
+/// Both Muon paths use momentum `μ`, decoupled decay `λ` and the learning rate
+/// `η = muon_lr_scale · lr`; AdamW uses `adamw_lr_scale · lr` and its own config.
+///
 /// A parameter without a gradient (frozen, or a buffer such as the MoE balance bias) is never
-/// touched. Burn's Muon normalises by `max(‖X‖_F, 1e-7)` where SPEC §8 (and [`HeadMuon`]) use
-/// `‖X‖_F + 1e-7`: the same for any gradient that is not vanishingly small.
+/// touched. Two differences between the Muon paths, both negligible in practice: Burn's Muon
+/// normalises by `max(‖X‖_F, 1e-7)` where SPEC §8 (and [`HeadMuon`]) use `‖X‖_F + 1e-7`, and it
+/// iterates in the parameter's dtype where [`HeadMuon`] widens half precision to f32.
 ///
 /// The record is the tuple `(muon, head_muon, adamw)` of the adaptors' per-parameter states;
 /// [`Optimizer::load_record`] sends each per-head state back to the adaptor of its parameter's
