@@ -3,11 +3,13 @@
 
 pub mod cache;
 pub mod config;
+pub mod data;
 pub mod error;
 pub mod generate;
 pub mod model;
 pub mod nn;
 pub mod ops;
+pub mod optim;
 pub mod store;
 
 pub use config::KimiConfig;
