@@ -27,7 +27,9 @@ fn one_layer(mla: bool) -> KimiConfig {
 }
 
 fn ids<B: Backend>(batch: usize, t: usize, vocab: usize, device: &B::Device) -> Tensor<B, 2, Int> {
-    let v: Vec<i64> = (0..batch * t).map(|i| ((i * 7919) % vocab) as i64).collect();
+    let v: Vec<i64> = (0..batch * t)
+        .map(|i| ((i * 7919) % vocab) as i64)
+        .collect();
     Tensor::from_data(TensorData::new(v, [batch, t]), device)
 }
 
@@ -65,7 +67,12 @@ fn bench_decode(c: &mut Criterion) {
     group.sample_size(10);
     group.throughput(criterion::Throughput::Elements(64));
     group.bench_function("cached", |b| {
-        b.iter(|| model.generate(prompt.clone(), 64, kimi_burn::model::Sampling::Greedy).unwrap().into_data())
+        b.iter(|| {
+            model
+                .generate(prompt.clone(), 64, kimi_burn::model::Sampling::Greedy)
+                .unwrap()
+                .into_data()
+        })
     });
     group.bench_function("no_cache_baseline", |b| {
         b.iter(|| {

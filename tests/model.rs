@@ -258,3 +258,70 @@ fn a_few_training_steps_reach_every_parameter() {
     let last: f32 = loss_of(&model).into_scalar();
     assert!(last < first, "loss must decrease: {first} -> {last}");
 }
+
+#[test]
+fn optimiser_roles_follow_spec_8_and_leave_the_balance_bias_alone() {
+    use burn::optim::{GradientsParams, Optimizer};
+    use kimi_burn::model::{Ffn, Mixer};
+    use kimi_burn::optim::{HeadSplit, KimiOptimizerConfig, ParamRole};
+    let device = Default::default();
+    let mut r = rng(56);
+    let config = small();
+    let model = config.init::<CpuAd>(&device);
+    let roles = model.param_roles();
+    roles.validate(&model).unwrap();
+    assert_eq!(roles.get(model.embed_tokens.weight.id), ParamRole::AdamW);
+    assert_eq!(
+        roles.get(model.lm_head.as_ref().unwrap().weight.id),
+        ParamRole::AdamW
+    );
+    let Mixer::Kda(kda) = &model.layers[0].mixer else {
+        panic!("layer 0 is KDA")
+    };
+    assert_eq!(
+        roles.get(kda.k_proj.weight.id),
+        ParamRole::muon_per_head(HeadSplit::columns(2))
+    );
+    assert_eq!(roles.get(kda.q_conv1d.weight.id), ParamRole::AdamW);
+    assert_eq!(roles.get(kda.a_log.id), ParamRole::AdamW);
+    assert_eq!(roles.get(kda.o_proj.weight.id), ParamRole::MUON);
+    let Mixer::Mla(mla) = &model.layers[3].mixer else {
+        panic!("layer 3 is MLA")
+    };
+    assert_eq!(
+        roles.get(mla.kv_b_proj.weight.id),
+        ParamRole::muon_per_head(HeadSplit::columns(2))
+    );
+    assert_eq!(roles.get(mla.kv_a_proj_with_mqa.weight.id), ParamRole::MUON);
+    let Ffn::Moe(moe) = &model.layers[1].ffn else {
+        panic!("layer 1 is MoE")
+    };
+    assert_eq!(roles.get(moe.experts[3].w2.weight.id), ParamRole::MUON);
+    assert_eq!(
+        roles.get(moe.norm.as_ref().unwrap().weight.id),
+        ParamRole::AdamW
+    );
+    moe.balance
+        .set_bias(&[0.3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -0.3]);
+
+    let mut optim = KimiOptimizerConfig::new().init(&model, roles).unwrap();
+    let x = ids::<CpuAd>(&mut r, 2, 6, config.vocab_size, &device);
+    let before = host(kda.k_proj.weight.val());
+    let grads = GradientsParams::from_grads(model.forward(x).sum().backward(), &model);
+    let model = optim.step(1e-2, model, grads);
+    let Mixer::Kda(kda) = &model.layers[0].mixer else {
+        unreachable!()
+    };
+    assert_ne!(
+        host(kda.k_proj.weight.val()),
+        before,
+        "Muon must move the per-head projection"
+    );
+    let Ffn::Moe(moe) = &model.layers[1].ffn else {
+        unreachable!()
+    };
+    assert_eq!(
+        moe.balance.bias_host(),
+        vec![0.3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -0.3]
+    );
+}

@@ -31,6 +31,7 @@
 
 mod head_muon;
 mod kimi;
+mod model_roles;
 mod newton_schulz;
 mod roles;
 
