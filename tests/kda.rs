@@ -435,8 +435,8 @@ fn layer_prefill_then_decode_equals_one_pass() {
         check_prefill_then_decode::<Cpu>(cfg, 70, 5, &d);
     }
     // A prefill short enough for the recurrent path, and one shorter than the conv history.
-    check_prefill_then_decode::<Cpu>(&small_configs()[0], 10, 3, &d);
-    check_prefill_then_decode::<Cpu>(&small_configs()[1], 2, 20, &d);
+    check_prefill_then_decode::<Cpu>(&small_configs()[0], 50, 20, &d);
+    check_prefill_then_decode::<Cpu>(&small_configs()[1], 2, 63, &d);
 }
 
 /// Packed sequences through the layer equal separate runs: outputs, states and conv tails; then a
@@ -494,12 +494,13 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradReport<'_, B> {
 }
 
 fn check_layer_gradients<B: AutodiffBackend>(device: &B::Device) {
-    for cfg in &small_configs() {
+    // 70 tokens take the chunked path, 20 the recurrent one.
+    for (cfg, t) in small_configs().iter().zip([70, 20]) {
         B::seed(device, 11);
         let layer: KimiDeltaAttention<B> = cfg.init(device);
         let mut r = rng(320);
-        let x = randn::<B, 3>(&mut r, [2, 40, cfg.d_model], 1.0, device);
-        let w = randn::<B, 3>(&mut r, [2, 40, cfg.d_model], 1.0, device);
+        let x = randn::<B, 3>(&mut r, [2, t, cfg.d_model], 1.0, device);
+        let w = randn::<B, 3>(&mut r, [2, t, cfg.d_model], 1.0, device);
         let grads = layer.forward(x, None).mul(w).sum().backward();
         let mut report = GradReport::<B> { grads: &grads, path: Vec::new(), seen: Vec::new() };
         layer.visit(&mut report);
@@ -616,7 +617,7 @@ fn wgpu_grads<B: AutodiffBackend>(device: &B::Device) {
 on_backends!(grads_on_backends, wgpu_grads);
 
 fn wgpu_layer<B: AutodiffBackend>(device: &B::Device) {
-    check_prefill_then_decode::<B>(&small_configs()[1], 20, 2, device);
+    check_prefill_then_decode::<B>(&small_configs()[1], 60, 5, device);
     check_layer_gradients::<B>(device);
 }
 on_backends!(layer_on_backends, wgpu_layer);

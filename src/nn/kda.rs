@@ -17,9 +17,10 @@ use crate::ops::precision::{sigmoid, silu, widen};
 
 /// Inputs whose longest sequence has at most this many tokens go through the recurrent op
 /// ([`fused_recurrent_kda`](crate::ops::kda::fused_recurrent_kda)); longer ones through the
-/// chunked op. Below one chunk the recurrence does less work, and decode (one token) needs no
-/// padding to a chunk.
-pub const RECURRENT_MAX_TOKENS: usize = 16;
+/// chunked op. 64 is where the two cost the same on ndarray (a chunked call has a fixed cost of
+/// about 4 ms there, a recurrent step about 70 µs at H = 4, K = 64), and the reference library
+/// switches at the same length.
+pub const RECURRENT_MAX_TOKENS: usize = 64;
 
 /// Configuration of [`KimiDeltaAttention`].
 #[derive(Config, Debug)]

@@ -57,3 +57,37 @@ fn conv_rows<B: Backend>(
     let new_tail = padded.narrow(1, t, w - 1).swap_dims(1, 2);
     (y, new_tail)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+    use burn::tensor::TensorData;
+
+    type B = NdArray<f32>;
+
+    /// One channel, taps [1, 10, 100, 1000]: tap W−1 (1000) multiplies the current token, and the
+    /// packed second sequence does not see the first.
+    #[test]
+    fn taps_are_causal_and_restart_per_sequence() {
+        let device = Default::default();
+        let x = Tensor::<B, 3>::from_floats([[[1.0], [2.0], [3.0], [4.0], [5.0]]], &device);
+        let w = Tensor::<B, 2>::from_floats([[1.0, 10.0, 100.0, 1000.0]], &device);
+        let (y, tail) = causal_conv1d(x.clone(), w.clone(), None, None);
+        y.into_data().assert_eq(
+            &TensorData::from([[[1000.0f32], [2100.0], [3210.0], [4321.0], [5432.0]]]),
+            false,
+        );
+        tail.into_data()
+            .assert_eq(&TensorData::from([[[3.0f32, 4.0, 5.0]]]), false);
+        let (y, tail) = causal_conv1d(x, w, Some(&[(0, 2), (2, 3)]), None);
+        y.into_data().assert_eq(
+            &TensorData::from([[[1000.0f32], [2100.0], [3000.0], [4300.0], [5430.0]]]),
+            false,
+        );
+        tail.into_data().assert_eq(
+            &TensorData::from([[[0.0f32, 1.0, 2.0]], [[3.0, 4.0, 5.0]]]),
+            false,
+        );
+    }
+}
