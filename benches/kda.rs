@@ -25,7 +25,8 @@ struct Inputs<B: Backend> {
 
 fn inputs<B: Backend>(t: usize, device: &B::Device) -> Inputs<B> {
     B::seed(device, 0);
-    let normal = |shape: [usize; 4]| Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), device);
+    let normal =
+        |shape: [usize; 4]| Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), device);
     // Unit-norm keys and logsigmoid(randn) gates, as in the tests.
     let unit = |x: Tensor<B, 4>| x.clone().div(x.square().sum_dim(3).sqrt());
     let gate = normal([1, t, H, K]).neg().exp().log1p().neg();
@@ -90,7 +91,9 @@ fn forward_backward<B: AutodiffBackend>(c: &mut Criterion, backend: &str, device
                         .with_initial_state(x.h0.clone())
                         .with_final_state(true),
                 );
-                let loss = o.sum().add(s.map_or_else(|| q.zeros_like().sum(), |s| s.sum()));
+                let loss = o
+                    .sum()
+                    .add(s.map_or_else(|| q.zeros_like().sum(), |s| s.sum()));
                 let grads = loss.backward();
                 if let Some(dq) = q.grad(&grads) {
                     let _ = dq.slice([0..1, 0..1, 0..1, 0..1]).into_data();
@@ -104,24 +107,27 @@ fn forward_backward<B: AutodiffBackend>(c: &mut Criterion, backend: &str, device
 fn decode<B: Backend>(c: &mut Criterion, backend: &str, device: &B::Device) {
     let x = inputs::<B>(1, device);
     let mut state = x.h0.clone();
-    c.bench_function(&format!("fused_recurrent_kda_decode_token/{backend}"), |bench| {
-        bench.iter(|| {
-            let (o, s) = fused_recurrent_kda(
-                x.q.clone(),
-                x.k.clone(),
-                x.v.clone(),
-                x.g.clone(),
-                x.beta.clone(),
-                KdaOptions::default()
-                    .with_initial_state(state.clone())
-                    .with_final_state(true),
-            );
-            if let Some(s) = s {
-                state = s;
-            }
-            sync(o);
-        })
-    });
+    c.bench_function(
+        &format!("fused_recurrent_kda_decode_token/{backend}"),
+        |bench| {
+            bench.iter(|| {
+                let (o, s) = fused_recurrent_kda(
+                    x.q.clone(),
+                    x.k.clone(),
+                    x.v.clone(),
+                    x.g.clone(),
+                    x.beta.clone(),
+                    KdaOptions::default()
+                        .with_initial_state(state.clone())
+                        .with_final_state(true),
+                );
+                if let Some(s) = s {
+                    state = s;
+                }
+                sync(o);
+            })
+        },
+    );
 }
 
 fn ndarray(c: &mut Criterion) {

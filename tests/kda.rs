@@ -6,13 +6,14 @@ mod common;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, FloatDType, Tensor};
+use common::*;
 use kimi_burn::nn::{KdaCache, KdaConfig, KimiDeltaAttention};
+use kimi_burn::ops::kda::{chunk_kda, fused_recurrent_kda, naive_recurrent_kda, KdaOptions};
 use kimi_burn::ops::kda::{
-    kda_gate, rms_norm_gated, try_chunk_kda, try_fused_recurrent_kda, try_kda_gate, try_naive_recurrent_kda,
+    kda_gate, rms_norm_gated, try_chunk_kda, try_fused_recurrent_kda, try_kda_gate,
+    try_naive_recurrent_kda,
 };
 use kimi_burn::{Error, KimiConfig};
-use common::*;
-use kimi_burn::ops::kda::{chunk_kda, fused_recurrent_kda, naive_recurrent_kda, KdaOptions};
 use rand::rngs::StdRng;
 
 /// How the log decays `g` are drawn.
@@ -40,7 +41,16 @@ fn log_sigmoid(x: f64) -> f64 {
 }
 
 /// Random inputs: q and k L2-normalised rows, v normal, β = σ(randn), h0 normal.
-fn inputs<B: Backend>(rng: &mut StdRng, b: usize, t: usize, h: usize, kd: usize, vd: usize, gates: Gates, n: usize, device: &B::Device) -> Inputs<B> {
+/// `(B, T, H, K, V)`.
+type Dims = (usize, usize, usize, usize, usize);
+
+fn inputs<B: Backend>(
+    rng: &mut StdRng,
+    (b, t, h, kd, vd): Dims,
+    gates: Gates,
+    n: usize,
+    device: &B::Device,
+) -> Inputs<B> {
     let unit_rows = |rng: &mut StdRng| {
         let mut x = normal_vec(rng, b * t * h * kd);
         for row in x.chunks_mut(kd) {
@@ -57,28 +67,62 @@ fn inputs<B: Backend>(rng: &mut StdRng, b: usize, t: usize, h: usize, kd: usize,
         Gates::LogSigmoid(norm) => raw.iter().map(|&x| log_sigmoid(x) / norm).collect(),
         Gates::Extreme(frac) => {
             let u = uniform::<B, 1>(rng, [raw.len()], 0.0, 1.0, device);
-            raw.iter().zip(host(u)).map(|(&x, u)| if u < frac { -1000.0 } else { log_sigmoid(x) }).collect()
+            raw.iter()
+                .zip(host(u))
+                .map(|(&x, u)| if u < frac { -1000.0 } else { log_sigmoid(x) })
+                .collect()
         }
         Gates::Safe => raw.iter().map(|&x| -5.0 / (1.0 + (-x).exp())).collect(),
     };
     let g = from_f64(&g, [b, t, h, kd], device);
-    let beta: Vec<f64> = normal_vec(rng, b * t * h).into_iter().map(|x| 1.0 / (1.0 + (-x).exp())).collect();
+    let beta: Vec<f64> = normal_vec(rng, b * t * h)
+        .into_iter()
+        .map(|x| 1.0 / (1.0 + (-x).exp()))
+        .collect();
     let beta = from_f64(&beta, [b, t, h], device);
     let h0 = randn(rng, [n, h, kd, vd], 1.0, device);
-    Inputs { q, k, v, g, beta, h0 }
+    Inputs {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        h0,
+    }
 }
 
 type Out<B> = (Tensor<B, 4>, Option<Tensor<B, 4>>);
-type Op<B> = fn(Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 3>, KdaOptions<B>) -> Out<B>;
+type Op<B> = fn(
+    Tensor<B, 4>,
+    Tensor<B, 4>,
+    Tensor<B, 4>,
+    Tensor<B, 4>,
+    Tensor<B, 3>,
+    KdaOptions<B>,
+) -> Out<B>;
 
 fn run<B: Backend>(op: Op<B>, x: &Inputs<B>, opts: KdaOptions<B>) -> (Vec<f64>, Vec<f64>) {
-    let (o, s) = op(x.q.clone(), x.k.clone(), x.v.clone(), x.g.clone(), x.beta.clone(), opts.with_initial_state(x.h0.clone()).with_final_state(true));
+    let (o, s) = op(
+        x.q.clone(),
+        x.k.clone(),
+        x.v.clone(),
+        x.g.clone(),
+        x.beta.clone(),
+        opts.with_initial_state(x.h0.clone()).with_final_state(true),
+    );
     (host(o), host(s.expect("final state requested")))
 }
 
 /// Compares `op` against the naive recurrence on one case.
-fn check_against_naive<B: Backend>(op: Op<B>, seed: u64, (b, t, h, kd, vd): (usize, usize, usize, usize, usize), gates: Gates, chunk: usize, device: &B::Device) {
-    let x = inputs::<B>(&mut rng(seed), b, t, h, kd, vd, gates, b, device);
+fn check_against_naive<B: Backend>(
+    op: Op<B>,
+    seed: u64,
+    (b, t, h, kd, vd): Dims,
+    gates: Gates,
+    chunk: usize,
+    device: &B::Device,
+) {
+    let x = inputs::<B>(&mut rng(seed), (b, t, h, kd, vd), gates, b, device);
     let (o_ref, s_ref) = run(naive_recurrent_kda, &x, KdaOptions::default());
     let (o, s) = run(op, &x, KdaOptions::default().with_chunk_size(chunk));
     let what = format!("B={b} T={t} H={h} K={kd} V={vd} {gates:?} C={chunk}");
@@ -115,8 +159,22 @@ fn chunk_matches_recurrence() {
 fn chunk_sizes_agree() {
     let d = Default::default();
     for (i, chunk) in [16, 32, 64].into_iter().enumerate() {
-        check_against_naive::<Cpu>(chunk_kda, 30 + i as u64, (1, 100, 2, 60, 32), Gates::Extreme(0.1), chunk, &d);
-        check_against_naive::<Cpu>(chunk_kda, 40 + i as u64, (2, 37, 1, 32, 64), Gates::Safe, chunk, &d);
+        check_against_naive::<Cpu>(
+            chunk_kda,
+            30 + i as u64,
+            (1, 100, 2, 60, 32),
+            Gates::Extreme(0.1),
+            chunk,
+            &d,
+        );
+        check_against_naive::<Cpu>(
+            chunk_kda,
+            40 + i as u64,
+            (2, 37, 1, 32, 64),
+            Gates::Safe,
+            chunk,
+            &d,
+        );
     }
 }
 
@@ -126,7 +184,14 @@ fn chunk_sizes_agree() {
 fn extreme_gates_keep_the_final_state_exact() {
     let d = Default::default();
     for (i, frac) in [0.02, 0.2, 0.5].into_iter().enumerate() {
-        check_against_naive::<Cpu>(chunk_kda, 50 + i as u64, (1, 130, 2, 64, 32), Gates::Extreme(frac), 64, &d);
+        check_against_naive::<Cpu>(
+            chunk_kda,
+            50 + i as u64,
+            (1, 130, 2, 64, 32),
+            Gates::Extreme(frac),
+            64,
+            &d,
+        );
     }
 }
 
@@ -135,7 +200,13 @@ fn extreme_gates_keep_the_final_state_exact() {
 #[test]
 fn a_chunk_of_minus_1000_gates_is_finite() {
     let d: burn::tensor::Device<Cpu> = Default::default();
-    let mut x = inputs::<Cpu>(&mut rng(60), 1, 128, 2, 32, 32, Gates::LogSigmoid(1.0), 1, &d);
+    let mut x = inputs::<Cpu>(
+        &mut rng(60),
+        (1, 128, 2, 32, 32),
+        Gates::LogSigmoid(1.0),
+        1,
+        &d,
+    );
     let mut g = host(x.g.clone());
     g[..64 * 2 * 32].iter_mut().for_each(|v| *v = -1000.0);
     x.g = from_f64(&g, [1, 128, 2, 32], &d);
@@ -164,13 +235,37 @@ fn fused_recurrent_matches_recurrence() {
 #[test]
 fn qk_l2norm_and_scale_inside_the_op() {
     let d: burn::tensor::Device<Cpu> = Default::default();
-    let x = inputs::<Cpu>(&mut rng(80), 1, 70, 2, 32, 16, Gates::LogSigmoid(1.0), 1, &d);
+    let x = inputs::<Cpu>(
+        &mut rng(80),
+        (1, 70, 2, 32, 16),
+        Gates::LogSigmoid(1.0),
+        1,
+        &d,
+    );
     let mut r = rng(81);
-    let scale_rows = |t: Tensor<Cpu, 4>, r: &mut StdRng| t.mul(uniform::<Cpu, 4>(r, [1, 70, 2, 1], 0.5, 3.0, &d));
-    let raw = Inputs { q: scale_rows(x.q.clone(), &mut r), k: scale_rows(x.k.clone(), &mut r), ..x };
+    let scale_rows = |t: Tensor<Cpu, 4>, r: &mut StdRng| {
+        t.mul(uniform::<Cpu, 4>(r, [1, 70, 2, 1], 0.5, 3.0, &d))
+    };
+    let raw = Inputs {
+        q: scale_rows(x.q.clone(), &mut r),
+        k: scale_rows(x.k.clone(), &mut r),
+        ..x
+    };
     let opts = || KdaOptions::default().with_scale(0.3);
-    let (o_ref, s_ref) = run(naive_recurrent_kda, &Inputs { q: host_l2(&raw.q), k: host_l2(&raw.k), ..clone_inputs(&raw) }, opts());
-    for op in [chunk_kda as Op<Cpu>, fused_recurrent_kda, naive_recurrent_kda] {
+    let (o_ref, s_ref) = run(
+        naive_recurrent_kda,
+        &Inputs {
+            q: host_l2(&raw.q),
+            k: host_l2(&raw.k),
+            ..clone_inputs(&raw)
+        },
+        opts(),
+    );
+    for op in [
+        chunk_kda as Op<Cpu>,
+        fused_recurrent_kda,
+        naive_recurrent_kda,
+    ] {
         let (o, s) = run(op, &raw, opts().with_qk_l2norm(true));
         assert_close("output", &o_ref, &o, 1e-5);
         assert_close("state", &s_ref, &s, 1e-5);
@@ -188,7 +283,14 @@ fn host_l2<B: Backend>(x: &Tensor<B, 4>) -> Tensor<B, 4> {
 }
 
 fn clone_inputs<B: Backend>(x: &Inputs<B>) -> Inputs<B> {
-    Inputs { q: x.q.clone(), k: x.k.clone(), v: x.v.clone(), g: x.g.clone(), beta: x.beta.clone(), h0: x.h0.clone() }
+    Inputs {
+        q: x.q.clone(),
+        k: x.k.clone(),
+        v: x.v.clone(),
+        g: x.g.clone(),
+        beta: x.beta.clone(),
+        h0: x.h0.clone(),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -197,7 +299,12 @@ fn clone_inputs<B: Backend>(x: &Inputs<B>) -> Inputs<B> {
 const LENGTHS: [usize; 6] = [1, 15, 63, 64, 65, 300];
 
 fn offsets(lengths: &[usize]) -> Vec<usize> {
-    std::iter::once(0).chain(lengths.iter().scan(0, |acc, l| { *acc += l; Some(*acc) })).collect()
+    std::iter::once(0)
+        .chain(lengths.iter().scan(0, |acc, l| {
+            *acc += l;
+            Some(*acc)
+        }))
+        .collect()
 }
 
 /// Each op on packed sequences equals the naive op run on each sequence alone, outputs and
@@ -206,26 +313,46 @@ fn check_packed<B: Backend>(lengths: &[usize], device: &B::Device) {
     let cu = offsets(lengths);
     let total = cu[cu.len() - 1];
     let n = lengths.len();
-    let x = inputs::<B>(&mut rng(90), 1, total, 2, 32, 16, Gates::Extreme(0.05), n, device);
+    let x = inputs::<B>(
+        &mut rng(90),
+        (1, total, 2, 32, 16),
+        Gates::Extreme(0.05),
+        n,
+        device,
+    );
     let mut o_ref = Vec::new();
     let mut s_ref = Vec::new();
     for (i, w) in cu.windows(2).enumerate() {
         let part = |t: Tensor<B, 4>| t.narrow(1, w[0], w[1] - w[0]);
         let xi = Inputs {
-            q: part(x.q.clone()), k: part(x.k.clone()), v: part(x.v.clone()), g: part(x.g.clone()),
-            beta: x.beta.clone().narrow(1, w[0], w[1] - w[0]), h0: x.h0.clone().narrow(0, i, 1),
+            q: part(x.q.clone()),
+            k: part(x.k.clone()),
+            v: part(x.v.clone()),
+            g: part(x.g.clone()),
+            beta: x.beta.clone().narrow(1, w[0], w[1] - w[0]),
+            h0: x.h0.clone().narrow(0, i, 1),
         };
         let (o, s) = run(naive_recurrent_kda, &xi, KdaOptions::default());
         o_ref.push(o);
         s_ref.push(s);
     }
     let (o_ref, s_ref) = (o_ref.concat(), s_ref.concat());
-    for (name, op) in [("chunk", chunk_kda as Op<B>), ("fused", fused_recurrent_kda), ("naive", naive_recurrent_kda)] {
+    for (name, op) in [
+        ("chunk", chunk_kda as Op<B>),
+        ("fused", fused_recurrent_kda),
+        ("naive", naive_recurrent_kda),
+    ] {
         let (o, s) = run(op, &x, KdaOptions::default().with_cu_seqlens(cu.clone()));
         assert_close(&format!("{name} packed output"), &o_ref, &o, 1e-5);
         assert_close(&format!("{name} packed states"), &s_ref, &s, 1e-5);
     }
-    let (o, s) = run(chunk_kda, &x, KdaOptions::default().with_cu_seqlens(cu).with_chunk_size(16));
+    let (o, s) = run(
+        chunk_kda,
+        &x,
+        KdaOptions::default()
+            .with_cu_seqlens(cu)
+            .with_chunk_size(16),
+    );
     assert_close("chunk 16 packed output", &o_ref, &o, 1e-5);
     assert_close("chunk 16 packed states", &s_ref, &s, 1e-5);
 }
@@ -239,35 +366,70 @@ fn packed_sequences_equal_separate_runs() {
 // Gradients.
 
 /// `Σ o ⊙ do + Σ S_T ⊙ dS_T` and the gradients of q, k, v, g, β and h0 (flattened, in that order).
-fn grads<B: AutodiffBackend>(op: Op<B>, x: &Inputs<B>, d_o: &Tensor<B, 4>, d_s: &Tensor<B, 4>, opts: KdaOptions<B>) -> Vec<Vec<f64>> {
+fn grads<B: AutodiffBackend>(
+    op: Op<B>,
+    x: &Inputs<B>,
+    d_o: &Tensor<B, 4>,
+    d_s: &Tensor<B, 4>,
+    opts: KdaOptions<B>,
+) -> Vec<Vec<f64>> {
     let q = x.q.clone().require_grad();
     let k = x.k.clone().require_grad();
     let v = x.v.clone().require_grad();
     let g = x.g.clone().require_grad();
     let beta = x.beta.clone().require_grad();
     let h0 = x.h0.clone().require_grad();
-    let (o, s) = op(q.clone(), k.clone(), v.clone(), g.clone(), beta.clone(), opts.with_initial_state(h0.clone()).with_final_state(true));
-    let loss = o.mul(d_o.clone()).sum().add(s.expect("final state").mul(d_s.clone()).sum());
+    let (o, s) = op(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        g.clone(),
+        beta.clone(),
+        opts.with_initial_state(h0.clone()).with_final_state(true),
+    );
+    let loss = o
+        .mul(d_o.clone())
+        .sum()
+        .add(s.expect("final state").mul(d_s.clone()).sum());
     let gr = loss.backward();
     let h = |t: Option<Tensor<B::InnerBackend, 4>>| host(t.expect("gradient"));
-    vec![h(q.grad(&gr)), h(k.grad(&gr)), h(v.grad(&gr)), h(g.grad(&gr)), host(beta.grad(&gr).expect("gradient")), h(h0.grad(&gr))]
+    vec![
+        h(q.grad(&gr)),
+        h(k.grad(&gr)),
+        h(v.grad(&gr)),
+        h(g.grad(&gr)),
+        host(beta.grad(&gr).expect("gradient")),
+        h(h0.grad(&gr)),
+    ]
 }
 
 const GRAD_NAMES: [&str; 6] = ["dq", "dk", "dv", "dg", "dbeta", "dh0"];
 
 /// Gradients of the chunked op equal those of the recurrence's autodiff.
-fn check_grads_against_naive<B: AutodiffBackend>(device: &B::Device, (b, t, h, kd, vd): (usize, usize, usize, usize, usize), gates: Gates, chunk: usize, cu: Option<Vec<usize>>) {
+fn check_grads_against_naive<B: AutodiffBackend>(
+    device: &B::Device,
+    (b, t, h, kd, vd): Dims,
+    gates: Gates,
+    chunk: usize,
+    cu: Option<Vec<usize>>,
+) {
     let n = cu.as_ref().map_or(b, |c| c.len() - 1);
     let mut r = rng(100 + t as u64);
-    let x = inputs::<B>(&mut r, b, t, h, kd, vd, gates, n, device);
+    let x = inputs::<B>(&mut r, (b, t, h, kd, vd), gates, n, device);
     let d_o = randn(&mut r, [b, t, h, vd], 1.0, device);
     let d_s = randn(&mut r, [n, h, kd, vd], 1.0, device);
     let opts = || {
         let o = KdaOptions::default().with_chunk_size(chunk);
-        match &cu { Some(c) => o.with_cu_seqlens(c.clone()), None => o }
+        match &cu {
+            Some(c) => o.with_cu_seqlens(c.clone()),
+            None => o,
+        }
     };
     let reference = grads(naive_recurrent_kda, &x, &d_o, &d_s, opts());
-    for (name, op) in [("chunk", chunk_kda as Op<B>), ("fused", fused_recurrent_kda)] {
+    for (name, op) in [
+        ("chunk", chunk_kda as Op<B>),
+        ("fused", fused_recurrent_kda),
+    ] {
         let got = grads(op, &x, &d_o, &d_s, opts());
         for ((what, r), g) in GRAD_NAMES.iter().zip(&reference).zip(&got) {
             assert_close(&format!("{name} {what} T={t} {gates:?}"), r, g, 1e-5);
@@ -280,7 +442,13 @@ fn chunk_gradients_match_recurrence_autodiff() {
     let d = Default::default();
     check_grads_against_naive::<CpuAd>(&d, (2, 70, 2, 32, 16), Gates::LogSigmoid(1.0), 32, None);
     check_grads_against_naive::<CpuAd>(&d, (1, 100, 1, 60, 32), Gates::Extreme(0.1), 64, None);
-    check_grads_against_naive::<CpuAd>(&d, (1, 45, 1, 16, 16), Gates::Safe, 16, Some(vec![0, 1, 20, 45]));
+    check_grads_against_naive::<CpuAd>(
+        &d,
+        (1, 45, 1, 16, 16),
+        Gates::Safe,
+        16,
+        Some(vec![0, 1, 20, 45]),
+    );
 }
 
 /// Central finite differences in f64 against the chunked op's backward, on a tiny case with two
@@ -290,21 +458,40 @@ fn chunk_gradients_match_finite_differences_f64() {
     let (b, t, h, kd, vd) = (1, 21, 1, 4, 3);
     let dad: burn::tensor::Device<Cpu64Ad> = Default::default();
     let mut r = rng(110);
-    let x = inputs::<Cpu64Ad>(&mut r, b, t, h, kd, vd, Gates::LogSigmoid(1.0), b, &dad);
+    let x = inputs::<Cpu64Ad>(&mut r, (b, t, h, kd, vd), Gates::LogSigmoid(1.0), b, &dad);
     let d_o = randn::<Cpu64Ad, 4>(&mut r, [b, t, h, vd], 1.0, &dad);
     let d_s = randn::<Cpu64Ad, 4>(&mut r, [b, h, kd, vd], 1.0, &dad);
-    let analytic = grads(chunk_kda, &x, &d_o, &d_s, KdaOptions::default().with_chunk_size(16));
+    let analytic = grads(
+        chunk_kda,
+        &x,
+        &d_o,
+        &d_s,
+        KdaOptions::default().with_chunk_size(16),
+    );
 
     let d: burn::tensor::Device<Cpu64> = Default::default();
     let inner = |t: &Tensor<Cpu64Ad, 4>| host(t.clone());
-    let mut parts = vec![inner(&x.q), inner(&x.k), inner(&x.v), inner(&x.g), host(x.beta.clone()), inner(&x.h0)];
+    let mut parts = vec![
+        inner(&x.q),
+        inner(&x.k),
+        inner(&x.v),
+        inner(&x.g),
+        host(x.beta.clone()),
+        inner(&x.h0),
+    ];
     let (d_o, d_s) = (inner(&d_o), inner(&d_s));
     let loss = |p: &[Vec<f64>]| {
         let t4 = |v: &[f64], dims| from_f64::<Cpu64, 4>(v, dims, &d);
         let (o, s) = chunk_kda(
-            t4(&p[0], [b, t, h, kd]), t4(&p[1], [b, t, h, kd]), t4(&p[2], [b, t, h, vd]), t4(&p[3], [b, t, h, kd]),
+            t4(&p[0], [b, t, h, kd]),
+            t4(&p[1], [b, t, h, kd]),
+            t4(&p[2], [b, t, h, vd]),
+            t4(&p[3], [b, t, h, kd]),
             from_f64(&p[4], [b, t, h], &d),
-            KdaOptions::default().with_chunk_size(16).with_initial_state(t4(&p[5], [b, h, kd, vd])).with_final_state(true),
+            KdaOptions::default()
+                .with_chunk_size(16)
+                .with_initial_state(t4(&p[5], [b, h, kd, vd]))
+                .with_final_state(true),
         );
         let dot = |a: Vec<f64>, w: &[f64]| a.iter().zip(w).map(|(x, y)| x * y).sum::<f64>();
         dot(host(o), &d_o) + dot(host(s.expect("state")), &d_s)
@@ -317,10 +504,14 @@ fn chunk_gradients_match_finite_differences_f64() {
             parts[i] = base.clone();
             l
         });
-        assert_close(&format!("{} vs finite differences", GRAD_NAMES[i]), &numeric, &analytic[i], 1e-6);
+        assert_close(
+            &format!("{} vs finite differences", GRAD_NAMES[i]),
+            &numeric,
+            &analytic[i],
+            1e-6,
+        );
     }
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // Gate helpers against scalar formulas in f64.
@@ -339,7 +530,10 @@ fn kda_gate_matches_the_scalar_formula() {
     let a_log = uniform::<Cpu64, 1>(&mut r, [h], 1.0, 16.0, &d).log();
     let dt_bias = randn::<Cpu64, 1>(&mut r, [h * k], 1.0, &d);
     let (fv, av, dv) = (host(f.clone()), host(a_log.clone()), host(dt_bias.clone()));
-    assert!(fv.iter().any(|x| *x > 25.0), "the draw must reach the linear branch of softplus");
+    assert!(
+        fv.iter().any(|x| *x > 25.0),
+        "the draw must reach the linear branch of softplus"
+    );
     for lb in [None, Some(-5.0f32), Some(-0.5)] {
         let got = host(kda_gate(f.clone(), a_log.clone(), dt_bias.clone(), lb));
         let want: Vec<f64> = (0..fv.len())
@@ -372,7 +566,12 @@ fn rms_norm_gated_matches_the_scalar_formula() {
     let mut want = Vec::new();
     for (row, zrow) in ov.chunks(6).zip(zv.chunks(6)) {
         let rms = (row.iter().map(|x| x * x).sum::<f64>() / 6.0 + eps).sqrt();
-        want.extend(row.iter().zip(zrow).zip(&wv).map(|((x, z), w)| x / rms * w * sigmoid64(*z)));
+        want.extend(
+            row.iter()
+                .zip(zrow)
+                .zip(&wv)
+                .map(|((x, z), w)| x / rms * w * sigmoid64(*z)),
+        );
     }
     assert_close("rms_norm_gated", &want, &got, 1e-12);
 }
@@ -385,14 +584,20 @@ fn small_configs() -> [KdaConfig; 2] {
         // Kimi-Linear style: softplus gate, low-rank output gate.
         KdaConfig::new(32, 2, 16),
         // K3 style: safe gate at −5, full-rank output gate, chunks of 16.
-        KdaConfig::new(32, 2, 16).with_gate_lower_bound(Some(-5.0)).with_use_full_rank_gate(true).with_chunk_size(16),
+        KdaConfig::new(32, 2, 16)
+            .with_gate_lower_bound(Some(-5.0))
+            .with_use_full_rank_gate(true)
+            .with_chunk_size(16),
     ]
 }
 
 #[test]
 fn layer_param_count_matches_config_and_presets() {
     let d = Default::default();
-    for cfg in small_configs().into_iter().chain([KdaConfig::new(24, 3, 8).with_conv_size(3)]) {
+    for cfg in small_configs()
+        .into_iter()
+        .chain([KdaConfig::new(24, 3, 8).with_conv_size(3)])
+    {
         let layer: KimiDeltaAttention<Cpu> = cfg.init(&d);
         assert_eq!(layer.num_params() as u64, cfg.num_params(), "{cfg:?}");
     }
@@ -401,10 +606,26 @@ fn layer_param_count_matches_config_and_presets() {
     assert_eq!(layer.num_params() as u64, tiny.kda_layer_params());
 
     let kl = KimiConfig::kimi_linear_48b().kda_config();
-    assert_eq!((kl.num_heads, kl.head_dim, kl.gate_lower_bound, kl.use_full_rank_gate), (32, 128, None, false));
+    assert_eq!(
+        (
+            kl.num_heads,
+            kl.head_dim,
+            kl.gate_lower_bound,
+            kl.use_full_rank_gate
+        ),
+        (32, 128, None, false)
+    );
     assert_eq!(kl.d_model, 2304);
     let k3 = KimiConfig::k3().kda_config();
-    assert_eq!((k3.num_heads, k3.head_dim, k3.gate_lower_bound, k3.use_full_rank_gate), (96, 128, Some(-5.0), true));
+    assert_eq!(
+        (
+            k3.num_heads,
+            k3.head_dim,
+            k3.gate_lower_bound,
+            k3.use_full_rank_gate
+        ),
+        (96, 128, Some(-5.0), true)
+    );
     for cfg in [&kl, &k3] {
         cfg.validate().expect("preset KDA config is valid");
     }
@@ -412,10 +633,20 @@ fn layer_param_count_matches_config_and_presets() {
 }
 
 /// Prefill `t1` tokens through the cache, then decode `t2` one at a time: equal to one pass.
-fn check_prefill_then_decode<B: Backend>(cfg: &KdaConfig, t1: usize, t2: usize, device: &B::Device) {
+fn check_prefill_then_decode<B: Backend>(
+    cfg: &KdaConfig,
+    t1: usize,
+    t2: usize,
+    device: &B::Device,
+) {
     B::seed(device, 7);
     let layer: KimiDeltaAttention<B> = cfg.init(device);
-    let x = randn::<B, 3>(&mut rng(300 + t1 as u64), [2, t1 + t2, cfg.d_model], 1.0, device);
+    let x = randn::<B, 3>(
+        &mut rng(300 + t1 as u64),
+        [2, t1 + t2, cfg.d_model],
+        1.0,
+        device,
+    );
     let full = host(layer.forward(x.clone(), None));
     let mut cache = KdaCache::new();
     let mut parts = vec![layer.forward(x.clone().narrow(1, 0, t1), Some(&mut cache))];
@@ -423,9 +654,20 @@ fn check_prefill_then_decode<B: Backend>(cfg: &KdaConfig, t1: usize, t2: usize, 
         parts.push(layer.forward(x.clone().narrow(1, t, 1), Some(&mut cache)));
     }
     let stepped = host(Tensor::cat(parts, 1));
-    assert_close(&format!("prefill {t1} + decode {t2}, {cfg:?}"), &full, &stepped, 1e-5);
-    assert_eq!(cache.state.expect("state").dims(), [2, cfg.num_heads, cfg.head_dim, cfg.head_dim]);
-    assert_eq!(cache.conv.expect("conv tail").dims(), [2, 3 * cfg.num_heads * cfg.head_dim, cfg.conv_size - 1]);
+    assert_close(
+        &format!("prefill {t1} + decode {t2}, {cfg:?}"),
+        &full,
+        &stepped,
+        1e-5,
+    );
+    assert_eq!(
+        cache.state.expect("state").dims(),
+        [2, cfg.num_heads, cfg.head_dim, cfg.head_dim]
+    );
+    assert_eq!(
+        cache.conv.expect("conv tail").dims(),
+        [2, 3 * cfg.num_heads * cfg.head_dim, cfg.conv_size - 1]
+    );
 }
 
 #[test]
@@ -457,18 +699,39 @@ fn layer_packed_sequences_equal_separate_runs() {
     let mut want = Vec::new();
     let mut want_next = Vec::new();
     for (i, w) in cu.windows(2).enumerate() {
-        want.push(host(layer.forward(x.clone().narrow(1, w[0], w[1] - w[0]), Some(&mut caches[i]))));
-        want_next.push(host(layer.forward(next.clone().narrow(1, i, 1), Some(&mut caches[i]))));
+        want.push(host(layer.forward(
+            x.clone().narrow(1, w[0], w[1] - w[0]),
+            Some(&mut caches[i]),
+        )));
+        want_next.push(host(
+            layer.forward(next.clone().narrow(1, i, 1), Some(&mut caches[i])),
+        ));
     }
     let mut cache = KdaCache::new();
     let got = host(layer.forward_packed(x, &cu, Some(&mut cache)));
     assert_close("packed layer output", &want.concat(), &got, 1e-5);
     let got_next = host(layer.forward_packed(next, &offsets(&[1; 6]), Some(&mut cache)));
     assert_close("packed decode output", &want_next.concat(), &got_next, 1e-5);
-    let states: Vec<f64> = caches.iter().flat_map(|c| host(c.state.clone().expect("state"))).collect();
-    let tails: Vec<f64> = caches.iter().flat_map(|c| host(c.conv.clone().expect("tail"))).collect();
-    assert_close("packed states", &states, &host(cache.state.expect("state")), 1e-5);
-    assert_close("packed conv tails", &tails, &host(cache.conv.expect("tail")), 1e-6);
+    let states: Vec<f64> = caches
+        .iter()
+        .flat_map(|c| host(c.state.clone().expect("state")))
+        .collect();
+    let tails: Vec<f64> = caches
+        .iter()
+        .flat_map(|c| host(c.conv.clone().expect("tail")))
+        .collect();
+    assert_close(
+        "packed states",
+        &states,
+        &host(cache.state.expect("state")),
+        1e-5,
+    );
+    assert_close(
+        "packed conv tails",
+        &tails,
+        &host(cache.conv.expect("tail")),
+        1e-6,
+    );
 }
 
 /// Every parameter path with its gradient's max |·| and whether it is all finite.
@@ -487,7 +750,12 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradReport<'_, B> {
     }
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let name = self.path.join(".");
-        let g = host(param.val().grad(self.grads).unwrap_or_else(|| panic!("{name} has no gradient")));
+        let g = host(
+            param
+                .val()
+                .grad(self.grads)
+                .unwrap_or_else(|| panic!("{name} has no gradient")),
+        );
         let max = g.iter().fold(0.0f64, |m, v| m.max(v.abs()));
         self.seen.push((name, max, g.iter().all(|v| v.is_finite())));
     }
@@ -502,11 +770,23 @@ fn check_layer_gradients<B: AutodiffBackend>(device: &B::Device) {
         let x = randn::<B, 3>(&mut r, [2, t, cfg.d_model], 1.0, device);
         let w = randn::<B, 3>(&mut r, [2, t, cfg.d_model], 1.0, device);
         let grads = layer.forward(x, None).mul(w).sum().backward();
-        let mut report = GradReport::<B> { grads: &grads, path: Vec::new(), seen: Vec::new() };
+        let mut report = GradReport::<B> {
+            grads: &grads,
+            path: Vec::new(),
+            seen: Vec::new(),
+        };
         layer.visit(&mut report);
-        assert_eq!(report.seen.len(), if cfg.use_full_rank_gate { 14 } else { 15 }, "{:?}", report.seen);
+        assert_eq!(
+            report.seen.len(),
+            if cfg.use_full_rank_gate { 14 } else { 15 },
+            "{:?}",
+            report.seen
+        );
         for (name, max, finite) in &report.seen {
-            assert!(*finite && *max > 0.0, "{name}: gradient max |g| = {max}, finite = {finite}");
+            assert!(
+                *finite && *max > 0.0,
+                "{name}: gradient max |g| = {max}, finite = {finite}"
+            );
         }
     }
 }
@@ -520,7 +800,9 @@ fn layer_parameters_all_get_gradients() {
 // Bad input: each case gives the expected error with the offending values in the message.
 
 fn expect_err<T>(what: &str, r: Result<T, Error>, variant: fn(&Error) -> bool, needles: &[&str]) {
-    let Err(e) = r else { panic!("{what}: expected an error") };
+    let Err(e) = r else {
+        panic!("{what}: expected an error")
+    };
     let msg = e.to_string();
     assert!(variant(&e), "{what}: wrong variant {e:?}");
     for n in needles {
@@ -531,69 +813,257 @@ fn expect_err<T>(what: &str, r: Result<T, Error>, variant: fn(&Error) -> bool, n
 #[test]
 fn bad_input_gives_clear_errors() {
     let d: burn::tensor::Device<Cpu> = Default::default();
-    let x = inputs::<Cpu>(&mut rng(400), 1, 10, 2, 8, 4, Gates::LogSigmoid(1.0), 1, &d);
+    let x = inputs::<Cpu>(
+        &mut rng(400),
+        (1, 10, 2, 8, 4),
+        Gates::LogSigmoid(1.0),
+        1,
+        &d,
+    );
     let is_shape = |e: &Error| matches!(e, Error::Shape { .. });
     let is_arg = |e: &Error| matches!(e, Error::Argument { .. });
-    let call = |x: &Inputs<Cpu>, opts: KdaOptions<Cpu>| try_chunk_kda(x.q.clone(), x.k.clone(), x.v.clone(), x.g.clone(), x.beta.clone(), opts);
+    let call = |x: &Inputs<Cpu>, opts: KdaOptions<Cpu>| {
+        try_chunk_kda(
+            x.q.clone(),
+            x.k.clone(),
+            x.v.clone(),
+            x.g.clone(),
+            x.beta.clone(),
+            opts,
+        )
+    };
 
-    let bad_k = Inputs { k: x.k.clone().narrow(3, 0, 7), ..clone_inputs(&x) };
-    expect_err("k shape", call(&bad_k, KdaOptions::default()), is_shape, &["`k`", "[1, 10, 2, 7]"]);
-    let bad_v = Inputs { v: x.v.clone().narrow(1, 0, 9), ..clone_inputs(&x) };
-    expect_err("v shape", call(&bad_v, KdaOptions::default()), is_shape, &["`v`", "[1, 9, 2, 4]"]);
-    let bad_beta = Inputs { beta: x.beta.clone().narrow(2, 0, 1), ..clone_inputs(&x) };
-    expect_err("beta shape", call(&bad_beta, KdaOptions::default()), is_shape, &["`beta`", "[1, 10, 1]"]);
-    let bad_g = Inputs { g: x.g.clone().narrow(0, 0, 1).narrow(1, 0, 5), ..clone_inputs(&x) };
-    expect_err("g shape", call(&bad_g, KdaOptions::default()), is_shape, &["`g`", "[1, 5, 2, 8]"]);
+    let bad_k = Inputs {
+        k: x.k.clone().narrow(3, 0, 7),
+        ..clone_inputs(&x)
+    };
+    expect_err(
+        "k shape",
+        call(&bad_k, KdaOptions::default()),
+        is_shape,
+        &["`k`", "[1, 10, 2, 7]"],
+    );
+    let bad_v = Inputs {
+        v: x.v.clone().narrow(1, 0, 9),
+        ..clone_inputs(&x)
+    };
+    expect_err(
+        "v shape",
+        call(&bad_v, KdaOptions::default()),
+        is_shape,
+        &["`v`", "[1, 9, 2, 4]"],
+    );
+    let bad_beta = Inputs {
+        beta: x.beta.clone().narrow(2, 0, 1),
+        ..clone_inputs(&x)
+    };
+    expect_err(
+        "beta shape",
+        call(&bad_beta, KdaOptions::default()),
+        is_shape,
+        &["`beta`", "[1, 10, 1]"],
+    );
+    let bad_g = Inputs {
+        g: x.g.clone().narrow(0, 0, 1).narrow(1, 0, 5),
+        ..clone_inputs(&x)
+    };
+    expect_err(
+        "g shape",
+        call(&bad_g, KdaOptions::default()),
+        is_shape,
+        &["`g`", "[1, 5, 2, 8]"],
+    );
 
-    for (cu, needle) in [(vec![1, 10], "start at 0"), (vec![0, 6, 6, 10], "6 then 6"), (vec![0, 4, 9], "T = 10, got 9")] {
-        expect_err("cu_seqlens", call(&x, KdaOptions::default().with_cu_seqlens(cu.clone())), is_arg, &["cu_seqlens", needle]);
+    for (cu, needle) in [
+        (vec![1, 10], "start at 0"),
+        (vec![0, 6, 6, 10], "6 then 6"),
+        (vec![0, 4, 9], "T = 10, got 9"),
+    ] {
+        expect_err(
+            "cu_seqlens",
+            call(&x, KdaOptions::default().with_cu_seqlens(cu.clone())),
+            is_arg,
+            &["cu_seqlens", needle],
+        );
     }
-    let two = inputs::<Cpu>(&mut rng(401), 2, 10, 2, 8, 4, Gates::LogSigmoid(1.0), 2, &d);
-    expect_err("B with cu_seqlens", call(&two, KdaOptions::default().with_cu_seqlens(vec![0, 10])), is_arg, &["B = 2"]);
+    let two = inputs::<Cpu>(
+        &mut rng(401),
+        (2, 10, 2, 8, 4),
+        Gates::LogSigmoid(1.0),
+        2,
+        &d,
+    );
+    expect_err(
+        "B with cu_seqlens",
+        call(&two, KdaOptions::default().with_cu_seqlens(vec![0, 10])),
+        is_arg,
+        &["B = 2"],
+    );
 
-    let wide = inputs::<Cpu>(&mut rng(402), 1, 3, 1, 257, 4, Gates::LogSigmoid(1.0), 1, &d);
-    expect_err("K > 256", call(&wide, KdaOptions::default()), is_arg, &["256", "257"]);
+    let wide = inputs::<Cpu>(
+        &mut rng(402),
+        (1, 3, 1, 257, 4),
+        Gates::LogSigmoid(1.0),
+        1,
+        &d,
+    );
+    expect_err(
+        "K > 256",
+        call(&wide, KdaOptions::default()),
+        is_arg,
+        &["256", "257"],
+    );
 
     let mut gv = host(x.g.clone());
     gv[17] = 0.25;
-    let positive = Inputs { g: from_f64(&gv, [1, 10, 2, 8], &d), ..clone_inputs(&x) };
-    expect_err("g > 0", call(&positive, KdaOptions::default()), is_arg, &["`g`", "0.25"]);
+    let positive = Inputs {
+        g: from_f64(&gv, [1, 10, 2, 8], &d),
+        ..clone_inputs(&x)
+    };
+    expect_err(
+        "g > 0",
+        call(&positive, KdaOptions::default()),
+        is_arg,
+        &["`g`", "0.25"],
+    );
     let opts = || KdaOptions::default();
-    expect_err("g > 0 naive", try_naive_recurrent_kda(positive.q.clone(), positive.k.clone(), positive.v.clone(), positive.g.clone(), positive.beta.clone(), opts()), is_arg, &["0.25"]);
-    expect_err("g > 0 fused", try_fused_recurrent_kda(positive.q.clone(), positive.k.clone(), positive.v.clone(), positive.g.clone(), positive.beta.clone(), opts()), is_arg, &["0.25"]);
+    expect_err(
+        "g > 0 naive",
+        try_naive_recurrent_kda(
+            positive.q.clone(),
+            positive.k.clone(),
+            positive.v.clone(),
+            positive.g.clone(),
+            positive.beta.clone(),
+            opts(),
+        ),
+        is_arg,
+        &["0.25"],
+    );
+    expect_err(
+        "g > 0 fused",
+        try_fused_recurrent_kda(
+            positive.q.clone(),
+            positive.k.clone(),
+            positive.v.clone(),
+            positive.g.clone(),
+            positive.beta.clone(),
+            opts(),
+        ),
+        is_arg,
+        &["0.25"],
+    );
 
     for c in [8, 48, 128] {
-        expect_err("chunk size", call(&x, KdaOptions::default().with_chunk_size(c)), is_arg, &["chunk_size", &format!("got {c}")]);
+        expect_err(
+            "chunk size",
+            call(&x, KdaOptions::default().with_chunk_size(c)),
+            is_arg,
+            &["chunk_size", &format!("got {c}")],
+        );
     }
     let h0 = Tensor::<Cpu, 4>::zeros([1, 2, 4, 8], &d);
-    expect_err("initial state", call(&x, KdaOptions::default().with_initial_state(h0)), is_shape, &["initial_state", "[1, 2, 8, 4]", "[1, 2, 4, 8]"]);
+    expect_err(
+        "initial state",
+        call(&x, KdaOptions::default().with_initial_state(h0)),
+        is_shape,
+        &["initial_state", "[1, 2, 8, 4]", "[1, 2, 4, 8]"],
+    );
     let h0 = Tensor::<Cpu, 4>::zeros([1, 2, 8, 4], &d);
-    expect_err("initial state per sequence", call(&x, KdaOptions::default().with_initial_state(h0).with_cu_seqlens(vec![0, 3, 10])), is_shape, &["[2, 2, 8, 4]"]);
+    expect_err(
+        "initial state per sequence",
+        call(
+            &x,
+            KdaOptions::default()
+                .with_initial_state(h0)
+                .with_cu_seqlens(vec![0, 3, 10]),
+        ),
+        is_shape,
+        &["[2, 2, 8, 4]"],
+    );
 
     let a_log = Tensor::<Cpu, 1>::zeros([3], &d);
     let dt = Tensor::<Cpu, 1>::zeros([16], &d);
-    expect_err("a_log shape", try_kda_gate(x.g.clone(), a_log, dt.clone(), None), is_shape, &["a_log", "[3]"]);
-    expect_err("lower bound", try_kda_gate(x.g.clone(), Tensor::zeros([2], &d), dt, Some(-7.0)), is_arg, &["-7"]);
+    expect_err(
+        "a_log shape",
+        try_kda_gate(x.g.clone(), a_log, dt.clone(), None),
+        is_shape,
+        &["a_log", "[3]"],
+    );
+    expect_err(
+        "lower bound",
+        try_kda_gate(x.g.clone(), Tensor::zeros([2], &d), dt, Some(-7.0)),
+        is_arg,
+        &["-7"],
+    );
 
     let is_config = |e: &Error| matches!(e, Error::Config { .. });
-    expect_err("config head_dim", KdaConfig::new(32, 2, 300).try_init::<Cpu>(&d), is_config, &["head_dim", "300"]);
-    expect_err("config lower bound", KdaConfig::new(32, 2, 16).with_gate_lower_bound(Some(0.5)).try_init::<Cpu>(&d), is_config, &["0.5"]);
-    expect_err("config chunk", KdaConfig::new(32, 2, 16).with_chunk_size(100).try_init::<Cpu>(&d), is_config, &["100"]);
+    expect_err(
+        "config head_dim",
+        KdaConfig::new(32, 2, 300).try_init::<Cpu>(&d),
+        is_config,
+        &["head_dim", "300"],
+    );
+    expect_err(
+        "config lower bound",
+        KdaConfig::new(32, 2, 16)
+            .with_gate_lower_bound(Some(0.5))
+            .try_init::<Cpu>(&d),
+        is_config,
+        &["0.5"],
+    );
+    expect_err(
+        "config chunk",
+        KdaConfig::new(32, 2, 16)
+            .with_chunk_size(100)
+            .try_init::<Cpu>(&d),
+        is_config,
+        &["100"],
+    );
     let layer: KimiDeltaAttention<Cpu> = KdaConfig::new(32, 2, 16).init(&d);
     let xs = randn::<Cpu, 3>(&mut rng(403), [2, 5, 32], 1.0, &d);
-    let mut cache = KdaCache { state: Some(Tensor::zeros([3, 2, 16, 16], &d)), conv: None };
-    expect_err("layer cache", layer.try_forward(xs.clone(), None, Some(&mut cache)), is_shape, &["cache.state", "[3, 2, 16, 16]"]);
-    expect_err("layer width", layer.try_forward(xs.narrow(2, 0, 30), None, None), is_shape, &["[2, 5, 30]"]);
+    let mut cache = KdaCache {
+        state: Some(Tensor::zeros([3, 2, 16, 16], &d)),
+        conv: None,
+    };
+    expect_err(
+        "layer cache",
+        layer.try_forward(xs.clone(), None, Some(&mut cache)),
+        is_shape,
+        &["cache.state", "[3, 2, 16, 16]"],
+    );
+    expect_err(
+        "layer width",
+        layer.try_forward(xs.narrow(2, 0, 30), None, None),
+        is_shape,
+        &["[2, 5, 30]"],
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
 // Half-precision inputs: computed in f32, output in the input dtype, state in f32.
 
 fn check_half_inputs<B: Backend>(device: &B::Device) {
-    let x = inputs::<B>(&mut rng(500), 1, 40, 2, 16, 16, Gates::LogSigmoid(1.0), 1, device);
+    let x = inputs::<B>(
+        &mut rng(500),
+        (1, 40, 2, 16, 16),
+        Gates::LogSigmoid(1.0),
+        1,
+        device,
+    );
     let (o_ref, s_ref) = run(naive_recurrent_kda, &x, KdaOptions::default());
     let half = |t: Tensor<B, 4>| t.cast(FloatDType::F16);
-    let (o, s) = chunk_kda(half(x.q.clone()), half(x.k.clone()), half(x.v.clone()), half(x.g.clone()), x.beta.clone().cast(FloatDType::F16), KdaOptions::default().with_initial_state(x.h0.clone()).with_final_state(true).with_chunk_size(16));
+    let (o, s) = chunk_kda(
+        half(x.q.clone()),
+        half(x.k.clone()),
+        half(x.v.clone()),
+        half(x.g.clone()),
+        x.beta.clone().cast(FloatDType::F16),
+        KdaOptions::default()
+            .with_initial_state(x.h0.clone())
+            .with_final_state(true)
+            .with_chunk_size(16),
+    );
     let s = s.expect("state");
     assert_eq!(o.dtype(), DType::F16);
     assert_eq!(s.dtype(), DType::F32);
@@ -605,8 +1075,22 @@ fn check_half_inputs<B: Backend>(device: &B::Device) {
 // The same checks on wgpu (small shapes: CI runs lavapipe, a software Vulkan).
 
 fn wgpu_ops<B: AutodiffBackend>(device: &B::Device) {
-    check_against_naive::<B>(chunk_kda, 600, (1, 40, 2, 16, 8), Gates::Extreme(0.1), 16, device);
-    check_against_naive::<B>(fused_recurrent_kda, 601, (2, 7, 1, 16, 8), Gates::Safe, 16, device);
+    check_against_naive::<B>(
+        chunk_kda,
+        600,
+        (1, 40, 2, 16, 8),
+        Gates::Extreme(0.1),
+        16,
+        device,
+    );
+    check_against_naive::<B>(
+        fused_recurrent_kda,
+        601,
+        (2, 7, 1, 16, 8),
+        Gates::Safe,
+        16,
+        device,
+    );
     check_packed::<B>(&[1, 15, 20], device);
 }
 on_backends!(ops_on_backends, wgpu_ops);

@@ -100,7 +100,7 @@ pub fn quantile_bias_from_histogram(
 ) -> (Vec<f32>, (f32, f32)) {
     assert!(bins > 0, "quantile_bias_from_histogram: bins must be positive");
     assert!(
-        counts.len() % bins == 0,
+        counts.len().is_multiple_of(bins),
         "quantile_bias_from_histogram: counts.len() = {} is not a multiple of bins = {bins}",
         counts.len()
     );

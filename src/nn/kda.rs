@@ -69,7 +69,10 @@ impl KdaConfig {
         if self.conv_size < 2 {
             return Err(Error::config(
                 "conv_size",
-                format!("the short convolution needs at least 2 taps, got {}", self.conv_size),
+                format!(
+                    "the short convolution needs at least 2 taps, got {}",
+                    self.conv_size
+                ),
             ));
         }
         if let Some(lb) = self.gate_lower_bound {
@@ -112,7 +115,16 @@ impl KdaConfig {
         } else {
             d * k + k * p
         };
-        3 * d * p + 3 * p * self.conv_size as u64 + d * k + k * p + h + p + d * h + out_gate + k + p * d
+        3 * d * p
+            + 3 * p * self.conv_size as u64
+            + d * k
+            + k * p
+            + h
+            + p
+            + d * h
+            + out_gate
+            + k
+            + p * d
     }
 
     /// Builds the layer, or reports an invalid config.
@@ -164,7 +176,9 @@ impl KdaConfig {
             g_a_proj,
             g_b_proj,
             g_proj,
-            o_norm: RmsNormConfig::new(k).with_epsilon(self.norm_eps).init(device),
+            o_norm: RmsNormConfig::new(k)
+                .with_epsilon(self.norm_eps)
+                .init(device),
             o_proj: linear(p, d),
             num_heads: h,
             head_dim: k,
@@ -316,7 +330,7 @@ impl<B: Backend> KimiDeltaAttention<B> {
         &self,
         x: Tensor<B, 3>,
         cu_seqlens: Option<&[usize]>,
-        mut cache: Option<&mut KdaCache<B>>,
+        cache: Option<&mut KdaCache<B>>,
     ) -> Result<Tensor<B, 3>> {
         let [b, t, d] = x.dims();
         let d_model = self.q_proj.weight.dims()[0];
@@ -324,18 +338,30 @@ impl<B: Backend> KimiDeltaAttention<B> {
         let p = h * k;
         let w = self.q_conv1d.weight.dims()[1];
         if d != d_model || b == 0 || t == 0 {
-            return Err(Error::shape("x", format!("[B, T, d_model] = [B ≥ 1, T ≥ 1, {d_model}]"), [b, t, d]));
+            return Err(Error::shape(
+                "x",
+                format!("[B, T, d_model] = [B ≥ 1, T ≥ 1, {d_model}]"),
+                [b, t, d],
+            ));
         }
-        let seqs = cu_seqlens.map(|cu| check_cu_seqlens(cu, b, t)).transpose()?;
+        let seqs = cu_seqlens
+            .map(|cu| check_cu_seqlens(cu, b, t))
+            .transpose()?;
         let n = seqs.as_ref().map_or(b, Vec::len);
-        let longest = seqs.as_ref().map_or(t, |s| s.iter().map(|s| s.1).max().unwrap_or(0));
+        let longest = seqs
+            .as_ref()
+            .map_or(t, |s| s.iter().map(|s| s.1).max().unwrap_or(0));
         let (state, conv_tail) = match cache.as_deref() {
             Some(c) => (c.state.clone(), c.conv.clone()),
             None => (None, None),
         };
         if let Some(s) = &state {
             if s.dims() != [n, h, k, k] {
-                return Err(Error::shape("cache.state", format!("[N, H, K, V] = [{n}, {h}, {k}, {k}]"), s.dims()));
+                return Err(Error::shape(
+                    "cache.state",
+                    format!("[N, H, K, V] = [{n}, {h}, {k}, {k}]"),
+                    s.dims(),
+                ));
             }
         }
         if let Some(c) = &conv_tail {
@@ -371,7 +397,12 @@ impl<B: Backend> KimiDeltaAttention<B> {
         let (q, k_, v) = (heads(0), heads(1), heads(2));
 
         let f = self.f_b_proj.forward(self.f_a_proj.forward(x.clone()));
-        let g = kda_gate(f.reshape([b, t, h, k]), self.a_log.val(), self.dt_bias.val(), self.gate_lower_bound);
+        let g = kda_gate(
+            f.reshape([b, t, h, k]),
+            self.a_log.val(),
+            self.dt_bias.val(),
+            self.gate_lower_bound,
+        );
         let beta = sigmoid(widen(self.b_proj.forward(x.clone())).0);
 
         let mut opts = KdaOptions::default()
@@ -386,7 +417,7 @@ impl<B: Backend> KimiDeltaAttention<B> {
         } else {
             chunk_kda_inner(q, k_, v, g, beta, opts, false)?
         };
-        if let Some(c) = cache.as_deref_mut() {
+        if let Some(c) = cache {
             c.state = final_state;
             c.conv = Some(new_tail);
         }
@@ -396,7 +427,12 @@ impl<B: Backend> KimiDeltaAttention<B> {
             (None, Some(a), Some(b_)) => b_.forward(a.forward(x)),
             _ => unreachable!("the config builds either g_proj or g_a_proj and g_b_proj"),
         };
-        let o = rms_norm_gated(o, z.reshape([b, t, h, k]), self.o_norm.weight.val(), self.o_norm.epsilon);
+        let o = rms_norm_gated(
+            o,
+            z.reshape([b, t, h, k]),
+            self.o_norm.weight.val(),
+            self.o_norm.epsilon,
+        );
         Ok(self.o_proj.forward(o.reshape([b, t, p])))
     }
 }

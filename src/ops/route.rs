@@ -52,7 +52,7 @@ impl TopKOptions {
                 format!("need 1 <= top_k < n_experts, got top_k = {} with n_experts = {n}", self.k),
             ));
         }
-        if self.n_group == 0 || n % self.n_group != 0 {
+        if self.n_group == 0 || !n.is_multiple_of(self.n_group) {
             return Err(Error::config(
                 "n_group",
                 format!("n_group = {} must be positive and divide n_experts = {n}", self.n_group),
@@ -92,7 +92,7 @@ pub fn select_top_k(scores: &[f32], n: usize, bias: &[f32], opts: TopKOptions) -
     if bias.len() != n {
         return Err(Error::shape("bias", format!("[{n}]"), [bias.len()]));
     }
-    if scores.len() % n != 0 {
+    if !scores.len().is_multiple_of(n) {
         return Err(Error::shape("scores", format!("[m, {n}]"), [scores.len()]));
     }
     if let Some(j) = bias.iter().position(|b| !b.is_finite()) {

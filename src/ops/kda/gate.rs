@@ -94,11 +94,19 @@ pub fn try_rms_norm_gated<B: Backend, const D: usize>(
 ) -> Result<Tensor<B, D>> {
     let dims = o.dims();
     if z.dims() != dims {
-        return Err(Error::shape("z", format!("the shape of o, {dims:?}"), z.dims()));
+        return Err(Error::shape(
+            "z",
+            format!("the shape of o, {dims:?}"),
+            z.dims(),
+        ));
     }
     let v = dims[D - 1];
     if weight.dims() != [v] {
-        return Err(Error::shape("weight", format!("[V] = [{v}]"), weight.dims()));
+        return Err(Error::shape(
+            "weight",
+            format!("[V] = [{v}]"),
+            weight.dims(),
+        ));
     }
     let (o, dtype) = widen(o);
     let (z, _) = widen(z);

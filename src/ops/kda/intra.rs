@@ -73,7 +73,10 @@ pub(crate) fn intra_chunk<B: Backend>(
             k_cols.mul(reverse_cumsum(shift_up(g_cols, 2), 2).exp())
         }
         .swap_dims(2, 3);
-        let qk = halves(q.clone(), b).1.mul(row_decay.clone()).matmul(cols.clone());
+        let qk = halves(q.clone(), b)
+            .1
+            .mul(row_decay.clone())
+            .matmul(cols.clone());
         let kk = k_rows
             .mul(row_decay.mul(halves(beta.clone(), b).1))
             .matmul(cols);
@@ -121,7 +124,10 @@ fn pairs<B: Backend>(x: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
 fn join<B: Backend>(upper: Tensor<B, 4>, off: Tensor<B, 4>, lower: Tensor<B, 4>) -> Tensor<B, 4> {
     let zeros = upper.zeros_like();
     Tensor::cat(
-        vec![Tensor::cat(vec![upper, zeros], 3), Tensor::cat(vec![off, lower], 3)],
+        vec![
+            Tensor::cat(vec![upper, zeros], 3),
+            Tensor::cat(vec![off, lower], 3),
+        ],
         2,
     )
 }
@@ -158,7 +164,12 @@ mod tests {
         let g = Tensor::<B, 3>::random([1, c, d], Distribution::Uniform(-1.0, 0.0), &device);
         let beta = Tensor::<B, 2>::random([1, c], Distribution::Uniform(0.0, 1.0), &device);
         let host = |t: Tensor<B, 3>| t.into_data().iter::<f64>().collect::<Vec<_>>();
-        let (qh, kh, vh, gh) = (host(q.clone()), host(k.clone()), host(v.clone()), host(g.clone()));
+        let (qh, kh, vh, gh) = (
+            host(q.clone()),
+            host(k.clone()),
+            host(v.clone()),
+            host(g.clone()),
+        );
         let bh: Vec<f64> = beta.clone().into_data().iter::<f64>().collect();
         let pair = |x: &[f64], i: usize, j: usize| -> f64 {
             (0..d)
@@ -174,7 +185,11 @@ mod tests {
         for i in 0..c {
             for j in 0..c {
                 let want = if j <= i { pair(&qh, i, j) } else { 0.0 };
-                assert!((a_qk[i * c + j] - want).abs() < 1e-4, "A_qk[{i},{j}] = {} vs {want}", a_qk[i * c + j]);
+                assert!(
+                    (a_qk[i * c + j] - want).abs() < 1e-4,
+                    "A_qk[{i},{j}] = {} vs {want}",
+                    a_qk[i * c + j]
+                );
             }
             let acc: f64 = (0..i).map(|j| bh[i] * pair(&kh, i, j) * u_ref[j]).sum();
             u_ref[i] = bh[i] * vh[i] - acc;
@@ -188,8 +203,9 @@ mod tests {
     fn reverse_cumsum_sums_the_suffix() {
         let device = Default::default();
         let x = Tensor::<B, 2>::from_floats([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], &device);
-        reverse_cumsum(x, 1)
-            .into_data()
-            .assert_eq(&TensorData::from([[6.0f32, 5.0, 3.0], [15.0, 11.0, 6.0]]), false);
+        reverse_cumsum(x, 1).into_data().assert_eq(
+            &TensorData::from([[6.0f32, 5.0, 3.0], [15.0, 11.0, 6.0]]),
+            false,
+        );
     }
 }

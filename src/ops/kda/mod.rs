@@ -222,10 +222,18 @@ pub(crate) fn prepare<B: Backend>(
         return Err(Error::shape("g", qk, g.dims()));
     }
     if v.dims()[..3] != q.dims()[..3] {
-        return Err(Error::shape("v", format!("[B, T, H, V] = [{b}, {t}, {h}, V]"), v.dims()));
+        return Err(Error::shape(
+            "v",
+            format!("[B, T, H, V] = [{b}, {t}, {h}, V]"),
+            v.dims(),
+        ));
     }
     if beta.dims() != [b, t, h] {
-        return Err(Error::shape("beta", format!("[B, T, H] = [{b}, {t}, {h}]"), beta.dims()));
+        return Err(Error::shape(
+            "beta",
+            format!("[B, T, H] = [{b}, {t}, {h}]"),
+            beta.dims(),
+        ));
     }
     if b == 0 || t == 0 || h == 0 || kd == 0 || vd == 0 {
         return Err(Error::shape(
@@ -328,10 +336,18 @@ mod tests {
 
     #[test]
     fn cu_seqlens_checks_report_the_values() {
-        assert_eq!(check_cu_seqlens(&[0, 3, 7], 1, 7).unwrap(), vec![(0, 3), (3, 4)]);
+        assert_eq!(
+            check_cu_seqlens(&[0, 3, 7], 1, 7).unwrap(),
+            vec![(0, 3), (3, 4)]
+        );
         let msg = check_cu_seqlens(&[1, 7], 1, 7).unwrap_err().to_string();
-        assert!(msg.contains("start at 0") && msg.contains("[1, 7]"), "{msg}");
-        let msg = check_cu_seqlens(&[0, 4, 4, 7], 1, 7).unwrap_err().to_string();
+        assert!(
+            msg.contains("start at 0") && msg.contains("[1, 7]"),
+            "{msg}"
+        );
+        let msg = check_cu_seqlens(&[0, 4, 4, 7], 1, 7)
+            .unwrap_err()
+            .to_string();
         assert!(msg.contains("4 then 4"), "{msg}");
         let msg = check_cu_seqlens(&[0, 4, 6], 1, 7).unwrap_err().to_string();
         assert!(msg.contains("T = 7") && msg.contains("got 6"), "{msg}");
