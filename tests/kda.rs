@@ -5,7 +5,7 @@ mod common;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, FloatDType, Tensor};
+use burn::tensor::Tensor;
 use common::*;
 use kimi_burn::nn::{KdaCache, KdaConfig, KimiDeltaAttention};
 use kimi_burn::ops::kda::{chunk_kda, fused_recurrent_kda, naive_recurrent_kda, KdaOptions};
@@ -1041,9 +1041,12 @@ fn bad_input_gives_clear_errors() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Half-precision inputs: computed in f32, output in the input dtype, state in f32.
+// Half-precision inputs: computed in f32, output in the input dtype, state in f32 (wgpu only:
+// Burn's ndarray backend has no f16).
 
+#[cfg(feature = "wgpu")]
 fn check_half_inputs<B: Backend>(device: &B::Device) {
+    use burn::tensor::{DType, FloatDType};
     let x = inputs::<B>(
         &mut rng(500),
         (1, 40, 2, 16, 16),

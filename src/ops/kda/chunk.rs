@@ -4,7 +4,7 @@
 use burn::tensor::{backend::Backend, Tensor};
 
 use super::intra::{intra_chunk, Intra};
-use super::{prepare, unbind, KdaOptions, Prepared, CHUNK_SIZES};
+use super::{gather_tokens, prepare, unbind, KdaOptions, Prepared, CHUNK_SIZES};
 use crate::error::{Error, Result};
 use crate::ops::precision::restore;
 
@@ -96,25 +96,23 @@ struct Layout {
 impl Layout {
     /// `[B, T, H, X]` → `[B·H, NC, C, X]`, each sequence zero-padded to whole chunks.
     fn to_chunks<B: Backend>(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let [b, _, h, d] = x.dims();
+        let [b, t, h, d] = x.dims();
         let c = self.c;
-        let pad = |x: Tensor<B, 4>, len: usize| {
-            let extra = len.div_ceil(c) * c - len;
-            if extra == 0 {
-                return x;
-            }
-            let zeros = Tensor::zeros([b, extra, h, d], (&x.device(), x.dtype()));
-            Tensor::cat(vec![x, zeros], 1)
-        };
         let padded = match &self.tokens {
-            None => pad(x, self.t),
-            Some(tokens) => Tensor::cat(
-                tokens
+            None if t % c == 0 => x,
+            None => {
+                let zeros = Tensor::zeros([b, self.nc * c - t, h, d], (&x.device(), x.dtype()));
+                Tensor::cat(vec![x, zeros], 1)
+            }
+            Some(tokens) => {
+                let slots: Vec<Option<usize>> = tokens
                     .iter()
-                    .map(|&(start, len)| pad(x.clone().narrow(1, start, len), len))
-                    .collect(),
-                1,
-            ),
+                    .flat_map(|&(start, len)| {
+                        (0..len.div_ceil(c) * c).map(move |i| (i < len).then_some(start + i))
+                    })
+                    .collect();
+                gather_tokens(x, &slots)
+            }
         };
         padded
             .reshape([b, self.nc, c, h, d])
@@ -130,15 +128,12 @@ impl Layout {
             None => x.narrow(1, 0, self.t),
             Some(tokens) => {
                 let mut offset = 0;
-                let parts = tokens
-                    .iter()
-                    .map(|&(_, len)| {
-                        let part = x.clone().narrow(1, offset, len);
-                        offset += len.div_ceil(self.c) * self.c;
-                        part
-                    })
-                    .collect();
-                Tensor::cat(parts, 1)
+                let mut slots = Vec::with_capacity(self.t);
+                for &(_, len) in tokens {
+                    slots.extend((offset..offset + len).map(Some));
+                    offset += len.div_ceil(self.c) * self.c;
+                }
+                gather_tokens(x, &slots)
             }
         }
     }
