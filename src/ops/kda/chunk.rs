@@ -4,7 +4,7 @@
 use burn::tensor::{backend::Backend, Tensor};
 
 use super::intra::{intra_chunk, Intra};
-use super::{prepare, unbind, KdaOptions, Prepared, CHUNK_SIZES};
+use super::{gather_tokens, prepare, unbind, KdaOptions, Prepared, CHUNK_SIZES};
 use crate::error::{Error, Result};
 use crate::ops::precision::restore;
 
@@ -23,11 +23,15 @@ use crate::ops::precision::restore;
 /// S ← Diag(exp(G_last)) S + (K ⊙ exp(G_last − G))ᵀ Vn
 /// ```
 ///
-/// Numerics: every exponent is a sum of gates and so ≤ 0; `exp(−G)` is never formed. Each
-/// `G_i − G_j` is summed directly from the gates between the two positions rather than taken as a
-/// difference of two cumulative sums, which would lose the small gates once a sum reaches −10⁴ in
-/// f32 (see [`intra`](super::intra)). Works in f32 (f64 for f64 inputs); the output comes back in
-/// the dtype of `q`, the final state `[N, H, K, V]` in f32. Differentiable with Burn's autodiff.
+/// Numerics: every exponent is a sum of gates and so ≤ 0; `exp(−G)` and `1/Γ` are never formed.
+/// Each `G_i − G_j` is summed directly from the gates between the two positions rather than taken
+/// as a difference of two cumulative sums, which would lose the small gates once a sum reaches
+/// −10⁴ in f32. The `C × C` matrices are built by recursive halving: a pair `j < i` is handled in
+/// the block of `2b` rows where the two fall into different halves, anchored on the first row
+/// `i0` of the upper half, `exp(G_i − G_j) = exp(Σ_{i0≤u≤i} g_u) · exp(Σ_{j<u<i0} g_u)`, so each
+/// block is one matrix product of factors ≤ 1; `(I + A_kk)^{-1}` is assembled by the same
+/// recursion. Works in f32 (f64 for f64 inputs); the output comes back in the dtype of `q`, the
+/// final state `[N, H, K, V]` in f32. Differentiable with Burn's autodiff.
 ///
 /// # Panics
 /// On invalid input; see [`try_chunk_kda`].
@@ -92,25 +96,23 @@ struct Layout {
 impl Layout {
     /// `[B, T, H, X]` → `[B·H, NC, C, X]`, each sequence zero-padded to whole chunks.
     fn to_chunks<B: Backend>(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let [b, _, h, d] = x.dims();
+        let [b, t, h, d] = x.dims();
         let c = self.c;
-        let pad = |x: Tensor<B, 4>, len: usize| {
-            let extra = len.div_ceil(c) * c - len;
-            if extra == 0 {
-                return x;
-            }
-            let zeros = Tensor::zeros([b, extra, h, d], (&x.device(), x.dtype()));
-            Tensor::cat(vec![x, zeros], 1)
-        };
         let padded = match &self.tokens {
-            None => pad(x, self.t),
-            Some(tokens) => Tensor::cat(
-                tokens
+            None if t % c == 0 => x,
+            None => {
+                let zeros = Tensor::zeros([b, self.nc * c - t, h, d], (&x.device(), x.dtype()));
+                Tensor::cat(vec![x, zeros], 1)
+            }
+            Some(tokens) => {
+                let slots: Vec<Option<usize>> = tokens
                     .iter()
-                    .map(|&(start, len)| pad(x.clone().narrow(1, start, len), len))
-                    .collect(),
-                1,
-            ),
+                    .flat_map(|&(start, len)| {
+                        (0..len.div_ceil(c) * c).map(move |i| (i < len).then_some(start + i))
+                    })
+                    .collect();
+                gather_tokens(x, &slots)
+            }
         };
         padded
             .reshape([b, self.nc, c, h, d])
@@ -119,22 +121,19 @@ impl Layout {
     }
 
     /// The inverse of [`to_chunks`](Self::to_chunks): `[B·H, NC, C, X]` → `[B, T, H, X]`.
-    fn from_chunks<B: Backend>(&self, x: Tensor<B, 4>, b: usize, h: usize) -> Tensor<B, 4> {
+    fn unchunk<B: Backend>(&self, x: Tensor<B, 4>, b: usize, h: usize) -> Tensor<B, 4> {
         let d = x.dims()[3];
         let x = x.reshape([b, h, self.nc * self.c, d]).swap_dims(1, 2);
         match &self.tokens {
             None => x.narrow(1, 0, self.t),
             Some(tokens) => {
                 let mut offset = 0;
-                let parts = tokens
-                    .iter()
-                    .map(|&(_, len)| {
-                        let part = x.clone().narrow(1, offset, len);
-                        offset += len.div_ceil(self.c) * self.c;
-                        part
-                    })
-                    .collect();
-                Tensor::cat(parts, 1)
+                let mut slots = Vec::with_capacity(self.t);
+                for &(_, len) in tokens {
+                    slots.extend((offset..offset + len).map(Some));
+                    offset += len.div_ceil(self.c) * self.c;
+                }
+                gather_tokens(x, &slots)
             }
         }
     }
@@ -233,7 +232,7 @@ fn run<B: Backend>(p: Prepared<B>, c: usize) -> (Tensor<B, 4>, Option<Tensor<B, 
     let states = Tensor::stack::<4>(states, 1).reshape([m, kd, vd]);
     let deltas = Tensor::stack::<4>(deltas, 1).reshape([m, c, vd]);
     let o = q_decayed.matmul(states).add(a_qk.matmul(deltas));
-    let o = layout.from_chunks(o.reshape([z, nc, c, vd]), b, h);
+    let o = layout.unchunk(o.reshape([z, nc, c, vd]), b, h);
 
     let state = p.output_final_state.then(|| match layout.seqs {
         None => finals.remove(0).reshape([b, h, kd, vd]),

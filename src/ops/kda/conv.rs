@@ -2,6 +2,8 @@
 
 use burn::tensor::{backend::Backend, Tensor};
 
+use super::gather_tokens;
+
 /// Causal depthwise convolution without bias, restarted at every sequence (SPEC §4.2):
 ///
 /// ```text
@@ -20,40 +22,88 @@ pub(crate) fn causal_conv1d<B: Backend>(
     seqs: Option<&[(usize, usize)]>,
     tail: Option<Tensor<B, 3>>,
 ) -> (Tensor<B, 3>, Tensor<B, 3>) {
-    let Some(seqs) = seqs else {
-        return conv_rows(x, weight, tail);
-    };
-    let mut ys = Vec::with_capacity(seqs.len());
-    let mut tails = Vec::with_capacity(seqs.len());
-    for (n, &(start, len)) in seqs.iter().enumerate() {
-        let tail_n = tail.clone().map(|tl| tl.narrow(0, n, 1));
-        let (y, tl) = conv_rows(x.clone().narrow(1, start, len), weight.clone(), tail_n);
-        ys.push(y);
-        tails.push(tl);
-    }
-    (Tensor::cat(ys, 1), Tensor::cat(tails, 0))
-}
-
-fn conv_rows<B: Backend>(
-    x: Tensor<B, 3>,
-    weight: Tensor<B, 2>,
-    tail: Option<Tensor<B, 3>>,
-) -> (Tensor<B, 3>, Tensor<B, 3>) {
     let [b, t, p] = x.dims();
     let w = weight.dims()[1];
-    let history = match tail {
-        Some(tl) => tl.swap_dims(1, 2),
-        None => Tensor::zeros([b, w - 1, p], (&x.device(), x.dtype())),
+    let Some(seqs) = seqs else {
+        let history = match tail {
+            Some(tl) => tl.swap_dims(1, 2),
+            None => Tensor::zeros([b, w - 1, p], (&x.device(), x.dtype())),
+        };
+        let padded = Tensor::cat(vec![history, x], 1);
+        let new_tail = padded.clone().narrow(1, t, w - 1).swap_dims(1, 2);
+        return (slide(padded, weight), new_tail);
     };
-    let padded = Tensor::cat(vec![history, x], 1); // [B, W − 1 + T, P]
+    // Packed: give every sequence its own W − 1 history rows (its tail, or zeros) in front of its
+    // tokens, all with one gather, so that no window reaches into the previous sequence.
+    let n = seqs.len();
+    let history = match tail {
+        Some(tl) => tl.swap_dims(1, 2).reshape([1, n * (w - 1), p]),
+        None => Tensor::zeros([1, n * (w - 1), p], (&x.device(), x.dtype())),
+    };
+    let source = Tensor::cat(vec![x, history], 1);
+    let mut slots = Vec::with_capacity(t + n * (w - 1));
+    let mut outputs = Vec::with_capacity(t);
+    let mut tails = Vec::with_capacity(n * (w - 1));
+    for (i, &(start, len)) in seqs.iter().enumerate() {
+        let offset = slots.len();
+        slots.extend((0..w - 1).map(|r| Some(t + i * (w - 1) + r)));
+        slots.extend((start..start + len).map(Some));
+        // The window ending at padded row `offset + W − 1 + j` is output row `offset + j`.
+        outputs.extend((offset..offset + len).map(Some));
+        tails.extend((offset + len..offset + len + w - 1).map(Some));
+    }
+    let padded = gather_tokens(source, &slots);
+    let new_tail = gather_tokens(padded.clone(), &tails)
+        .reshape([n, w - 1, p])
+        .swap_dims(1, 2);
+    (gather_tokens(slide(padded, weight), &outputs), new_tail)
+}
+
+/// The valid windows of a depthwise convolution: `[B, L, P]` with taps `[P, W]` →
+/// `[B, L − W + 1, P]`, row `r` covering input rows `r … r + W − 1`.
+fn slide<B: Backend>(padded: Tensor<B, 3>, weight: Tensor<B, 2>) -> Tensor<B, 3> {
+    let [_, l, p] = padded.dims();
+    let w = weight.dims()[1];
     let taps = weight.swap_dims(0, 1); // [W, P]
-    let y = (0..w)
+    (0..w)
         .map(|i| {
             let tap = taps.clone().narrow(0, i, 1).reshape([1, 1, p]);
-            padded.clone().narrow(1, i, t).mul(tap)
+            padded.clone().narrow(1, i, l - w + 1).mul(tap)
         })
         .reduce(|acc, term| acc.add(term))
-        .unwrap_or_else(|| unreachable!("W >= 2 taps"));
-    let new_tail = padded.narrow(1, t, w - 1).swap_dims(1, 2);
-    (y, new_tail)
+        .unwrap_or_else(|| unreachable!("W >= 2 taps"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+    use burn::tensor::TensorData;
+
+    type B = NdArray<f32>;
+
+    /// One channel, taps [1, 10, 100, 1000]: tap W−1 (1000) multiplies the current token, and the
+    /// packed second sequence does not see the first.
+    #[test]
+    fn taps_are_causal_and_restart_per_sequence() {
+        let device = Default::default();
+        let x = Tensor::<B, 3>::from_floats([[[1.0], [2.0], [3.0], [4.0], [5.0]]], &device);
+        let w = Tensor::<B, 2>::from_floats([[1.0, 10.0, 100.0, 1000.0]], &device);
+        let (y, tail) = causal_conv1d(x.clone(), w.clone(), None, None);
+        y.into_data().assert_eq(
+            &TensorData::from([[[1000.0f32], [2100.0], [3210.0], [4321.0], [5432.0]]]),
+            false,
+        );
+        tail.into_data()
+            .assert_eq(&TensorData::from([[[3.0f32, 4.0, 5.0]]]), false);
+        let (y, tail) = causal_conv1d(x, w, Some(&[(0, 2), (2, 3)]), None);
+        y.into_data().assert_eq(
+            &TensorData::from([[[1000.0f32], [2100.0], [3000.0], [4300.0], [5430.0]]]),
+            false,
+        );
+        tail.into_data().assert_eq(
+            &TensorData::from([[[0.0f32, 1.0, 2.0]], [[3.0, 4.0, 5.0]]]),
+            false,
+        );
+    }
 }

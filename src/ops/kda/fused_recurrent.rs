@@ -2,7 +2,7 @@
 
 use burn::tensor::{backend::Backend, Tensor};
 
-use super::{prepare, unbind, KdaOptions, Prepared};
+use super::{gather_tokens, prepare, unbind, KdaOptions, Prepared};
 use crate::error::Result;
 use crate::ops::precision::restore;
 
@@ -126,26 +126,20 @@ fn run<B: Backend>(p: Prepared<B>) -> (Tensor<B, 4>, Option<Tensor<B, 4>>) {
 fn pad_to_batch<B: Backend>(x: Tensor<B, 4>, seqs: &[(usize, usize)]) -> Tensor<B, 4> {
     let [_, _, h, d] = x.dims();
     let longest = seqs.iter().map(|s| s.1).max().unwrap_or(0);
-    let rows = seqs
+    let slots: Vec<Option<usize>> = seqs
         .iter()
-        .map(|&(start, len)| {
-            let row = x.clone().narrow(1, start, len);
-            if len == longest {
-                return row;
-            }
-            let pad = Tensor::zeros([1, longest - len, h, d], (&x.device(), x.dtype()));
-            Tensor::cat(vec![row, pad], 1)
-        })
+        .flat_map(|&(start, len)| (0..longest).map(move |i| (i < len).then_some(start + i)))
         .collect();
-    Tensor::cat(rows, 0)
+    gather_tokens(x, &slots).reshape([seqs.len(), longest, h, d])
 }
 
 /// The inverse of [`pad_to_batch`]: `[N, max T_n, H, X]` → `[1, ΣT_n, H, X]`.
 fn unpad_from_batch<B: Backend>(x: Tensor<B, 4>, seqs: &[(usize, usize)]) -> Tensor<B, 4> {
-    let rows = seqs
+    let [n, longest, h, d] = x.dims();
+    let slots: Vec<Option<usize>> = seqs
         .iter()
         .enumerate()
-        .map(|(n, &(_, len))| x.clone().narrow(0, n, 1).narrow(1, 0, len))
+        .flat_map(|(i, &(_, len))| (0..len).map(move |t| Some(i * longest + t)))
         .collect();
-    Tensor::cat(rows, 1)
+    gather_tokens(x.reshape([1, n * longest, h, d]), &slots)
 }

@@ -6,23 +6,21 @@
 //! it as the difference of two inclusive cumulative sums is exact in real arithmetic but not in
 //! f32: with a few −1000 gates in a chunk the sums reach −10⁴, where the f32 spacing is ~1e-3, and
 //! the small gates between `j` and `i` are lost. Here every exponent is a direct sum of the gates
-//! in its range (a cumulative sum of masked or shifted gates). Any such sum is accurate when its
-//! range holds only small gates, and when it holds a −1000 gate its exponential is 0 anyway.
+//! in its range (a cumulative sum of a slice or of shifted gates). Any such sum is accurate when
+//! its range holds only small gates, and when it holds a −1000 gate its exponential is 0 anyway.
 //!
-//! The `C × C` decay matrices are built by sub-blocks of [`SUB`] rows:
-//! - below the diagonal blocks, anchored products: for a row `i` in the sub-block starting at
-//!   `i0` and a column `j < i0`, `exp(G_i − G_j) = exp(Σ_{i0≤u≤i} g_u) · exp(Σ_{j<u<i0} g_u)`, two
-//!   factors ≤ 1, so that a plain matrix product does the work;
-//! - inside the diagonal blocks, the elementwise form `Σ_d q_i[d] k_j[d] exp(Σ_{j<u≤i} g_u[d])`
-//!   on a `[SUB, SUB, K]` tensor of masked cumulative sums.
+//! # Recursive halving
+//! Every pair `j < i` of a chunk meets at exactly one level: the block of `2b` rows in which `i`
+//! and `j` fall into different halves (`b = 1, 2, 4, …, C/2`). Anchored on the first row `i0` of the
+//! upper half, `exp(G_i − G_j) = exp(Σ_{i0≤u≤i} g_u) · exp(Σ_{j<u<i0} g_u)`: two factors ≤ 1
+//! (nothing overflows, SPEC §4.3), so the `b × b` block of `A_qk` or `A_kk` is one matrix
+//! product. The same recursion builds `(I + A_kk)^{-1}` bottom-up, from 1×1 blocks:
+//!
+//! ```text
+//! [[I + A, 0], [Q, I + B]]^{-1} = [[X_A, 0], [−X_B Q X_A, X_B]]
+//! ```
 
-use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
-
-use super::unbind;
-
-/// Rows of a sub-block of a chunk: the diagonal blocks of the decay matrices are computed
-/// elementwise at `SUB × SUB × K` per block, the rest by matrix products.
-pub(crate) const SUB: usize = 16;
+use burn::tensor::{backend::Backend, Tensor};
 
 /// What the sequential pass needs from one batch of chunks (`M` chunks of `C` tokens).
 pub(crate) struct Intra<B: Backend> {
@@ -42,8 +40,8 @@ pub(crate) struct Intra<B: Backend> {
 
 /// Intra-chunk part of SPEC §4.3 (steps 0–3, plus `A_qk`) for `M` independent chunks.
 ///
-/// `q` (already scaled), `k`, `g`: `[M, C, K]`; `v: [M, C, V]`; `beta: [M, C]`. Padded positions
-/// must carry `g = 0`, `k = 0`, `β = 0`.
+/// `q` (already scaled), `k`, `g`: `[M, C, K]`; `v: [M, C, V]`; `beta: [M, C]`; `C` a power of
+/// two. Padded positions must carry `g = 0`, `k = 0`, `β = 0`.
 pub(crate) fn intra_chunk<B: Backend>(
     q: Tensor<B, 3>,
     k: Tensor<B, 3>,
@@ -51,82 +49,47 @@ pub(crate) fn intra_chunk<B: Backend>(
     g: Tensor<B, 3>,
     beta: Tensor<B, 2>,
 ) -> Intra<B> {
-    let [m, c, kd] = q.dims();
-    let s = SUB.min(c);
-    let nb = c / s;
-    let device = q.device();
-    let dtype = q.dtype();
-    let mask = |f: &dyn Fn(usize, usize) -> bool, rows: usize, cols: usize| {
-        constant_mask::<B>(rows, cols, f, &device, dtype)
-    };
+    let [m, c, _] = q.dims();
+    let beta = beta.reshape([m, c, 1]);
 
     // G from the chunk start and G_last − G to its end: direct sums, accurate as they stand.
     let g_cum = g.clone().cumsum(1);
     let decay = g_cum.clone().narrow(1, c - 1, 1).exp();
-    // g_next[t] = g[t + 1] (0 past the end), so that a suffix sum of g_next excludes position t.
-    let g_next = Tensor::cat(
-        vec![
-            g.clone().narrow(1, 1, c - 1),
-            g.zeros_like().narrow(1, 0, 1),
-        ],
-        1,
-    );
-    let to_end = reverse_cumsum(g_next.clone(), 1);
+    let to_end = reverse_cumsum(shift_up(g.clone(), 1), 1);
 
-    // Row factors: Σ_{i0≤u≤i} g_u inside each sub-block.
-    let g_blocks = g.reshape([m, nb, s, kd]);
-    let row_decay = g_blocks.clone().cumsum(2).exp();
-    // Column factors per sub-block I: Σ_{j<u<i0(I)} g_u (zero for j ≥ i0 − 1, masked below).
-    let before_anchor = mask(&|bi, t| t + 1 < bi * s, nb, c).reshape([1, nb, c, 1]);
-    let col_sums = reverse_cumsum(g_next.unsqueeze_dim::<4>(1).mul(before_anchor), 2);
-    let k_cols = k
-        .clone()
-        .unsqueeze_dim::<4>(1)
-        .mul(col_sums.exp())
-        .swap_dims(2, 3); // [M, nb, K, C]
-    let q_blocks = q.clone().reshape([m, nb, s, kd]);
-    let k_blocks = k.clone().reshape([m, nb, s, kd]);
-    let below_blocks = mask(&|i, j| j < (i / s) * s, c, c).reshape([1, c, c]);
-    let off = |rows: Tensor<B, 4>| {
-        rows.mul(row_decay.clone())
-            .matmul(k_cols.clone())
-            .reshape([m, c, c])
-            .mul(below_blocks.clone())
-    };
-    let qk_off = off(q_blocks.clone());
-    let kk_off = off(k_blocks.clone());
-
-    // Diagonal blocks: D[i, j] = Σ_{j<u≤i} g_u as a cumulative sum over u of gates masked to u > j.
-    let after_col = mask(&|u, j| u > j, s, s).reshape([1, 1, s, s, 1]);
-    let lower = mask(&|i, j| j <= i, s, s).reshape([1, 1, s, s, 1]);
-    let pair_decay = g_blocks
-        .unsqueeze_dim::<5>(3)
-        .mul(after_col)
-        .cumsum(2)
-        .exp()
-        .mul(lower);
-    let k_decayed = k_blocks.clone().unsqueeze_dim::<5>(2).mul(pair_decay); // [M, nb, i, j, K]
-    let diag = |rows: Tensor<B, 4>| {
-        rows.unsqueeze_dim::<5>(3)
-            .mul(k_decayed.clone())
-            .sum_dim(4)
-            .reshape([m, nb, s, s])
-    };
-    let strict = mask(&|i, j| j < i, s, s).reshape([1, 1, s, s]);
-    let eye_blocks = mask(&|a, b| a == b, nb, nb).reshape([1, nb, 1, nb, 1]);
-    let block_diag = |x: Tensor<B, 4>| {
-        x.unsqueeze_dim::<5>(3)
-            .mul(eye_blocks.clone())
-            .reshape([m, c, c])
-    };
-    let a_qk = qk_off.add(block_diag(diag(q_blocks)));
-    let beta_rows = beta.clone().reshape([m, c, 1]);
-    let a_kk = kk_off
-        .add(block_diag(diag(k_blocks).mul(strict)))
-        .mul(beta_rows);
-
-    // T̃ = (I + A_kk)^{-1} Diag(β).
-    let t_mat = unit_lower_inverse(a_kk).mul(beta.reshape([m, 1, c]));
+    // 1×1 blocks: A_qk[i, i] = q_i · k_i (no decay), and (I + A_kk)^{-1} is 1 on the diagonal.
+    let mut a_qk = q.clone().mul(k.clone()).sum_dim(2).reshape([m, c, 1, 1]);
+    let mut inv = a_qk.ones_like();
+    let mut b = 1;
+    while b < c {
+        let (g_cols, g_rows) = halves(g.clone(), b);
+        let (k_cols, k_rows) = halves(k.clone(), b);
+        // Rows: the upper half of each 2b-block, decayed from its first row i0.
+        let row_decay = g_rows.cumsum(2).exp();
+        // Columns: the lower half, decayed to its last row (nothing to decay over when b = 1).
+        let cols = if b == 1 {
+            k_cols
+        } else {
+            k_cols.mul(reverse_cumsum(shift_up(g_cols, 2), 2).exp())
+        }
+        .swap_dims(2, 3);
+        let qk = halves(q.clone(), b)
+            .1
+            .mul(row_decay.clone())
+            .matmul(cols.clone());
+        let kk = k_rows
+            .mul(row_decay.mul(halves(beta.clone(), b).1))
+            .matmul(cols);
+        let (upper, lower) = pairs(a_qk);
+        a_qk = join(upper, qk, lower);
+        let (x_upper, x_lower) = pairs(inv);
+        let off = x_lower.clone().matmul(kk).matmul(x_upper.clone()).neg();
+        inv = join(x_upper, off, x_lower);
+        b *= 2;
+    }
+    let a_qk = a_qk.reshape([m, c, c]);
+    // T̃ = (I + A_kk)^{-1} Diag(β): scale column j by β_j.
+    let t_mat = inv.reshape([m, c, c]).mul(beta.swap_dims(1, 2));
     let g_exp = g_cum.exp();
     let w = t_mat.clone().matmul(k.clone().mul(g_exp.clone()));
     let u = t_mat.matmul(v);
@@ -140,45 +103,40 @@ pub(crate) fn intra_chunk<B: Backend>(
     }
 }
 
-/// `(I + L)^{-1}` for strictly lower-triangular `L: [M, C, C]`.
-///
-/// Forward substitution row by row inside the diagonal blocks of [`SUB`] rows (batched over all
-/// blocks), then the blocks are merged one block row at a time:
-/// `X_{I,<I} = −X_{II} · L_{I,<I} · X_{<I,<I}`.
-pub(crate) fn unit_lower_inverse<B: Backend>(l: Tensor<B, 3>) -> Tensor<B, 3> {
-    let [m, c, _] = l.dims();
-    let s = SUB.min(c);
-    let nb = c / s;
-    let device = l.device();
-    let dtype = l.dtype();
-    let eye_blocks =
-        constant_mask::<B>(nb, nb, &|a, b| a == b, &device, dtype).reshape([1, nb, 1, nb, 1]);
-    let blocks = l
-        .clone()
-        .reshape([m, nb, s, nb, s])
-        .mul(eye_blocks)
-        .sum_dim(3)
-        .reshape([m, nb, s, s]);
-    let eye = constant_mask::<B>(s, s, &|a, b| a == b, &device, dtype);
-    let unit_row = |i: usize| eye.clone().narrow(0, i, 1).reshape([1, 1, 1, s]);
-    // X_0 = e_0; X_i = e_i − L_{i,<i} X_{<i}.
-    let mut x = Tensor::zeros([m, nb, 1, s], (&device, dtype)).add(unit_row(0));
-    for (i, row) in unbind(blocks, 2).into_iter().enumerate().skip(1) {
-        let next = unit_row(i).sub(row.narrow(3, 0, i).matmul(x.clone()));
-        x = Tensor::cat(vec![x, next], 2);
-    }
-    let mut diag = unbind(x, 1).into_iter().map(|b| b.reshape([m, s, s]));
-    let Some(mut inv) = diag.next() else {
-        unreachable!("a chunk has at least one sub-block");
-    };
-    for (bi, x_ii) in diag.enumerate().map(|(i, x)| (i + 1, x)) {
-        let r = bi * s;
-        let l_row = l.clone().narrow(1, r, s).narrow(2, 0, r);
-        let off = x_ii.clone().matmul(l_row.matmul(inv.clone())).neg();
-        let top = Tensor::cat(vec![inv, Tensor::zeros([m, r, s], (&device, dtype))], 2);
-        inv = Tensor::cat(vec![top, Tensor::cat(vec![off, x_ii], 2)], 1);
-    }
-    inv
+/// `[M, C, D]` → the lower and upper halves of every `2b`-row block, each `[M, C/2b, b, D]`.
+fn halves<B: Backend>(x: Tensor<B, 3>, b: usize) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let [m, c, d] = x.dims();
+    let p = c / (2 * b);
+    let x = x.reshape([m, p, 2, b, d]);
+    let half = |i| x.clone().narrow(2, i, 1).reshape([m, p, b, d]);
+    (half(0), half(1))
+}
+
+/// `[M, 2P, b, b]` diagonal blocks → the even and odd ones, each `[M, P, b, b]`.
+fn pairs<B: Backend>(x: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let [m, n, b, _] = x.dims();
+    let x = x.reshape([m, n / 2, 2, b, b]);
+    let half = |i| x.clone().narrow(2, i, 1).reshape([m, n / 2, b, b]);
+    (half(0), half(1))
+}
+
+/// `[[upper, 0], [off, lower]]`: three `[M, P, b, b]` blocks → `[M, P, 2b, 2b]`.
+fn join<B: Backend>(upper: Tensor<B, 4>, off: Tensor<B, 4>, lower: Tensor<B, 4>) -> Tensor<B, 4> {
+    let zeros = upper.zeros_like();
+    Tensor::cat(
+        vec![
+            Tensor::cat(vec![upper, zeros], 3),
+            Tensor::cat(vec![off, lower], 3),
+        ],
+        2,
+    )
+}
+
+/// `x[t] ← x[t + 1]` along `dim`, 0 past the end: a suffix sum of the result excludes position t.
+fn shift_up<B: Backend, const D: usize>(x: Tensor<B, D>, dim: usize) -> Tensor<B, D> {
+    let n = x.dims()[dim];
+    let last = x.clone().narrow(dim, 0, 1).zeros_like();
+    Tensor::cat(vec![x.narrow(dim, 1, n - 1), last], dim)
 }
 
 /// `Σ_{u ≥ t} x_u` along `dim`.
@@ -186,16 +144,68 @@ fn reverse_cumsum<B: Backend, const D: usize>(x: Tensor<B, D>, dim: usize) -> Te
     x.flip([dim as isize]).cumsum(dim).flip([dim as isize])
 }
 
-/// A `[rows, cols]` 0/1 tensor in `dtype` with ones where `f(row, col)` holds.
-fn constant_mask<B: Backend>(
-    rows: usize,
-    cols: usize,
-    f: &dyn Fn(usize, usize) -> bool,
-    device: &B::Device,
-    dtype: DType,
-) -> Tensor<B, 2> {
-    let values: Vec<f32> = (0..rows * cols)
-        .map(|idx| f32::from(u8::from(f(idx / cols, idx % cols))))
-        .collect();
-    Tensor::from_data(TensorData::new(values, [rows, cols]), (device, dtype))
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+    use burn::tensor::{Distribution, TensorData};
+
+    type B = NdArray<f32>;
+
+    /// `A_qk` against its definition `Σ_d q_i[d] k_j[d] exp(Σ_{j<u≤i} g_u[d])` for `j ≤ i`, and
+    /// `U` against forward substitution of `(I + A_kk) U = Diag(β) V`.
+    #[test]
+    fn recursion_matches_the_definitions() {
+        let device = Default::default();
+        let (c, d) = (16, 3);
+        let q = Tensor::<B, 3>::random([1, c, d], Distribution::Normal(0.0, 1.0), &device);
+        let k = Tensor::<B, 3>::random([1, c, d], Distribution::Normal(0.0, 0.5), &device);
+        let v = Tensor::<B, 3>::random([1, c, 1], Distribution::Normal(0.0, 1.0), &device);
+        let g = Tensor::<B, 3>::random([1, c, d], Distribution::Uniform(-1.0, 0.0), &device);
+        let beta = Tensor::<B, 2>::random([1, c], Distribution::Uniform(0.0, 1.0), &device);
+        let host = |t: Tensor<B, 3>| t.into_data().iter::<f64>().collect::<Vec<_>>();
+        let (qh, kh, vh, gh) = (
+            host(q.clone()),
+            host(k.clone()),
+            host(v.clone()),
+            host(g.clone()),
+        );
+        let bh: Vec<f64> = beta.clone().into_data().iter::<f64>().collect();
+        let pair = |x: &[f64], i: usize, j: usize| -> f64 {
+            (0..d)
+                .map(|e| {
+                    let sum: f64 = (j + 1..=i).map(|u| gh[u * d + e]).sum();
+                    x[i * d + e] * kh[j * d + e] * sum.exp()
+                })
+                .sum()
+        };
+        let out = intra_chunk(q, k, v, g, beta);
+        let a_qk = out.a_qk.into_data().iter::<f64>().collect::<Vec<_>>();
+        let mut u_ref = vec![0.0; c];
+        for i in 0..c {
+            for j in 0..c {
+                let want = if j <= i { pair(&qh, i, j) } else { 0.0 };
+                assert!(
+                    (a_qk[i * c + j] - want).abs() < 1e-4,
+                    "A_qk[{i},{j}] = {} vs {want}",
+                    a_qk[i * c + j]
+                );
+            }
+            let acc: f64 = (0..i).map(|j| bh[i] * pair(&kh, i, j) * u_ref[j]).sum();
+            u_ref[i] = bh[i] * vh[i] - acc;
+        }
+        for (i, (got, want)) in host(out.u).iter().zip(&u_ref).enumerate() {
+            assert!((got - want).abs() < 1e-4, "U[{i}] = {got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn reverse_cumsum_sums_the_suffix() {
+        let device = Default::default();
+        let x = Tensor::<B, 2>::from_floats([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], &device);
+        reverse_cumsum(x, 1).into_data().assert_eq(
+            &TensorData::from([[6.0f32, 5.0, 3.0], [15.0, 11.0, 6.0]]),
+            false,
+        );
+    }
 }

@@ -30,7 +30,7 @@ pub use naive::{naive_recurrent_kda, try_naive_recurrent_kda};
 pub(crate) use chunk::chunk_kda_inner;
 pub(crate) use fused_recurrent::fused_recurrent_kda_inner;
 
-use burn::tensor::{backend::Backend, DType, ElementConversion, Tensor};
+use burn::tensor::{backend::Backend, DType, ElementConversion, Int, Tensor, TensorData};
 
 use super::precision::widen;
 use crate::error::{Error, Result};
@@ -328,6 +328,33 @@ pub(crate) fn unbind<B: Backend, const D: usize>(x: Tensor<B, D>, dim: usize) ->
         out.extend((0..len).map(|i| part.clone().narrow(dim, i, 1)));
     }
     out
+}
+
+/// Rearranges tokens along dim 1 with one gather: slot `i` of the result holds token `index[i]` of
+/// `x`, or zeros where it is `None`.
+///
+/// Packing and unpacking variable-length sequences this way costs one `select` (and one
+/// `select_assign` in the backward pass) whatever the number of sequences, where a slice per
+/// sequence would cost a full-size zero tensor each in the backward pass.
+pub(crate) fn gather_tokens<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    index: &[Option<usize>],
+) -> Tensor<B, D> {
+    let t = x.dims()[1];
+    let device = x.device();
+    let padded = index.iter().any(Option::is_none);
+    let source = if padded {
+        let zero = x.clone().narrow(1, 0, 1).zeros_like();
+        Tensor::cat(vec![x, zero], 1)
+    } else {
+        x
+    };
+    let idx: Vec<i64> = index.iter().map(|i| i.unwrap_or(t) as i64).collect();
+    let len = idx.len();
+    source.select(
+        1,
+        Tensor::<B, 1, Int>::from_data(TensorData::new(idx, [len]), &device),
+    )
 }
 
 #[cfg(test)]
