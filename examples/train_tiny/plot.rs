@@ -1,0 +1,154 @@
+//! PNG plots of a training run: loss and accuracy over steps, and expert load per MoE layer.
+
+use std::path::Path;
+
+use plotters::prelude::*;
+
+/// One logged step.
+pub struct Row {
+    pub step: usize,
+    pub loss: f64,
+    pub accuracy: f64,
+    /// Per MoE layer: (max violation, dead experts).
+    pub load: Vec<(f64, usize)>,
+}
+
+/// Registers a system TrueType font for axis labels; without one, plots are drawn unlabelled.
+pub fn register_font() -> bool {
+    const CANDIDATES: [&str; 5] = [
+        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+        "/usr/share/fonts/TTF/DejaVuSans.ttf",
+        "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+        "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+        "/System/Library/Fonts/Supplemental/Arial.ttf",
+    ];
+    for path in CANDIDATES {
+        if let Ok(bytes) = std::fs::read(path) {
+            let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+            if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok() {
+                return true;
+            }
+        }
+    }
+    false
+}
+
+type Series<'a> = (&'a str, RGBColor, Vec<(f64, f64)>);
+
+fn chart(
+    path: &Path,
+    title: &str,
+    y_label: &str,
+    series: &[Series<'_>],
+    labels: bool,
+) -> Result<(), String> {
+    let root = BitMapBackend::new(path, (900, 480)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let x_max = series
+        .iter()
+        .flat_map(|s| s.2.iter().map(|p| p.0))
+        .fold(1.0, f64::max);
+    let y_max = series
+        .iter()
+        .flat_map(|s| s.2.iter().map(|p| p.1))
+        .filter(|v| v.is_finite())
+        .fold(1e-3, f64::max);
+    let mut builder = ChartBuilder::on(&root);
+    builder
+        .margin(15)
+        .x_label_area_size(if labels { 40 } else { 5 })
+        .y_label_area_size(if labels { 60 } else { 5 });
+    if labels {
+        builder.caption(title, ("sans-serif", 22));
+    }
+    let mut chart = builder
+        .build_cartesian_2d(0.0..x_max, 0.0..y_max * 1.05)
+        .map_err(|e| e.to_string())?;
+    let mut mesh = chart.configure_mesh();
+    if labels {
+        mesh.x_desc("step").y_desc(y_label);
+    } else {
+        mesh.disable_x_axis().disable_y_axis();
+    }
+    mesh.draw().map_err(|e| e.to_string())?;
+    for (name, color, points) in series {
+        let drawn = chart
+            .draw_series(LineSeries::new(
+                points.iter().copied(),
+                color.stroke_width(2),
+            ))
+            .map_err(|e| e.to_string())?;
+        if labels {
+            let c = *color;
+            drawn.label(*name).legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+            });
+        }
+    }
+    if labels {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| e.to_string())?;
+    }
+    root.present().map_err(|e| e.to_string())
+}
+
+const COLORS: [RGBColor; 6] = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+
+/// Writes `loss_accuracy.png` and `expert_load.png` into `dir`.
+pub fn write_plots(dir: &Path, rows: &[Row], labels: bool) -> Result<(), String> {
+    let pts = |f: &dyn Fn(&Row) -> f64| {
+        rows.iter()
+            .map(|r| (r.step as f64, f(r)))
+            .collect::<Vec<_>>()
+    };
+    chart(
+        &dir.join("loss_accuracy.png"),
+        "training loss and accuracy",
+        "loss / accuracy",
+        &[
+            ("loss", BLUE, pts(&|r| r.loss)),
+            ("accuracy", RED, pts(&|r| r.accuracy)),
+        ],
+        labels,
+    )?;
+    let layers = rows.first().map_or(0, |r| r.load.len());
+    let mut series: Vec<Series<'_>> = Vec::new();
+    let names: Vec<(String, String)> = (0..layers)
+        .map(|l| {
+            (
+                format!("MoE {l}: max violation"),
+                format!("MoE {l}: dead experts"),
+            )
+        })
+        .collect();
+    for (l, (v, d)) in names.iter().enumerate() {
+        let c = COLORS[l % COLORS.len()];
+        series.push((v.as_str(), c, pts(&|r| r.load[l].0)));
+        series.push((
+            d.as_str(),
+            c.mix(0.5).to_rgba().into_rgb(),
+            pts(&|r| r.load[l].1 as f64),
+        ));
+    }
+    chart(
+        &dir.join("expert_load.png"),
+        "expert load per MoE layer",
+        "max violation / dead experts",
+        &series,
+        labels,
+    )
+}
+
+trait IntoRgb {
+    fn into_rgb(self) -> RGBColor;
+}
+
+impl IntoRgb for RGBAColor {
+    fn into_rgb(self) -> RGBColor {
+        RGBColor(self.0, self.1, self.2)
+    }
+}
