@@ -156,7 +156,7 @@ fn make_task(args: &Args) -> Result<Box<dyn Task>, String> {
             Box::new(Mqar::new(args.vocab, args.seq_len, args.pairs).map_err(|e| e.to_string())?)
         }
         TaskKind::Palindrome => {
-            if args.seq_len < 2 || args.seq_len % 2 != 0 {
+            if args.seq_len < 2 || !args.seq_len.is_multiple_of(2) {
                 return Err(format!(
                     "palindrome needs an even --seq-len >= 2, got {}",
                     args.seq_len
