@@ -68,6 +68,15 @@ pub trait Balancer {
     fn reset(&mut self);
 }
 
+/// `dst += src` elementwise: pooling another replica's integer counts of the same layout.
+fn add_counts(dst: &mut [u64], src: &[u64]) -> Result<()> {
+    if src.len() != dst.len() {
+        return Err(Error::shape("counts", format!("[{}]", dst.len()), [src.len()]));
+    }
+    dst.iter_mut().zip(src).for_each(|(a, b)| *a += b);
+    Ok(())
+}
+
 /// The per-token cut `α_i = (k+1)`-th largest of `s_i + b` (SPEC §3).
 fn cutoff(row: &[f32], bias: &[f32], k: usize, buf: &mut Vec<f32>) -> f32 {
     buf.clear();
@@ -297,17 +306,7 @@ impl Balancer for QuantileBalancer {
     }
 
     fn merge(&mut self, counts: &[u64]) -> Result<()> {
-        if counts.len() != self.counts.len() {
-            return Err(Error::shape(
-                "counts",
-                format!("[{}]", self.counts.len()),
-                [counts.len()],
-            ));
-        }
-        for (a, b) in self.counts.iter_mut().zip(counts) {
-            *a += b;
-        }
-        Ok(())
+        add_counts(&mut self.counts, counts)
     }
 
     fn reset(&mut self) {
@@ -391,17 +390,7 @@ impl Balancer for SignBalancer {
     }
 
     fn merge(&mut self, counts: &[u64]) -> Result<()> {
-        if counts.len() != self.loads.len() {
-            return Err(Error::shape(
-                "counts",
-                format!("[{}]", self.loads.len()),
-                [counts.len()],
-            ));
-        }
-        for (a, b) in self.loads.iter_mut().zip(counts) {
-            *a += b;
-        }
-        Ok(())
+        add_counts(&mut self.loads, counts)
     }
 
     fn reset(&mut self) {
