@@ -1,0 +1,8 @@
+//! f64 gradient checks, one binary: only f64 CPU backends may run here, because Burn 0.21 fixes the
+//! shared `NdArrayDevice::Cpu` default dtype on first use for `NdArray<f32>` and `NdArray<f64>` alike.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod gradcheck;
+mod mla_f64;

@@ -1,0 +1,13 @@
+//! Integration tests, one binary: Burn and the crate's generic code are compiled once for all of
+//! them (separate binaries each monomorphise the whole model again, which dominated CI time).
+//! f32 only; the f64 checks live in `tests/f64` (see `common::Cpu64`).
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod data;
+mod kda;
+mod mla;
+mod model;
+mod moe;
+mod optim;
