@@ -64,19 +64,19 @@ pub fn moe_block_ranks<I: Int>(
     experts[u] = e;
     sync_cube();
     if e < n as u32 {
-        let mut before = 0u32;
-        let mut after = 0u32;
+        let mut before: u32 = 0;
+        let mut later: u32 = 0;
         for j in 0..PLAN_BLOCK as usize {
-            if experts[j] == e {
-                if j < u {
-                    before += 1u32;
-                } else if j > u {
-                    after += 1u32;
-                }
+            let same = experts[j] == e;
+            if same && j < u {
+                before += 1u32;
+            }
+            if same && j > u {
+                later += 1u32;
             }
         }
         local_rank[i] = before;
-        if after == 0u32 {
+        if later == 0u32 {
             block_counts[block * n + e as usize] = before + 1u32;
         }
     }

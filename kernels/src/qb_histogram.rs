@@ -48,18 +48,27 @@ pub fn route_top_k<I: Int>(
     let mut idx = Array::<u32>::new(k + 1);
     #[unroll]
     for q in 0..k + 1 {
-        vals[q] = f32::min_value();
+        vals[q] = f32::MIN;
         idx[q] = 0u32;
     }
     let row = t * n;
     for j in 0..n {
         let v = scores[row + j] + bias[j];
         if v > vals[k] {
-            let mut p = k;
-            while p > 0 && v > vals[p - 1] {
-                vals[p] = vals[p - 1];
-                idx[p] = idx[p - 1];
-                p -= 1;
+            // Insertion from the back; `&&` does not short-circuit on every target, so the
+            // `p > 0` test guards the read explicitly.
+            let mut p = k.runtime();
+            let mut moving = true;
+            while moving {
+                if p == 0 {
+                    moving = false;
+                } else if v > vals[p - 1] {
+                    vals[p] = vals[p - 1];
+                    idx[p] = idx[p - 1];
+                    p -= 1;
+                } else {
+                    moving = false;
+                }
             }
             vals[p] = v;
             idx[p] = j as u32;

@@ -67,12 +67,12 @@ pub fn glu_b(v: f32, beta2: f32, #[comptime] mode: u32) -> f32 {
 /// `dB/dv`.
 #[cube]
 pub fn glu_db(v: f32, beta2: f32, #[comptime] mode: u32) -> f32 {
+    let mut d = 1.0f32;
     if comptime!(mode == MODE_SITU_CAPPED) {
         let t = tanh_safe(v / beta2);
-        1.0 - t * t
-    } else {
-        1.0
+        d = 1.0 - t * t;
     }
+    d
 }
 
 /// Forward: `out = p·A(gate)·B(up)` elementwise.
@@ -205,12 +205,12 @@ pub fn situ_glu_backward_weighted<F: Float, N: Size>(
         }
         dgate[i] = dg_out;
         dup[i] = du_out;
-        c += cube_size as usize;
+        c += CUBE_DIM as usize;
     }
     let mut partial = SharedMemory::<f32>::new(cube_size as usize);
     partial[UNIT_POS as usize] = acc;
     sync_cube();
-    let mut stride = cube_size / 2;
+    let mut stride = CUBE_DIM / 2;
     while stride > 0 {
         if UNIT_POS < stride {
             let u = UNIT_POS as usize;

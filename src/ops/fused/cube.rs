@@ -1,7 +1,7 @@
 //! [`MoeKernels`] for every CubeCL backend: allocates outputs and launches the kernels of
 //! `kimi-burn-kernels`.
 
-use burn::tensor::{DType, Element, Shape, TensorMetadata};
+use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::element::BoolElement;
 use burn_cubecl::kernel::{cast, into_contiguous};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
