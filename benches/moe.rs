@@ -7,7 +7,13 @@
 //!
 //! ```text
 //! cargo bench --bench moe
+//! cargo bench --bench moe --features wgpu     # adds the wgpu kernel-vs-reference group
 //! ```
+//!
+//! With `wgpu` (or `cuda`) a second group runs a small MoE on the GPU backend twice in the same
+//! run: the fused CubeCL kernels (device top-k + QB histogram, grouped-matmul dispatch, fused
+//! SiTU-GLU) and the reference tensor-op path (`kimi_burn::ops::set_kernels(false)`). The sizes
+//! are small enough for a software Vulkan device (lavapipe).
 
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{backend::Backend, Distribution, Tensor};
@@ -72,5 +78,62 @@ fn bench_moe(c: &mut Criterion) {
     group.finish();
 }
 
+/// Kernel vs reference path of the same module on a GPU backend `G`.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn bench_gpu<G: burn::tensor::backend::Backend>(c: &mut Criterion, name: &str, tokens: usize) {
+    use kimi_burn::ops::set_kernels;
+    let device = G::Device::default();
+    // n = 16 experts, top-4, d = 128, ℓ = 64, expert hidden 128, one shared expert.
+    let cfg = LatentMoeConfig::new(128, 16, 4, 128)
+        .with_layout(MoeLayout::StableLatent { dim: 64 })
+        .with_n_shared(1)
+        .with_balancer(BalancerKind::quantile());
+    let mut group = c.benchmark_group(format!("{name}_moe_n16_k4_d128_l64_{tokens}tok"));
+    group.sample_size(10);
+    type GAd<G> = Autodiff<G>;
+    let moe = cfg.init::<G>(&device);
+    let moe_ad = cfg.init::<GAd<G>>(&device);
+    let x = Tensor::<G, 3>::random([1, tokens, 128], Distribution::Normal(0.0, 1.0), &device);
+    let x_ad = Tensor::<GAd<G>, 3>::from_inner(x.clone());
+    for (path, kernels) in [("kernel", true), ("reference", false)] {
+        set_kernels(kernels);
+        group.bench_function(format!("forward_{path}"), |b| {
+            b.iter(|| {
+                let out = moe.forward(x.clone());
+                G::sync(&device).unwrap();
+                out.stats.dead_experts
+            })
+        });
+        group.bench_function(format!("forward_backward_{path}"), |b| {
+            b.iter(|| {
+                let out = moe_ad.forward(x_ad.clone());
+                let grads = out.output.sum().backward();
+                moe_ad.balance.update();
+                drop(grads);
+                G::sync(&device).unwrap();
+            })
+        });
+    }
+    set_kernels(true);
+    group.finish();
+}
+
+#[cfg(feature = "wgpu")]
+fn bench_wgpu(c: &mut Criterion) {
+    bench_gpu::<burn::backend::Wgpu>(c, "wgpu", 512);
+}
+
+#[cfg(feature = "cuda")]
+fn bench_cuda(c: &mut Criterion) {
+    bench_gpu::<burn::backend::Cuda>(c, "cuda", 4096);
+}
+
+#[cfg(not(any(feature = "wgpu", feature = "cuda")))]
 criterion_group!(benches, bench_moe);
+#[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+criterion_group!(benches, bench_moe, bench_wgpu);
+#[cfg(all(feature = "cuda", not(feature = "wgpu")))]
+criterion_group!(benches, bench_moe, bench_cuda);
+#[cfg(all(feature = "cuda", feature = "wgpu"))]
+criterion_group!(benches, bench_moe, bench_wgpu, bench_cuda);
 criterion_main!(benches);

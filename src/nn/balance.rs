@@ -12,6 +12,7 @@ use burn::tensor::{backend::Backend, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::ops::fused::HistogramSpec;
 use crate::ops::route::{to_host_f32, Selection};
 
 /// One routed (micro-)batch as the balancers see it, all on the host.
@@ -243,6 +244,60 @@ impl QuantileBalancer {
     pub fn tokens(&self) -> u64 {
         self.counts[..self.bins].iter().sum()
     }
+
+    /// The histogram a batch routed with `bias` is counted over: the bounds of
+    /// [`bounds_for_bias`] and this balancer's bins (what a fused kernel needs to count it).
+    pub fn histogram_spec(&self, bias: &[f32]) -> HistogramSpec {
+        let (lo, hi) = bounds_for_bias(bias);
+        HistogramSpec {
+            lo,
+            hi,
+            bins: self.bins,
+        }
+    }
+
+    /// Accumulates a histogram counted elsewhere (a fused kernel) for one batch routed with
+    /// `bias` and `k` experts per token: `counts: [experts, bins]` over
+    /// [`histogram_spec`](Self::histogram_spec)`(bias)`. Same checks and effect as
+    /// [`observe`](Balancer::observe) on that batch.
+    pub fn observe_counts(&mut self, counts: &[u64], bias: &[f32], k: usize) -> Result<()> {
+        if counts.len() != self.counts.len() {
+            return Err(Error::shape(
+                "counts",
+                format!("[{}, {}]", self.experts, self.bins),
+                [counts.len()],
+            ));
+        }
+        if bias.len() != self.experts {
+            return Err(Error::shape("bias", format!("[{}]", self.experts), [bias.len()]));
+        }
+        self.begin(bias, k)?;
+        for (a, b) in self.counts.iter_mut().zip(counts) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    /// Checks that a batch routed with `bias` and `k` may be pooled with the counts so far, and
+    /// records both.
+    fn begin(&mut self, bias: &[f32], k: usize) -> Result<(f32, f32)> {
+        if self.k.is_some_and(|k0| k0 != k) {
+            return Err(Error::argument(
+                "k",
+                format!("changed from {:?} to {k} between updates", self.k),
+            ));
+        }
+        let bounds = bounds_for_bias(bias);
+        if self.tokens() > 0 && self.bounds != Some(bounds) {
+            return Err(Error::argument(
+                "bias",
+                "changed between observations without an update(); counts of different biases cannot be pooled",
+            ));
+        }
+        self.k = Some(k);
+        self.bounds = Some(bounds);
+        Ok(bounds)
+    }
 }
 
 impl Balancer for QuantileBalancer {
@@ -256,23 +311,10 @@ impl Balancer for QuantileBalancer {
                 [batch.selection.tokens, n],
             ));
         }
-        if self.k.is_some_and(|k0| k0 != k) {
-            return Err(Error::argument(
-                "k",
-                format!("changed from {:?} to {k} between updates", self.k),
-            ));
-        }
-        let bounds = bounds_for_bias(batch.bias);
-        if self.tokens() > 0 && self.bounds != Some(bounds) {
-            return Err(Error::argument(
-                "bias",
-                "changed between observations without an update(); counts of different biases cannot be pooled",
-            ));
-        }
-        self.k = Some(k);
-        self.bounds = Some(bounds);
-        let (lo, hi) = bounds;
-        let scale = self.bins as f32 / (hi - lo);
+        let bounds = self.begin(batch.bias, k)?;
+        // The same f32 scale the fused kernel is given (HistogramSpec::scale), so both bin alike.
+        let scale = self.histogram_spec(batch.bias).scale();
+        let (lo, _) = bounds;
         let last = (self.bins - 1) as f32;
         let mut buf = Vec::with_capacity(n);
         for (t, row) in batch.scores.chunks_exact(n).enumerate() {
@@ -493,6 +535,29 @@ impl<B: Backend> BalanceState<B> {
         match self.lock().as_mut() {
             Some(b) => b.inner().observe(batch),
             None => Ok(()),
+        }
+    }
+
+    /// The QB histogram a batch routed with `bias` should be counted over, for a fused kernel
+    /// (`None` unless the balancer is QB).
+    pub fn histogram_spec(&self, bias: &[f32]) -> Option<HistogramSpec> {
+        match self.lock().as_ref() {
+            Some(AnyBalancer::Quantile(q)) => Some(q.histogram_spec(bias)),
+            _ => None,
+        }
+    }
+
+    /// Accumulates QB counts a fused kernel gathered over [`histogram_spec`](Self::histogram_spec)
+    /// for one batch routed with `bias` and `k` experts per token.
+    ///
+    /// Errors when the balancer is not QB, or as [`QuantileBalancer::observe_counts`].
+    pub fn observe_histogram(&self, counts: &[u64], bias: &[f32], k: usize) -> Result<()> {
+        match self.lock().as_mut() {
+            Some(AnyBalancer::Quantile(q)) => q.observe_counts(counts, bias, k),
+            _ => Err(Error::argument(
+                "counts",
+                "a QB histogram was given to a balancer that is not QB",
+            )),
         }
     }
 

@@ -12,7 +12,11 @@ use super::norm::{RmsNorm, RmsNormConfig};
 use super::router::{Router, RouterConfig, RouterOptions};
 use super::situ_glu::{GluActivation, SituGlu, SituGluConfig};
 use crate::error::{Error, Result};
-use crate::ops::dispatch::{dispatch, DispatchPlan};
+use crate::ops::dispatch::{
+    dispatch, dispatch_fused, fused_available, DispatchPlan, StackedExperts,
+};
+use crate::ops::fused::FusedActivation;
+use crate::ops::route::to_host_f32;
 
 /// Where the routed experts run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -237,25 +241,62 @@ impl<B: Backend> LatentMoe<B> {
         };
         let flat = x.reshape([m, d]);
         let bias = self.balance.bias_host();
-        let routing = self.router.route(flat.clone(), &bias)?;
-        if B::ad_enabled(&flat.device()) {
-            self.balance.observe(&RoutedBatch {
-                scores: &routing.scores_host,
-                bias: &bias,
-                selection: &routing.selection,
-                valid: valid.as_deref(),
-            })?;
+        let training = B::ad_enabled(&flat.device());
+        // On the kernel path the QB histogram is counted by the routing kernel itself.
+        let spec = training
+            .then(|| self.balance.histogram_spec(&bias))
+            .flatten();
+        let routing = self
+            .router
+            .route_with(flat.clone(), &bias, spec, valid.as_deref())?;
+        if training {
+            match (&routing.histogram, &routing.scores_host) {
+                (Some(counts), _) => {
+                    self.balance
+                        .observe_histogram(counts, &bias, routing.selection.k)?
+                }
+                (None, host) => {
+                    let fetched;
+                    let scores = match host {
+                        Some(s) => s,
+                        None => {
+                            fetched = to_host_f32(routing.scores.clone());
+                            &fetched
+                        }
+                    };
+                    self.balance.observe(&RoutedBatch {
+                        scores,
+                        bias: &bias,
+                        selection: &routing.selection,
+                        valid: valid.as_deref(),
+                    })?
+                }
+            }
         }
         let stats = MoeStats::from_selection(&routing.selection, valid.as_deref());
-        let plan = DispatchPlan::new(&routing.selection, valid.as_deref());
         let h = match &self.down {
             Some(down) => down.forward(flat.clone()),
             None => flat.clone(),
         };
         let width = h.dims()[1];
-        let mut u = dispatch(h, routing.weights, &plan, width, |e, rows| {
-            self.experts[e].forward(rows)
+        let fused = self.stacked_experts().and_then(|experts| {
+            dispatch_fused(
+                &h,
+                &routing.indices,
+                &routing.weights,
+                valid.as_deref(),
+                &experts,
+            )
         });
+        let mut u = match fused {
+            Some(u) => u,
+            None => {
+                let plan = DispatchPlan::new(&routing.selection, valid.as_deref());
+                dispatch(h, routing.weights, &plan, width, |e, rows| {
+                    self.experts[e].forward(rows)
+                })
+            }
+        };
         if let Some(norm) = &self.norm {
             u = norm.forward(u);
         }
@@ -269,6 +310,37 @@ impl<B: Backend> LatentMoe<B> {
         Ok(MoeOutput {
             output: y.reshape([batch, seq, d]),
             stats,
+        })
+    }
+
+    /// The experts' weights stacked for the fused dispatch (`W1, W3: [n, ℓ, m_e]`,
+    /// `W2: [n, m_e, ℓ]`), or `None` when the kernels do not run on `B` (nothing is stacked then)
+    /// or the experts do not share one activation (or carry biases). The stack is rebuilt per forward; its backward
+    /// splits the gradient back to the experts' own parameters, so checkpoints and optimisers
+    /// keep seeing `experts.{e}.{w1,w3,w2}`.
+    fn stacked_experts(&self) -> Option<StackedExperts<B>> {
+        let first = self.experts.first()?;
+        let uniform = self.experts.iter().all(|e| {
+            e.activation == first.activation
+                && e.w1.bias.is_none()
+                && e.w3.bias.is_none()
+                && e.w2.bias.is_none()
+        });
+        if !uniform || !fused_available::<B>() {
+            return None;
+        }
+        let activation = match first.activation {
+            GluActivation::Situ { beta1, beta2 } => FusedActivation::Situ { beta1, beta2 },
+            GluActivation::SwiGlu => FusedActivation::SwiGlu,
+        };
+        let stack = |f: fn(&SituGlu<B>) -> &Linear<B>| {
+            Tensor::stack::<3>(self.experts.iter().map(|e| f(e).weight.val()).collect(), 0)
+        };
+        Some(StackedExperts {
+            w1: stack(|e| &e.w1),
+            w3: stack(|e| &e.w3),
+            w2: stack(|e| &e.w2),
+            activation,
         })
     }
 

@@ -8,7 +8,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::ops::precision::{sigmoid, widen};
-use crate::ops::route::{select_top_k, to_host_f32, Scoring, Selection, TopKOptions};
+use crate::ops::fused::HistogramSpec;
+use crate::ops::route::{
+    route_top_k_fused, select_top_k, to_host_f32, Scoring, Selection, TopKOptions,
+};
 
 /// Routing options shared by [`RouterConfig`] and the MoE config.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -112,8 +115,12 @@ pub struct Routing<B: Backend> {
     pub weights: Tensor<B, 2>,
     /// The same selection on the host (what dispatch and the balancers use).
     pub selection: Selection,
-    /// The unbiased scores on the host, `[m, n]` row-major.
-    pub scores_host: Vec<f32>,
+    /// The unbiased scores on the host, `[m, n]` row-major, when the selection was made on the
+    /// host; `None` when a fused kernel selected on the device (the scores never left it).
+    pub scores_host: Option<Vec<f32>>,
+    /// The QB histogram `[n, bins]` row-major counted by the fused kernel together with the
+    /// selection, when [`Router::route_with`] asked for one and the kernel path ran.
+    pub histogram: Option<Vec<u64>>,
 }
 
 /// Sigmoid (or softmax) router with a selection-only balance bias (SPEC §2):
@@ -159,8 +166,25 @@ impl<B: Backend> Router<B> {
 
     /// Routes `x: [m, d_model]` with the balance bias `bias: [n]` (selection only).
     ///
+    /// On the CubeCL backends the top-k runs as a fused kernel on the device (same selection,
+    /// ties to the lower index); elsewhere, or with grouped top-k, on the host.
+    ///
     /// Errors on a width mismatch, a bias of the wrong length, or NaN scores.
     pub fn route(&self, x: Tensor<B, 2>, bias: &[f32]) -> Result<Routing<B>> {
+        self.route_with(x, bias, None, None)
+    }
+
+    /// [`route`](Self::route), and on the kernel path also the QB histogram `histogram` of the
+    /// margins over the `valid` tokens (`[m]`, `false` for padding) in the same pass, returned in
+    /// [`Routing::histogram`]. On the host path `Routing::histogram` is `None` and the caller
+    /// feeds [`Routing::scores_host`] to the balancer.
+    pub fn route_with(
+        &self,
+        x: Tensor<B, 2>,
+        bias: &[f32],
+        histogram: Option<HistogramSpec>,
+        valid: Option<&[bool]>,
+    ) -> Result<Routing<B>> {
         let [m, d] = x.dims();
         let d_model = self.gate.weight.dims()[0];
         if d != d_model {
@@ -172,15 +196,21 @@ impl<B: Backend> Router<B> {
         }
         let n = self.n_experts();
         let scores = self.scores(x);
-        let scores_host = to_host_f32(scores.clone());
         let opts = TopKOptions {
             k: self.top_k,
             n_group: self.n_group,
             topk_group: self.topk_group,
         };
-        let selection = select_top_k(&scores_host, n, bias, opts)?;
         let device = scores.device();
-        let indices = selection.to_tensor::<B>(&device);
+        let (indices, selection, scores_host, histogram) =
+            match route_top_k_fused(&scores, bias, opts, valid, histogram) {
+                Some(fused) => (fused.indices, fused.selection, None, fused.counts),
+                None => {
+                    let host = to_host_f32(scores.clone());
+                    let selection = select_top_k(&host, n, bias, opts)?;
+                    (selection.to_tensor::<B>(&device), selection, Some(host), None)
+                }
+            };
         let source = if self.options.weights_from_biased_scores {
             let b = Tensor::<B, 1>::from_floats(bias, &device).unsqueeze::<2>();
             scores.clone().add(b)
@@ -201,6 +231,7 @@ impl<B: Backend> Router<B> {
             weights,
             selection,
             scores_host,
+            histogram,
         })
     }
 }

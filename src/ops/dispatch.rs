@@ -12,6 +12,7 @@
 
 use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor, TensorData};
 
+use super::fused::{self, FusedActivation, FusedOp, KernelPath};
 use super::precision::restore;
 use super::route::Selection;
 
@@ -124,4 +125,78 @@ where
         .select(0, int_tensor::<B>(&plan.pairs, &device));
     let y = y.mul(restore(p, dtype).unsqueeze_dim::<2>(1));
     out.select_assign(0, tokens, y, IndexingUpdateOp::Add)
+}
+
+/// The routed experts' weights stacked along a leading expert axis, for the fused dispatch.
+#[derive(Debug, Clone)]
+pub struct StackedExperts<B: Backend> {
+    /// Gate projections `W1: [n, ℓ, m_e]` (expert `e`'s `w1.weight` is `W1[e]`).
+    pub w1: Tensor<B, 3>,
+    /// Up projections `W3: [n, ℓ, m_e]`.
+    pub w3: Tensor<B, 3>,
+    /// Down projections `W2: [n, m_e, ℓ]`.
+    pub w2: Tensor<B, 3>,
+    /// The experts' activation.
+    pub activation: FusedActivation,
+}
+
+/// Whether [`dispatch_fused`] runs on `B` now (a CubeCL backend with the kernels enabled), so
+/// callers only stack the expert weights when it pays.
+pub fn fused_available<B: Backend>() -> bool {
+    fused::available::<B>()
+}
+
+/// The routed experts by the fused kernels (SPEC §2, dropless and routed-only):
+/// `out[t] = Σ_{(t,e,p)} p · W2[e]ᵀ·act(W1[e]ᵀ·h[t], W3[e]ᵀ·h[t])`, the same as [`dispatch`] with
+/// SiTU-GLU experts, in a fixed number of launches whatever `n`: the pairs are sorted by expert on
+/// the device (stable, so the order matches [`DispatchPlan`]), gate/up/down run as grouped matmuls
+/// over the expert segments with rows gathered on load, `p` is folded into the activation, and the
+/// un-permute is a gather-sum (no float atomics: bit-reproducible). Differentiable in `h`,
+/// `weights` and the stacked weights on autodiff backends (fused backward kernels).
+///
+/// `h: [m, ℓ]`, `indices: [m, k]`, `weights: [m, k]`, `valid: [m]` (`false`: padding; zero
+/// output). Returns `None` (nothing consumed but clones) where the kernels do not apply: another
+/// backend, kernels off, an unsupported dtype or inconsistent shapes.
+pub fn dispatch_fused<B: Backend>(
+    h: &Tensor<B, 2>,
+    indices: &Tensor<B, 2, Int>,
+    weights: &Tensor<B, 2>,
+    valid: Option<&[bool]>,
+    experts: &StackedExperts<B>,
+) -> Option<Tensor<B, 2>> {
+    let [m, l] = h.dims();
+    let [n, l1, me] = experts.w1.dims();
+    let shapes_ok = indices.dims() == weights.dims()
+        && indices.dims()[0] == m
+        && l1 == l
+        && experts.w3.dims() == [n, l, me]
+        && experts.w2.dims() == [n, me, l]
+        && valid.is_none_or(|v| v.len() == m)
+        && m * l * n * me > 0;
+    if !(shapes_ok && fused::kernel_dtype(h.dtype()) && fused::available::<B>()) {
+        fused::record(FusedOp::MoeExperts, KernelPath::Reference);
+        return None;
+    }
+    let device = h.device();
+    let op = fused::MoeOp {
+        input: h.clone(),
+        indices: indices.clone(),
+        weights: weights.clone(),
+        valid: valid.map(|v| {
+            let v: Vec<i32> = v.iter().map(|&b| b as i32).collect();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(v, [m]), &device)
+        }),
+        w1: experts.w1.clone(),
+        w3: experts.w3.clone(),
+        w2: experts.w2.clone(),
+        activation: experts.activation,
+    };
+    let out = fused::dispatch::<B, _>(op).ok();
+    let path = if out.is_some() {
+        KernelPath::Kernel
+    } else {
+        KernelPath::Reference
+    };
+    fused::record(FusedOp::MoeExperts, path);
+    out
 }

@@ -4,6 +4,7 @@
 
 pub mod attn_res;
 pub mod dispatch;
+pub mod fused;
 pub mod kda;
 pub mod mla;
 pub mod norm;
@@ -11,4 +12,5 @@ pub mod precision;
 pub mod route;
 pub mod situ;
 
-pub use situ::situ_glu;
+pub use fused::{kernel_calls, last_path, set_kernels, with_kernels, FusedOp, KernelPath};
+pub use situ::{situ_glu, situ_glu_weighted};

@@ -179,3 +179,84 @@ impl Selection {
 pub fn to_host_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data().iter::<f32>().collect()
 }
+
+/// The result of [`route_top_k_fused`].
+#[derive(Debug, Clone)]
+pub struct FusedRouting<B: Backend> {
+    /// Selected experts `[m, k]` on the device, best first (ties: lower index).
+    pub indices: Tensor<B, 2, Int>,
+    /// The same selection on the host.
+    pub selection: Selection,
+    /// The QB histogram counts `[n, bins]` row-major, when requested.
+    pub counts: Option<Vec<u64>>,
+}
+
+/// Top-k selection, and optionally the QB histogram (SPEC §3), by one fused kernel on the CubeCL
+/// backends; `None` elsewhere (or with the kernels switched off), where the caller runs the host
+/// path ([`select_top_k`], `QuantileBalancer::observe`).
+///
+/// `scores: [m, n]` unbiased f32 scores, `bias: [n]`; `valid: [m]` (`false`: padding, not counted
+/// in the histogram; still selected). The selection equals [`select_top_k`] without grouping and
+/// the counts equal the host balancer's on the same input, exactly. Returns `None` as well for
+/// grouped top-k options (the host handles those) and for NaN scores (so the host path reports
+/// them with the token and expert).
+pub fn route_top_k_fused<B: Backend>(
+    scores: &Tensor<B, 2>,
+    bias: &[f32],
+    opts: TopKOptions,
+    valid: Option<&[bool]>,
+    histogram: Option<crate::ops::fused::HistogramSpec>,
+) -> Option<FusedRouting<B>> {
+    use crate::ops::fused::{self, FusedOp, KernelPath};
+    let [m, n] = scores.dims();
+    let grouped = opts.n_group > 1 && opts.topk_group < opts.n_group;
+    let usable = !grouped
+        && opts.validate(n).is_ok()
+        && bias.len() == n
+        && bias.iter().all(|b| b.is_finite())
+        && valid.is_none_or(|v| v.len() == m)
+        && m > 0
+        && fused::available::<B>();
+    if !usable {
+        fused::record(FusedOp::RouteTopK, KernelPath::Reference);
+        return None;
+    }
+    let has_nan = scores.clone().is_nan().any().into_data().iter::<bool>().next();
+    if has_nan.unwrap_or(false) {
+        fused::record(FusedOp::RouteTopK, KernelPath::Reference);
+        return None;
+    }
+    let device = scores.device();
+    let op = fused::RouteOp {
+        scores: scores.clone(),
+        bias: Tensor::<B, 1>::from_data(TensorData::new(bias.to_vec(), [n]), &device),
+        valid: valid.map(|v| {
+            let v: Vec<i32> = v.iter().map(|&b| b as i32).collect();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(v, [m]), &device)
+        }),
+        k: opts.k,
+        histogram,
+    };
+    let (indices, counts) = fused::dispatch::<B, _>(op).ok()?;
+    fused::record(FusedOp::RouteTopK, KernelPath::Kernel);
+    if histogram.is_some() {
+        fused::record(FusedOp::QbHistogram, KernelPath::Kernel);
+    }
+    let selection = Selection {
+        tokens: m,
+        experts: n,
+        k: opts.k,
+        indices: indices
+            .clone()
+            .into_data()
+            .iter::<i64>()
+            .map(|i| i as u32)
+            .collect(),
+    };
+    let counts = counts.map(|c| c.into_data().iter::<i64>().map(|v| v as u64).collect());
+    Some(FusedRouting {
+        indices,
+        selection,
+        counts,
+    })
+}

@@ -1,7 +1,8 @@
 //! SiTU-GLU activation (SPEC §1).
 
-use burn::tensor::{backend::Backend, Tensor};
+use burn::tensor::{backend::Backend, Tensor, TensorPrimitive};
 
+use super::fused::{self, FusedActivation, FusedOp, KernelOp, KernelPath, MoeKernels};
 use super::precision::{restore, sigmoid, widen};
 
 /// The SiTU-GLU gated activation `A(gate) ⊙ B(up)` (SPEC §1):
@@ -15,6 +16,9 @@ use super::precision::{restore, sigmoid, widen};
 /// the input dtype, but is computed in f32 (or f64 for f64 inputs) whatever the storage dtype.
 /// K3 uses `β1 = 4`, `β2 = Some(25)`. As `β → ∞` it tends to SwiGLU (`SiLU(g)·v`).
 ///
+/// On the CubeCL backends (see [`fused`](super::fused)) this runs one fused kernel forward and one
+/// backward (SPEC §1 derivatives); elsewhere the tensor ops below.
+///
 /// # Panics
 /// If `beta1` or `beta2` is not finite and positive, or the shapes differ. Configs validate these
 /// values with an [`Error`](crate::Error) before they reach this op.
@@ -24,6 +28,74 @@ pub fn situ_glu<B: Backend, const D: usize>(
     beta1: f32,
     beta2: Option<f32>,
 ) -> Tensor<B, D> {
+    check_betas(beta1, beta2);
+    assert_eq!(
+        gate.dims(),
+        up.dims(),
+        "situ_glu: gate and up must have the same shape"
+    );
+    let act = FusedActivation::Situ { beta1, beta2 };
+    match try_fused(FusedGlu { gate, up, act }) {
+        Ok(y) => y,
+        Err(FusedGlu { gate, up, .. }) => situ_glu_reference(gate, up, beta1, beta2),
+    }
+}
+
+/// SiTU-GLU with a per-row routing weight folded in: `y = p ⊙ A(gate)·B(up)` (SPEC §1), as the
+/// routed experts use it.
+///
+/// `gate`, `up`: `[rows, h]`; `weight`: `[rows]`. Returns `[rows, h]` in the input dtype. On the
+/// CubeCL backends one fused kernel each way, whose backward also yields
+/// `dp = Σ_h dY ⊙ A·B`; elsewhere the tensor ops.
+///
+/// # Panics
+/// As [`situ_glu`], or if `weight` is not `[rows]`.
+pub fn situ_glu_weighted<B: Backend>(
+    gate: Tensor<B, 2>,
+    up: Tensor<B, 2>,
+    weight: Tensor<B, 1>,
+    beta1: f32,
+    beta2: Option<f32>,
+) -> Tensor<B, 2> {
+    check_betas(beta1, beta2);
+    assert_eq!(
+        gate.dims(),
+        up.dims(),
+        "situ_glu_weighted: gate and up must have the same shape"
+    );
+    assert_eq!(
+        weight.dims()[0],
+        gate.dims()[0],
+        "situ_glu_weighted: weight must be [rows]"
+    );
+    let act = FusedActivation::Situ { beta1, beta2 };
+    let op = FusedWeightedGlu {
+        gate,
+        up,
+        weight,
+        act,
+    };
+    let usable = kernel_usable(&op.gate, &op.up);
+    let result = if usable {
+        fused::dispatch::<B, _>(op)
+    } else {
+        Err(op)
+    };
+    match result {
+        Ok(y) => {
+            fused::record(FusedOp::SituGlu, KernelPath::Kernel);
+            y
+        }
+        Err(op) => {
+            fused::record(FusedOp::SituGlu, KernelPath::Reference);
+            let (y, dtype) = situ_glu_f32(op.gate, op.up, beta1, beta2);
+            let (p, _) = widen(op.weight);
+            restore(y.mul(p.unsqueeze_dim(1)), dtype)
+        }
+    }
+}
+
+fn check_betas(beta1: f32, beta2: Option<f32>) {
     assert!(
         beta1.is_finite() && beta1 > 0.0,
         "situ_glu: beta1 must be finite and positive, got {beta1}"
@@ -34,11 +106,113 @@ pub fn situ_glu<B: Backend, const D: usize>(
             "situ_glu: beta2 must be finite and positive, got {b2}"
         );
     }
-    assert_eq!(
-        gate.dims(),
-        up.dims(),
-        "situ_glu: gate and up must have the same shape"
-    );
+}
+
+/// The kernels take f32/f16/bf16 storage with both branches in one dtype, and non-empty rows.
+fn kernel_usable<B: Backend, const D: usize>(gate: &Tensor<B, D>, up: &Tensor<B, D>) -> bool {
+    let dims = gate.dims();
+    fused::kernel_dtype(gate.dtype())
+        && gate.dtype() == up.dtype()
+        && D > 0
+        && dims.iter().product::<usize>() > 0
+}
+
+/// `[.., h]` → `[rows, h]`, the layout the kernels take.
+fn rows_of<const D: usize>(dims: [usize; D]) -> [usize; 2] {
+    let h = dims[D - 1];
+    [dims.iter().product::<usize>() / h, h]
+}
+
+struct FusedGlu<B: Backend, const D: usize> {
+    gate: Tensor<B, D>,
+    up: Tensor<B, D>,
+    act: FusedActivation,
+}
+
+impl<B: Backend, const D: usize> KernelOp<B> for FusedGlu<B, D> {
+    type Output = Tensor<B, D>;
+
+    fn run<K: MoeKernels>(self) -> Tensor<B, D> {
+        let dims = self.gate.dims();
+        let rows = rows_of(dims);
+        let gate: Tensor<K, D> = fused::same(self.gate);
+        let up: Tensor<K, D> = fused::same(self.up);
+        let y = K::situ_glu_forward(
+            gate.reshape(rows).into_primitive().tensor(),
+            up.reshape(rows).into_primitive().tensor(),
+            None,
+            self.act,
+        );
+        let y = Tensor::<K, 2>::from_primitive(TensorPrimitive::Float(y)).reshape(dims);
+        fused::same(y)
+    }
+}
+
+struct FusedWeightedGlu<B: Backend> {
+    gate: Tensor<B, 2>,
+    up: Tensor<B, 2>,
+    weight: Tensor<B, 1>,
+    act: FusedActivation,
+}
+
+impl<B: Backend> KernelOp<B> for FusedWeightedGlu<B> {
+    type Output = Tensor<B, 2>;
+
+    fn run<K: MoeKernels>(self) -> Tensor<B, 2> {
+        let gate: Tensor<K, 2> = fused::same(self.gate);
+        let up: Tensor<K, 2> = fused::same(self.up);
+        // f32 before the kernel, so the routing-weight gradient flows back through a cast.
+        let weight: Tensor<K, 1> = fused::same(self.weight);
+        let weight = if weight.dtype() == burn::tensor::DType::F32 {
+            weight
+        } else {
+            weight.cast(burn::tensor::FloatDType::F32)
+        };
+        let y = K::situ_glu_forward(
+            gate.into_primitive().tensor(),
+            up.into_primitive().tensor(),
+            Some(weight.into_primitive().tensor()),
+            self.act,
+        );
+        fused::same(Tensor::<K, 2>::from_primitive(TensorPrimitive::Float(y)))
+    }
+}
+
+/// Offers a GLU activation to the fused kernel; records the path taken.
+fn try_fused<B: Backend, const D: usize>(
+    op: FusedGlu<B, D>,
+) -> Result<Tensor<B, D>, FusedGlu<B, D>> {
+    let result = if kernel_usable(&op.gate, &op.up) {
+        fused::dispatch::<B, _>(op)
+    } else {
+        Err(op)
+    };
+    let path = match result {
+        Ok(_) => KernelPath::Kernel,
+        Err(_) => KernelPath::Reference,
+    };
+    fused::record(FusedOp::SituGlu, path);
+    result
+}
+
+/// The tensor-op form of [`situ_glu`] (what every non-CubeCL backend runs).
+pub fn situ_glu_reference<B: Backend, const D: usize>(
+    gate: Tensor<B, D>,
+    up: Tensor<B, D>,
+    beta1: f32,
+    beta2: Option<f32>,
+) -> Tensor<B, D> {
+    let (y, dtype) = situ_glu_f32(gate, up, beta1, beta2);
+    restore(y, dtype)
+}
+
+/// `A(gate)·B(up)` in f32 (f64 for f64 inputs), with the storage dtype to restore.
+fn situ_glu_f32<B: Backend, const D: usize>(
+    gate: Tensor<B, D>,
+    up: Tensor<B, D>,
+    beta1: f32,
+    beta2: Option<f32>,
+) -> (Tensor<B, D>, burn::tensor::DType) {
     let (g, dtype) = widen(gate);
     let (v, _) = widen(up);
     let a = situ(g, beta1);
@@ -46,7 +220,7 @@ pub fn situ_glu<B: Backend, const D: usize>(
         Some(b2) => soft_cap(v, b2),
         None => v,
     };
-    restore(a.mul(b), dtype)
+    (a.mul(b), dtype)
 }
 
 /// `SiTU(g) = β1·tanh(g/β1)·σ(g)`, the gate branch of [`situ_glu`].
@@ -59,8 +233,22 @@ pub fn soft_cap<B: Backend, const D: usize>(x: Tensor<B, D>, beta: f32) -> Tenso
     x.div_scalar(beta).tanh().mul_scalar(beta)
 }
 
-/// The SwiGLU activation `SiLU(gate) ⊙ up`, for comparison with [`situ_glu`]; computed in f32 like it.
+/// The SwiGLU activation `SiLU(gate) ⊙ up`, for comparison with [`situ_glu`]; computed in f32 like it
+/// (by the same fused kernel on the CubeCL backends).
 pub fn swiglu<B: Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) -> Tensor<B, D> {
+    assert_eq!(
+        gate.dims(),
+        up.dims(),
+        "swiglu: gate and up must have the same shape"
+    );
+    let (gate, up) = match try_fused(FusedGlu {
+        gate,
+        up,
+        act: FusedActivation::SwiGlu,
+    }) {
+        Ok(y) => return y,
+        Err(FusedGlu { gate, up, .. }) => (gate, up),
+    };
     let (g, dtype) = widen(gate);
     let (v, _) = widen(up);
     restore(super::precision::silu(g).mul(v), dtype)

@@ -1,0 +1,225 @@
+//! Fused SiTU-GLU (SPEC §1): one pass over `gate` and `up`, f32 math whatever the storage dtype.
+//!
+//! ```text
+//! A(g) = β1·tanh(g/β1)·σ(g)          dA/dg = (1 − t_g²)·σ + β1·t_g·σ·(1 − σ)
+//! B(v) = β2·tanh(v/β2)  (or v)       dB/dv = 1 − t_v²  (or 1)
+//! y    = p·A·B                       dG = p·dY·B·dA/dg,  dV = p·dY·A·dB/dv,  dp = Σ_row dY·A·B
+//! ```
+//!
+//! `p` is an optional per-row routing weight (rows of `row_len` elements, f32). The element loops
+//! are vectorised: each unit loads one `Vector<F, N>` of every input and works on its lanes in f32.
+//! [`MODE_SWIGLU`] swaps in `A(g) = g·σ(g)`, `B(v) = v` (SwiGLU, the `β → ∞` limit).
+
+use cubecl::prelude::*;
+
+/// `A(g) = β1·tanh(g/β1)·σ(g)`, `B(v) = v`.
+pub const MODE_SITU: u32 = 0;
+/// `A(g) = β1·tanh(g/β1)·σ(g)`, `B(v) = β2·tanh(v/β2)` (K3).
+pub const MODE_SITU_CAPPED: u32 = 1;
+/// `A(g) = g·σ(g)`, `B(v) = v` (SwiGLU).
+pub const MODE_SWIGLU: u32 = 2;
+
+/// `tanh` with its argument clamped to ±15, where f32 `tanh` is already ±1: some shader compilers
+/// evaluate `tanh` through `exp(2x)`, which overflows to NaN for large `|x|`.
+#[cube]
+fn tanh_safe(x: f32) -> f32 {
+    f32::tanh(f32::min(f32::max(x, -15.0), 15.0))
+}
+
+/// `σ(g) = ½·(1 + tanh(g/2))`: the same formula as the reference path, and it cannot overflow.
+#[cube]
+fn sigmoid(g: f32) -> f32 {
+    0.5 + 0.5 * tanh_safe(g * 0.5)
+}
+
+/// The gate branch `A(g)`.
+#[cube]
+pub fn glu_a(g: f32, beta1: f32, #[comptime] mode: u32) -> f32 {
+    if comptime!(mode == MODE_SWIGLU) {
+        g * sigmoid(g)
+    } else {
+        beta1 * tanh_safe(g / beta1) * sigmoid(g)
+    }
+}
+
+/// `dA/dg`.
+#[cube]
+pub fn glu_da(g: f32, beta1: f32, #[comptime] mode: u32) -> f32 {
+    let s = sigmoid(g);
+    if comptime!(mode == MODE_SWIGLU) {
+        s + g * s * (1.0 - s)
+    } else {
+        let t = tanh_safe(g / beta1);
+        (1.0 - t * t) * s + beta1 * t * s * (1.0 - s)
+    }
+}
+
+/// The linear branch `B(v)`.
+#[cube]
+pub fn glu_b(v: f32, beta2: f32, #[comptime] mode: u32) -> f32 {
+    if comptime!(mode == MODE_SITU_CAPPED) {
+        beta2 * tanh_safe(v / beta2)
+    } else {
+        v
+    }
+}
+
+/// `dB/dv`.
+#[cube]
+pub fn glu_db(v: f32, beta2: f32, #[comptime] mode: u32) -> f32 {
+    let mut d = 1.0f32;
+    if comptime!(mode == MODE_SITU_CAPPED) {
+        let t = tanh_safe(v / beta2);
+        d = 1.0 - t * t;
+    }
+    d
+}
+
+/// Forward: `out = p·A(gate)·B(up)` elementwise.
+///
+/// All arrays are contiguous; `gate`, `up`, `out` hold `len` vectors of `N` elements, rows of
+/// `row_vecs` vectors. `weight: [rows]` f32 is read only when `weighted` (pass any non-empty array
+/// otherwise). Launch with at least `len` units; extra units exit.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn situ_glu_forward<F: Float, N: Size>(
+    gate: &Array<Vector<F, N>>,
+    up: &Array<Vector<F, N>>,
+    weight: &Array<f32>,
+    out: &mut Array<Vector<F, N>>,
+    len: usize,
+    row_vecs: usize,
+    beta1: f32,
+    beta2: f32,
+    #[comptime] mode: u32,
+    #[comptime] weighted: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= len {
+        terminate!();
+    }
+    let gv = gate[i];
+    let uv = up[i];
+    let mut p = 1.0f32;
+    if comptime!(weighted) {
+        p = weight[i / row_vecs];
+    }
+    let mut o = gv;
+    #[unroll]
+    for j in 0..N::value() {
+        let g = f32::cast_from(gv[j]);
+        let v = f32::cast_from(uv[j]);
+        let y = p * glu_a(g, beta1, mode) * glu_b(v, beta2, mode);
+        o[j] = F::cast_from(y);
+    }
+    out[i] = o;
+}
+
+/// Backward without a routing weight: `dgate = dY·B·dA/dg`, `dup = dY·A·dB/dv`, elementwise.
+///
+/// Same layout contract as [`situ_glu_forward`].
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn situ_glu_backward<F: Float, N: Size>(
+    gate: &Array<Vector<F, N>>,
+    up: &Array<Vector<F, N>>,
+    dy: &Array<Vector<F, N>>,
+    dgate: &mut Array<Vector<F, N>>,
+    dup: &mut Array<Vector<F, N>>,
+    len: usize,
+    beta1: f32,
+    beta2: f32,
+    #[comptime] mode: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= len {
+        terminate!();
+    }
+    let gv = gate[i];
+    let uv = up[i];
+    let dv = dy[i];
+    let mut dg_out = gv;
+    let mut du_out = uv;
+    #[unroll]
+    for j in 0..N::value() {
+        let g = f32::cast_from(gv[j]);
+        let v = f32::cast_from(uv[j]);
+        let d = f32::cast_from(dv[j]);
+        dg_out[j] = F::cast_from(d * glu_b(v, beta2, mode) * glu_da(g, beta1, mode));
+        du_out[j] = F::cast_from(d * glu_a(g, beta1, mode) * glu_db(v, beta2, mode));
+    }
+    dgate[i] = dg_out;
+    dup[i] = du_out;
+}
+
+/// Backward with a per-row routing weight `p`: one cube per row computes `dgate`, `dup` for the
+/// row and `dweight[row] = Σ dY·A·B` by a tree reduction in shared memory (fixed order, so the
+/// result is bit-reproducible; no float atomics).
+///
+/// `cube_size` must equal the launch's `CUBE_DIM` and be a power of two. Launch at least `rows`
+/// cubes; extra cubes exit.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn situ_glu_backward_weighted<F: Float, N: Size>(
+    gate: &Array<Vector<F, N>>,
+    up: &Array<Vector<F, N>>,
+    dy: &Array<Vector<F, N>>,
+    weight: &Array<f32>,
+    dgate: &mut Array<Vector<F, N>>,
+    dup: &mut Array<Vector<F, N>>,
+    dweight: &mut Array<f32>,
+    rows: usize,
+    row_vecs: usize,
+    beta1: f32,
+    beta2: f32,
+    #[comptime] mode: u32,
+    #[comptime] cube_size: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = CUBE_POS;
+    if row >= rows {
+        terminate!();
+    }
+    let p = weight[row];
+    let mut acc = 0.0f32;
+    let mut c = UNIT_POS as usize;
+    while c < row_vecs {
+        let i = row * row_vecs + c;
+        let gv = gate[i];
+        let uv = up[i];
+        let dv = dy[i];
+        let mut dg_out = gv;
+        let mut du_out = uv;
+        #[unroll]
+        for j in 0..N::value() {
+            let g = f32::cast_from(gv[j]);
+            let v = f32::cast_from(uv[j]);
+            let d = f32::cast_from(dv[j]);
+            let a = glu_a(g, beta1, mode);
+            let b = glu_b(v, beta2, mode);
+            acc += d * a * b;
+            dg_out[j] = F::cast_from(p * d * b * glu_da(g, beta1, mode));
+            du_out[j] = F::cast_from(p * d * a * glu_db(v, beta2, mode));
+        }
+        dgate[i] = dg_out;
+        dup[i] = du_out;
+        c += CUBE_DIM as usize;
+    }
+    let mut partial = SharedMemory::<f32>::new(cube_size as usize);
+    partial[UNIT_POS as usize] = acc;
+    sync_cube();
+    let mut stride = CUBE_DIM / 2;
+    while stride > 0 {
+        if UNIT_POS < stride {
+            let u = UNIT_POS as usize;
+            partial[u] = partial[u] + partial[u + stride as usize];
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    if UNIT_POS == 0 {
+        dweight[row] = partial[0];
+    }
+}

@@ -1,0 +1,660 @@
+//! [`MoeKernels`] for every CubeCL backend: allocates outputs and launches the kernels of
+//! `kimi-burn-kernels`.
+
+use burn::tensor::{DType, Shape, TensorMetadata};
+use burn_cubecl::element::BoolElement;
+use burn_cubecl::kernel::{cast, into_contiguous};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
+use cubecl::prelude::*;
+use cubecl::{calculate_cube_count_elemwise, tensor_vector_size_parallel, CubeCount, CubeDim};
+use kimi_burn_kernels::{moe as kmoe, qb_histogram as kqb, situ as ksitu};
+
+use super::{FusedActivation, HistogramSpec, MoeExpertsGrads, MoeExpertsInput, MoeKernels};
+
+type T<R> = CubeTensor<R>;
+
+/// `(mode, β1, β2)` of the SiTU kernels.
+fn activation_params(act: FusedActivation) -> (u32, f32, f32) {
+    match act {
+        FusedActivation::Situ {
+            beta1,
+            beta2: Some(b2),
+        } => (ksitu::MODE_SITU_CAPPED, beta1, b2),
+        FusedActivation::Situ { beta1, beta2: None } => (ksitu::MODE_SITU, beta1, 1.0),
+        FusedActivation::SwiGlu => (ksitu::MODE_SWIGLU, 1.0, 1.0),
+    }
+}
+
+/// A contiguous (row-major, unpadded) uninitialised tensor on `like`'s device: the kernels index
+/// flat arrays, so the pitched layouts `empty_device_dtype` may pick are not allowed here.
+fn empty<R: CubeRuntime>(like: &T<R>, shape: impl Into<Shape>, dtype: DType) -> T<R> {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape.into(), dtype)
+}
+
+/// A zero-filled u32 buffer of `len` elements (at least one, so it can stand in as a dummy).
+fn zeros_u32<R: CubeRuntime>(like: &T<R>, len: usize) -> T<R> {
+    zeros_u32_shaped(like, Shape::new([len.max(1)]))
+}
+
+fn zeros_u32_shaped<R: CubeRuntime>(like: &T<R>, shape: Shape) -> T<R> {
+    let data = vec![0u32; shape.num_elements()];
+    let handle = like.client.create_from_slice(u32::as_bytes(&data));
+    T::new_contiguous(
+        like.client.clone(),
+        like.device.clone(),
+        shape,
+        handle,
+        DType::U32,
+    )
+}
+
+/// A one-element f32 buffer for an unused optional input.
+fn dummy_f32<R: CubeRuntime>(like: &T<R>) -> T<R> {
+    let handle = like.client.create_from_slice(f32::as_bytes(&[0.0]));
+    T::new_contiguous(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::new([1]),
+        handle,
+        DType::F32,
+    )
+}
+
+fn contiguous_as<R: CubeRuntime>(t: T<R>, dtype: DType) -> T<R> {
+    into_contiguous(cast(t, dtype))
+}
+
+fn elementwise<R: CubeRuntime>(t: &T<R>, units: usize) -> (CubeCount, CubeDim) {
+    let dim = CubeDim::new(&t.client, units.max(1));
+    (calculate_cube_count_elemwise(&t.client, units, dim), dim)
+}
+
+/// `rows` cubes (spread over the grid's dimensions; the kernels read the linear `CUBE_POS` and
+/// exit past `rows`).
+fn per_row<R: CubeRuntime>(t: &T<R>, rows: usize) -> CubeCount {
+    cubecl::server::CubeCountSelection::new(&t.client, rows as u32).cube_count()
+}
+
+fn dims2<R: CubeRuntime>(t: &T<R>) -> [usize; 2] {
+    let s = t.shape();
+    assert_eq!(s.num_dims(), 2, "fused kernels take [rows, cols] tensors");
+    [s[0], s[1]]
+}
+
+fn dims3<R: CubeRuntime>(t: &T<R>) -> [usize; 3] {
+    let s = t.shape();
+    assert_eq!(s.num_dims(), 3, "stacked expert weights are [n, rows, cols]");
+    [s[0], s[1], s[2]]
+}
+
+/// The widest vector the device loads efficiently that divides the row length.
+fn vector_size<R: CubeRuntime>(t: &T<R>) -> usize {
+    tensor_vector_size_parallel(
+        t.client.io_optimized_vector_sizes(t.dtype.size()),
+        t.meta.shape(),
+        t.meta.strides(),
+        t.meta.num_dims() - 1,
+    )
+    .max(1)
+}
+
+fn situ_forward<R: CubeRuntime>(
+    gate: T<R>,
+    up: T<R>,
+    weight: Option<T<R>>,
+    act: FusedActivation,
+) -> T<R> {
+    let gate = into_contiguous(gate);
+    let up = into_contiguous(cast(up, gate.dtype));
+    let [rows, h] = dims2(&gate);
+    let out = empty(&gate, [rows, h], gate.dtype);
+    if rows * h == 0 {
+        return out;
+    }
+    let vs = vector_size(&gate);
+    let len = rows * h / vs;
+    let weighted = weight.is_some();
+    let weight = match weight {
+        Some(w) => contiguous_as(w, DType::F32),
+        None => dummy_f32(&gate),
+    };
+    let (mode, b1, b2) = activation_params(act);
+    let (count, dim) = elementwise(&gate, len);
+    let dtype = gate.dtype;
+    ksitu::situ_glu_forward::launch::<R>(
+        &gate.client.clone(),
+        count,
+        dim,
+        vs,
+        gate.into_array_arg(),
+        up.into_array_arg(),
+        weight.into_array_arg(),
+        out.clone().into_array_arg(),
+        len,
+        h / vs,
+        b1,
+        b2,
+        mode,
+        weighted,
+        dtype.into(),
+    );
+    out
+}
+
+/// Cube size of the row-wise backward (a power of two).
+const ROW_CUBE: u32 = 64;
+
+fn situ_backward<R: CubeRuntime>(
+    gate: T<R>,
+    up: T<R>,
+    weight: Option<T<R>>,
+    grad: T<R>,
+    act: FusedActivation,
+) -> (T<R>, T<R>, Option<T<R>>) {
+    let gate = into_contiguous(gate);
+    let dtype = gate.dtype;
+    let up = into_contiguous(cast(up, dtype));
+    let grad = into_contiguous(cast(grad, dtype));
+    let [rows, h] = dims2(&gate);
+    let dgate = empty(&gate, [rows, h], dtype);
+    let dup = empty(&gate, [rows, h], dtype);
+    let (mode, b1, b2) = activation_params(act);
+    let vs = vector_size(&gate);
+    let client = gate.client.clone();
+    match weight {
+        None => {
+            let len = rows * h / vs;
+            if len > 0 {
+                let (count, dim) = elementwise(&gate, len);
+                ksitu::situ_glu_backward::launch::<R>(
+                    &client,
+                    count,
+                    dim,
+                    vs,
+                    gate.into_array_arg(),
+                    up.into_array_arg(),
+                    grad.into_array_arg(),
+                    dgate.clone().into_array_arg(),
+                    dup.clone().into_array_arg(),
+                    len,
+                    b1,
+                    b2,
+                    mode,
+                    dtype.into(),
+                );
+            }
+            (dgate, dup, None)
+        }
+        Some(w) => {
+            let w = contiguous_as(w, DType::F32);
+            let dw = empty(&gate, [rows], DType::F32);
+            if rows > 0 {
+                let count = per_row(&gate, rows);
+                ksitu::situ_glu_backward_weighted::launch::<R>(
+                    &client,
+                    count,
+                    CubeDim::new_1d(ROW_CUBE),
+                    vs,
+                    gate.into_array_arg(),
+                    up.into_array_arg(),
+                    grad.into_array_arg(),
+                    w.into_array_arg(),
+                    dgate.clone().into_array_arg(),
+                    dup.clone().into_array_arg(),
+                    dw.clone().into_array_arg(),
+                    rows,
+                    h / vs,
+                    b1,
+                    b2,
+                    mode,
+                    ROW_CUBE,
+                    dtype.into(),
+                );
+            }
+            (dgate, dup, Some(dw))
+        }
+    }
+}
+
+fn route<R: CubeRuntime>(
+    scores: T<R>,
+    bias: T<R>,
+    valid: Option<T<R>>,
+    k: usize,
+    histogram: Option<HistogramSpec>,
+    index_dtype: DType,
+) -> (T<R>, Option<T<R>>) {
+    let scores = contiguous_as(scores, DType::F32);
+    let bias = contiguous_as(bias, DType::F32);
+    let [m, n] = dims2(&scores);
+    let indices = empty(&scores, [m, k], index_dtype);
+    let masked = valid.is_some();
+    let valid = match valid {
+        Some(v) => contiguous_as(v, DType::U32),
+        None => zeros_u32(&scores, 1),
+    };
+    let (counts, lo, scale, bins) = match histogram {
+        Some(spec) => (
+            zeros_u32_shaped(&scores, Shape::new([n, spec.bins])),
+            spec.lo,
+            spec.scale(),
+            spec.bins,
+        ),
+        None => (zeros_u32(&scores, 1), 0.0, 1.0, 1),
+    };
+    if m > 0 {
+        let (count, dim) = elementwise(&scores, m);
+        kqb::route_top_k::launch::<R>(
+            &scores.client.clone(),
+            count,
+            dim,
+            scores.into_array_arg(),
+            bias.into_array_arg(),
+            valid.into_array_arg(),
+            indices.clone().into_array_arg(),
+            counts.clone().into_array_arg(),
+            m,
+            n,
+            lo,
+            scale,
+            bins as u32,
+            k,
+            true,
+            histogram.is_some(),
+            masked,
+            index_dtype.into(),
+        );
+    }
+    (indices, histogram.map(|_| counts))
+}
+
+/// The device-side dispatch plan (see `kimi_burn_kernels::moe`).
+struct Plan<R: CubeRuntime> {
+    sorted_token: T<R>,
+    sorted_weight: T<R>,
+    inv: T<R>,
+    offsets: T<R>,
+    tile_offsets: T<R>,
+    /// All `m·k` pairs (the buffers' row count; masked pairs leave a tail that is never read).
+    pairs: usize,
+    tokens: usize,
+    k: usize,
+    n: usize,
+}
+
+fn plan<R: CubeRuntime>(indices: T<R>, valid: Option<T<R>>, weights: T<R>, n: usize) -> Plan<R> {
+    let indices = into_contiguous(indices);
+    let [tokens, k] = dims2(&indices);
+    let pairs = tokens * k;
+    let weights = contiguous_as(weights, DType::F32);
+    let masked = valid.is_some();
+    let valid = match valid {
+        Some(v) => contiguous_as(v, DType::U32),
+        None => zeros_u32(&indices, 1),
+    };
+    let block = kmoe::PLAN_BLOCK as usize;
+    let blocks = pairs.div_ceil(block);
+    let local_rank = empty(&indices, [pairs.max(1)], DType::U32);
+    let block_counts = zeros_u32(&indices, blocks * n);
+    let block_base = empty(&indices, [(blocks * n).max(1)], DType::U32);
+    let totals = empty(&indices, [n], DType::U32);
+    let offsets = empty(&indices, [n + 1], DType::U32);
+    let tile_offsets = empty(&indices, [n + 1], DType::U32);
+    // Zeros, so the rows past the last segment (masked pairs) gather token 0: harmless reads.
+    let sorted_token = zeros_u32(&indices, pairs);
+    let sorted_weight = empty(&indices, [pairs.max(1)], DType::F32);
+    let inv = empty(&indices, [pairs.max(1)], DType::U32);
+    let client = indices.client.clone();
+    let idx_dtype = indices.dtype;
+    if pairs > 0 {
+        kmoe::moe_block_ranks::launch::<R>(
+            &client,
+            per_row(&indices, blocks),
+            CubeDim::new_1d(kmoe::PLAN_BLOCK),
+            indices.clone().into_array_arg(),
+            valid.clone().into_array_arg(),
+            local_rank.clone().into_array_arg(),
+            block_counts.clone().into_array_arg(),
+            pairs,
+            k,
+            n,
+            masked,
+            idx_dtype.into(),
+        );
+    }
+    let (count, dim) = elementwise(&indices, n);
+    kmoe::moe_block_scan::launch::<R>(
+        &client,
+        count,
+        dim,
+        block_counts.into_array_arg(),
+        block_base.clone().into_array_arg(),
+        totals.clone().into_array_arg(),
+        blocks,
+        n,
+    );
+    kmoe::moe_offsets::launch::<R>(
+        &client,
+        CubeCount::new_single(),
+        CubeDim::new_1d(1),
+        totals.into_array_arg(),
+        offsets.clone().into_array_arg(),
+        tile_offsets.clone().into_array_arg(),
+        n,
+    );
+    if pairs > 0 {
+        let (count, dim) = elementwise(&indices, pairs);
+        kmoe::moe_place::launch::<R>(
+            &client,
+            count,
+            dim,
+            indices.into_array_arg(),
+            valid.into_array_arg(),
+            weights.into_array_arg(),
+            local_rank.into_array_arg(),
+            block_base.into_array_arg(),
+            offsets.clone().into_array_arg(),
+            sorted_token.clone().into_array_arg(),
+            sorted_weight.clone().into_array_arg(),
+            inv.clone().into_array_arg(),
+            pairs,
+            k,
+            n,
+            masked,
+            idx_dtype.into(),
+        );
+    }
+    Plan {
+        sorted_token,
+        sorted_weight,
+        inv,
+        offsets,
+        tile_offsets,
+        pairs,
+        tokens,
+        k,
+        n,
+    }
+}
+
+/// `out[pos] (+)= a[row(pos)] · w[e]` over the plan's segments (see `kmoe::grouped_matmul`).
+/// `w: [n, kdim, cols]`, or `[n, cols, kdim]` when `transposed`.
+#[allow(clippy::too_many_arguments)]
+fn grouped_matmul<R: CubeRuntime>(
+    a: &T<R>,
+    w: &T<R>,
+    plan: &Plan<R>,
+    gather: bool,
+    transposed: bool,
+    accumulate: Option<T<R>>,
+    kdim: usize,
+    cols: usize,
+) -> T<R> {
+    let out = match &accumulate {
+        Some(o) => o.clone(),
+        None => empty(a, [plan.pairs.max(1), cols], a.dtype),
+    };
+    if plan.pairs == 0 || cols == 0 {
+        return out;
+    }
+    let tile = kmoe::TILE as usize;
+    // Σ_e ceil(len_e / TILE) ≤ pairs / TILE + n; spare cubes exit after one read.
+    let tiles = (plan.pairs.div_ceil(tile) + plan.n) as u32;
+    let col_tiles = cols.div_ceil(tile) as u32;
+    let max_x = a.client.properties().hardware.max_cube_count.0.max(1);
+    let mut base = 0u32;
+    while base < tiles {
+        let x = (tiles - base).min(max_x);
+        kmoe::grouped_matmul::launch::<R>(
+            &a.client,
+            CubeCount::Static(x, col_tiles, 1),
+            CubeDim::new_2d(kmoe::GMM_CUBE, kmoe::GMM_CUBE),
+            a.clone().into_array_arg(),
+            w.clone().into_array_arg(),
+            plan.sorted_token.clone().into_array_arg(),
+            plan.offsets.clone().into_array_arg(),
+            plan.tile_offsets.clone().into_array_arg(),
+            out.clone().into_array_arg(),
+            base,
+            plan.n,
+            kdim,
+            cols,
+            gather,
+            transposed,
+            accumulate.is_some(),
+            a.dtype.into(),
+        );
+        base += x;
+    }
+    out
+}
+
+/// `out[e] = Σ_{pos ∈ segment e} a[arow(pos)]ᵀ · b[brow(pos)]`: `[n, adim, bdim]`.
+fn grouped_wgrad<R: CubeRuntime>(
+    a: &T<R>,
+    b: &T<R>,
+    plan: &Plan<R>,
+    gather: (bool, bool),
+    adim: usize,
+    bdim: usize,
+    dtype: DType,
+) -> T<R> {
+    let b = cast(b.clone(), a.dtype);
+    let out = empty(a, [plan.n, adim, bdim], a.dtype);
+    if plan.n * adim * bdim > 0 {
+        let tile = kmoe::TILE as usize;
+        kmoe::grouped_matmul_wgrad::launch::<R>(
+            &a.client,
+            CubeCount::Static(
+                adim.div_ceil(tile) as u32,
+                bdim.div_ceil(tile) as u32,
+                plan.n as u32,
+            ),
+            CubeDim::new_2d(kmoe::GMM_CUBE, kmoe::GMM_CUBE),
+            a.clone().into_array_arg(),
+            b.into_array_arg(),
+            plan.sorted_token.clone().into_array_arg(),
+            plan.offsets.clone().into_array_arg(),
+            out.clone().into_array_arg(),
+            adim,
+            bdim,
+            gather.0,
+            gather.1,
+            a.dtype.into(),
+        );
+    }
+    cast(out, dtype)
+}
+
+/// The un-permute `out[t] = Σ_slot y[inv[t, slot]]`: `[tokens, width]`.
+fn combine<R: CubeRuntime>(y: &T<R>, plan: &Plan<R>, width: usize) -> T<R> {
+    let out = empty(y, [plan.tokens, width], y.dtype);
+    let units = plan.tokens * width;
+    if units > 0 {
+        let (count, dim) = elementwise(y, units);
+        kmoe::moe_combine::launch::<R>(
+            &y.client,
+            count,
+            dim,
+            y.clone().into_array_arg(),
+            plan.inv.clone().into_array_arg(),
+            out.clone().into_array_arg(),
+            plan.tokens,
+            width,
+            plan.k,
+            y.dtype.into(),
+        );
+    }
+    out
+}
+
+/// The stacked weights in `h`'s dtype and contiguous, with their dims checked.
+struct Experts<R: CubeRuntime> {
+    h: T<R>,
+    w1: T<R>,
+    w3: T<R>,
+    w2: T<R>,
+    n: usize,
+    width: usize,
+    hidden: usize,
+}
+
+fn experts<R: CubeRuntime>(input: &MoeExpertsInput<CubeBackendOf<R>>) -> Experts<R> {
+    let h = into_contiguous(input.input.clone());
+    let dtype = h.dtype;
+    let w1 = contiguous_as(input.w1.clone(), dtype);
+    let w3 = contiguous_as(input.w3.clone(), dtype);
+    let w2 = contiguous_as(input.w2.clone(), dtype);
+    let [_, width] = dims2(&h);
+    let [n, l1, hidden] = dims3(&w1);
+    assert_eq!(l1, width, "moe_experts: W1 is [n, ℓ, m_e] with ℓ = {width}");
+    assert_eq!(dims3(&w3), [n, width, hidden], "moe_experts: W3 shape");
+    assert_eq!(dims3(&w2), [n, hidden, width], "moe_experts: W2 shape");
+    Experts {
+        h,
+        w1,
+        w3,
+        w2,
+        n,
+        width,
+        hidden,
+    }
+}
+
+/// Only used to name `MoeExpertsInput`'s backend in [`experts`]; every element type shares it.
+type CubeBackendOf<R> = CubeBackend<R, f32, i32, u32>;
+
+fn moe_input_cast<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    input: &MoeExpertsInput<CubeBackend<R, F, I, BT>>,
+) -> MoeExpertsInput<CubeBackendOf<R>> {
+    // The primitives are the same `CubeTensor<R>` whatever the element parameters.
+    MoeExpertsInput {
+        input: input.input.clone(),
+        indices: input.indices.clone(),
+        weights: input.weights.clone(),
+        valid: input.valid.clone(),
+        w1: input.w1.clone(),
+        w3: input.w3.clone(),
+        w2: input.w2.clone(),
+        activation: input.activation,
+    }
+}
+
+fn moe_forward<R: CubeRuntime>(input: MoeExpertsInput<CubeBackendOf<R>>) -> T<R> {
+    let ex = experts(&input);
+    let plan = plan(input.indices, input.valid, input.weights, ex.n);
+    let g = grouped_matmul(&ex.h, &ex.w1, &plan, true, false, None, ex.width, ex.hidden);
+    let u = grouped_matmul(&ex.h, &ex.w3, &plan, true, false, None, ex.width, ex.hidden);
+    let act = situ_forward(g, u, Some(plan.sorted_weight.clone()), input.activation);
+    let y = grouped_matmul(&act, &ex.w2, &plan, false, false, None, ex.hidden, ex.width);
+    combine(&y, &plan, ex.width)
+}
+
+fn moe_backward<R: CubeRuntime>(
+    input: MoeExpertsInput<CubeBackendOf<R>>,
+    grad: T<R>,
+) -> MoeExpertsGrads<CubeBackendOf<R>> {
+    let ex = experts(&input);
+    let weights_dtype = input.weights.dtype;
+    let w_dtype = input.w1.dtype;
+    let grad = contiguous_as(grad, ex.h.dtype);
+    // The plan and the gate/up projections are recomputed rather than kept from the forward:
+    // holding them would cost 2·pairs·m_e activations per layer until the backward.
+    let plan = plan(input.indices, input.valid, input.weights, ex.n);
+    let (n, l, me) = (ex.n, ex.width, ex.hidden);
+    let g = grouped_matmul(&ex.h, &ex.w1, &plan, true, false, None, l, me);
+    let u = grouped_matmul(&ex.h, &ex.w3, &plan, true, false, None, l, me);
+    // dAct = dY·W2[e]ᵀ, with the rows of dY gathered from the token gradients.
+    let d_act = grouped_matmul(&grad, &ex.w2, &plan, true, true, None, l, me);
+    let act = situ_forward(
+        g.clone(),
+        u.clone(),
+        Some(plan.sorted_weight.clone()),
+        input.activation,
+    );
+    let (dg, du, dp) = situ_backward(
+        g,
+        u,
+        Some(plan.sorted_weight.clone()),
+        d_act,
+        input.activation,
+    );
+    let dp = dp.expect("weighted backward returns dp");
+    let dw2 = grouped_wgrad(&act, &grad, &plan, (false, true), me, l, w_dtype);
+    let dw1 = grouped_wgrad(&ex.h, &dg, &plan, (true, false), l, me, w_dtype);
+    let dw3 = grouped_wgrad(&ex.h, &du, &plan, (true, false), l, me, w_dtype);
+    let dx = grouped_matmul(&dg, &ex.w1, &plan, false, true, None, me, l);
+    let dx = grouped_matmul(&du, &ex.w3, &plan, false, true, Some(dx), me, l);
+    let dh = combine(&dx, &plan, l);
+    let dweights = empty(&dh, [plan.tokens, plan.k], DType::F32);
+    if plan.pairs > 0 {
+        let (count, dim) = elementwise(&dh, plan.pairs);
+        kmoe::moe_pair_gather::launch::<R>(
+            &dh.client,
+            count,
+            dim,
+            dp.into_array_arg(),
+            plan.inv.clone().into_array_arg(),
+            dweights.clone().into_array_arg(),
+            plan.pairs,
+        );
+    }
+    let _ = n;
+    MoeExpertsGrads {
+        input: dh,
+        weights: cast(dweights, weights_dtype),
+        w1: dw1,
+        w3: dw3,
+        w2: dw2,
+    }
+}
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> MoeKernels
+    for CubeBackend<R, F, I, BT>
+{
+    fn situ_glu_forward(
+        gate: T<R>,
+        up: T<R>,
+        weight: Option<T<R>>,
+        activation: FusedActivation,
+    ) -> T<R> {
+        situ_forward(gate, up, weight, activation)
+    }
+
+    fn situ_glu_backward(
+        gate: T<R>,
+        up: T<R>,
+        weight: Option<T<R>>,
+        grad: T<R>,
+        activation: FusedActivation,
+    ) -> (T<R>, T<R>, Option<T<R>>) {
+        situ_backward(gate, up, weight, grad, activation)
+    }
+
+    fn route_top_k(
+        scores: T<R>,
+        bias: T<R>,
+        valid: Option<T<R>>,
+        k: usize,
+        histogram: Option<HistogramSpec>,
+    ) -> (T<R>, Option<T<R>>) {
+        route(scores, bias, valid, k, histogram, I::dtype())
+    }
+
+    fn moe_experts(input: MoeExpertsInput<Self>) -> T<R> {
+        moe_forward(moe_input_cast(&input))
+    }
+
+    fn moe_experts_backward(input: MoeExpertsInput<Self>, grad: T<R>) -> MoeExpertsGrads<Self> {
+        let g = moe_backward(moe_input_cast(&input), grad);
+        MoeExpertsGrads {
+            input: g.input,
+            weights: g.weights,
+            w1: g.w1,
+            w3: g.w3,
+            w2: g.w2,
+        }
+    }
+}
