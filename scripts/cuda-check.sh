@@ -8,7 +8,7 @@
 #                                       summary go to $OUT (default: ./cuda-out)
 #   scripts/cuda-check.sh               both, on a machine that has the GPU and the toolchain
 #
-# What runs: `tests/kernels_moe.rs` on `Cuda` (every kernel against the reference path on the same
+# What runs: `tests/suite/kernels_moe.rs` (the `kernels_moe::` tests of the suite binary) on `Cuda` (every kernel against the reference path on the same
 # device, f32 ≤ 1e-5, half storage ≤ 5e-3 where supported, bit-for-bit repeatability, exact QB
 # counts, and a check that the kernel path ran) and the `moe` criterion bench's CUDA group
 # (kernel vs reference path in the same run). Exit status: non-zero if any test failed.
@@ -23,11 +23,11 @@ build() {
     mkdir -p "$dir"
     # The kernels test on CUDA (+ autodiff), and the bench with its CUDA group.
     local tests benches
-    tests=$(cargo test --features cuda,autodiff --test kernels_moe --no-run --message-format=json \
+    tests=$(cargo test --features cuda,autodiff --test suite --no-run --message-format=json \
         | python3 -c 'import json,sys
 for l in sys.stdin:
     m=json.loads(l)
-    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="kernels_moe": print(m["executable"])')
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="suite": print(m["executable"])')
     benches=$(cargo bench --features cuda --bench moe --no-run --message-format=json \
         | python3 -c 'import json,sys
 for l in sys.stdin:
@@ -44,7 +44,7 @@ run() {
     nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
     local status=0
     # One test thread: the tests share one device; the output names which dtypes were covered.
-    "$dir/kernels_moe" --test-threads=1 --nocapture >"$out/kernels_moe.log" 2>&1 || status=$?
+    "$dir/kernels_moe" kernels_moe:: --test-threads=1 --nocapture >"$out/kernels_moe.log" 2>&1 || status=$?
     echo "kernels_moe exit status: $status" >"$out/summary.txt"
     grep -E "^test |test result|covered" "$out/kernels_moe.log" >>"$out/summary.txt" || true
     # Criterion: short measurement, only the CUDA group.

@@ -4,19 +4,16 @@
 //!
 //! Every check asserts that the kernel path actually ran ([`kernel_calls`]), so a GPU test cannot
 //! pass on the reference path by accident. Shapes stay small: lavapipe is a CPU.
-#![cfg(any(feature = "wgpu", feature = "cuda"))]
-
-mod common;
 
 /// The device under test: CUDA when that feature is on (`scripts/cuda-check.sh`), else wgpu.
 #[cfg(feature = "cuda")]
 type Gpu = burn::backend::Cuda;
 #[cfg(not(feature = "cuda"))]
-type Gpu = common::Gpu;
+type Gpu = crate::common::Gpu;
 type GpuAd = burn::backend::Autodiff<Gpu>;
 
 use burn::tensor::{backend::Backend, DType, FloatDType, Tensor};
-use common::{assert_close, from_f64, host, randn, rng, uniform};
+use crate::common::{assert_close, from_f64, host, randn, rng, uniform};
 use kimi_burn::ops::{kernel_calls, last_path, with_kernels, FusedOp, KernelPath};
 use kimi_burn::ops::{situ::swiglu, situ_glu, situ_glu_weighted};
 
