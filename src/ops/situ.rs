@@ -2,6 +2,7 @@
 
 use burn::tensor::{backend::Backend, Tensor};
 
+use super::cpu::elementwise::SituGlu as SituGluKernel;
 use super::precision::{restore, sigmoid, widen};
 
 /// The SiTU-GLU gated activation `A(gate) ⊙ B(up)` (SPEC §1):
@@ -41,6 +42,11 @@ pub fn situ_glu<B: Backend, const D: usize>(
     );
     let (g, dtype) = widen(gate);
     let (v, _) = widen(up);
+    // One host kernel on the CPU backends, the same function.
+    let (g, v) = match super::cpu::try_run(&SituGluKernel { beta1, beta2 }, [g, v]) {
+        Ok(y) => return restore(y, dtype),
+        Err([g, v]) => (g, v),
+    };
     let a = situ(g, beta1);
     let b = match beta2 {
         Some(b2) => soft_cap(v, b2),

@@ -23,6 +23,8 @@ use {
     std::sync::Arc,
 };
 
+pub(crate) mod elementwise;
+
 /// A tensor on the host: row-major `f32` values and their shape.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct HostTensor {
@@ -78,6 +80,18 @@ pub(crate) fn is_cpu_backend<B: Backend>() -> bool {
     }
     let _ = id;
     false
+}
+
+/// Runs `op` on the host when `B` is a CPU backend and every input is `f32`; otherwise gives the
+/// inputs back for the tensor-op form.
+pub(crate) fn try_run<B: Backend, O: HostOp<N>, const N: usize, const D: usize>(
+    op: &O,
+    inputs: [Tensor<B, D>; N],
+) -> std::result::Result<Tensor<B, D>, [Tensor<B, D>; N]> {
+    if !(is_cpu_backend::<B>() && inputs.iter().all(|x| x.dtype() == burn::tensor::DType::F32)) {
+        return Err(inputs);
+    }
+    Ok(run(op, inputs.map(|x| x.into_primitive().tensor())))
 }
 
 /// Runs `op` on the host. The inputs must be `f32` tensors of a backend for which
