@@ -10,8 +10,8 @@ use super::norm::{RmsNorm, RmsNormConfig};
 use crate::error::{Error, Result};
 use crate::ops::kda::conv::causal_conv1d;
 use crate::ops::kda::{
-    check_cu_seqlens, chunk_kda_inner, fused_recurrent_kda_inner, kda_gate, rms_norm_gated,
-    KdaOptions, CHUNK_SIZES, MAX_HEAD_DIM,
+    check_cu_seqlens, chunk_kda_inner, cpu_kda, fused_recurrent_kda_inner, kda_gate,
+    rms_norm_gated, KdaOptions, CHUNK_SIZES, MAX_HEAD_DIM,
 };
 use crate::ops::precision::{sigmoid, silu, widen};
 
@@ -405,17 +405,27 @@ impl<B: Backend> KimiDeltaAttention<B> {
         );
         let beta = sigmoid(widen(self.b_proj.forward(x.clone())).0);
 
-        let mut opts = KdaOptions::default()
-            .with_qk_l2norm(true)
-            .with_chunk_size(self.chunk_size)
-            .with_final_state(cache.is_some());
-        opts.initial_state = state;
-        opts.cu_seqlens = cu_seqlens.map(<[usize]>::to_vec);
-        // The gates are ≤ 0 by construction: skip the op's host read-back of their maximum.
-        let (o, final_state) = if longest <= RECURRENT_MAX_TOKENS {
-            fused_recurrent_kda_inner(q, k_, v, g, beta, opts, false)?
-        } else {
-            chunk_kda_inner(q, k_, v, g, beta, opts, false)?
+        // Without a cache (training, scoring) a CPU backend runs the recurrence as one host kernel.
+        let on_cpu = match cache {
+            None => cpu_kda(&q, &k_, &v, &g, &beta, None, true, seqs.clone()),
+            Some(_) => None,
+        };
+        let (o, final_state) = match on_cpu {
+            Some(o) => (o, None),
+            None => {
+                let mut opts = KdaOptions::default()
+                    .with_qk_l2norm(true)
+                    .with_chunk_size(self.chunk_size)
+                    .with_final_state(cache.is_some());
+                opts.initial_state = state;
+                opts.cu_seqlens = cu_seqlens.map(<[usize]>::to_vec);
+                // The gates are ≤ 0 by construction: skip the op's host read-back of their maximum.
+                if longest <= RECURRENT_MAX_TOKENS {
+                    fused_recurrent_kda_inner(q, k_, v, g, beta, opts, false)?
+                } else {
+                    chunk_kda_inner(q, k_, v, g, beta, opts, false)?
+                }
+            }
         };
         if let Some(c) = cache {
             c.state = final_state;

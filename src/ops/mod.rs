@@ -3,6 +3,7 @@
 //! Each op here runs on any Burn backend (with autodiff); modules in [`crate::nn`] call them.
 
 pub mod attn_res;
+pub(crate) mod cpu;
 pub mod dispatch;
 pub mod fused;
 pub mod kda;

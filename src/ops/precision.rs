@@ -3,6 +3,8 @@
 
 use burn::tensor::{backend::Backend, DType, FloatDType, Tensor};
 
+use super::cpu::{self, elementwise::Unary};
+
 /// Upcasts a half-precision tensor to f32 and returns it with its original dtype, so that
 /// [`restore`] can cast the result back. f32 and f64 tensors pass through unchanged.
 pub fn widen<B: Backend, const D: usize>(x: Tensor<B, D>) -> (Tensor<B, D>, DType) {
@@ -32,8 +34,14 @@ pub fn restore<B: Backend, const D: usize>(x: Tensor<B, D>, dtype: DType) -> Ten
 /// Written through `tanh` rather than `1/(1+e^{−x})`: it cannot overflow for any `|x|` and it is
 /// evaluated in the tensor's own precision (Burn's default `sigmoid` rounds through f32, which
 /// would spoil f64 finite-difference checks).
+///
+/// On the CPU backends an `f32` tensor goes through one host kernel
+/// ([`cpu::elementwise`](super::cpu::elementwise)) computing the same function.
 pub fn sigmoid<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    x.mul_scalar(0.5).tanh().mul_scalar(0.5).add_scalar(0.5)
+    match cpu::try_run(&Unary::Sigmoid, [x]) {
+        Ok(y) => y,
+        Err([x]) => x.mul_scalar(0.5).tanh().mul_scalar(0.5).add_scalar(0.5),
+    }
 }
 
 /// `softplus(x) = log(1 + e^x)`, equal to `x` for `x > 20` (SPEC §4.2), computed without overflow
@@ -44,7 +52,10 @@ pub fn softplus<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     x.clone().clamp_min(0.0).add(tail).mask_where(linear, x)
 }
 
-/// `SiLU(x) = x·σ(x)`, with the precise sigmoid above.
+/// `SiLU(x) = x·σ(x)`, with the precise sigmoid above (one host kernel on the CPU backends).
 pub fn silu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    x.clone().mul(sigmoid(x))
+    match cpu::try_run(&Unary::Silu, [x]) {
+        Ok(y) => y,
+        Err([x]) => x.clone().mul(sigmoid(x)),
+    }
 }

@@ -2,6 +2,7 @@
 
 use burn::tensor::{backend::Backend, Tensor, TensorPrimitive};
 
+use super::cpu::elementwise::SituGlu as SituGluKernel;
 use super::fused::{self, FusedActivation, FusedOp, KernelOp, KernelPath, MoeKernels};
 use super::precision::{restore, sigmoid, widen};
 
@@ -215,6 +216,11 @@ fn situ_glu_f32<B: Backend, const D: usize>(
 ) -> (Tensor<B, D>, burn::tensor::DType) {
     let (g, dtype) = widen(gate);
     let (v, _) = widen(up);
+    // One host kernel on the CPU backends, the same function.
+    let (g, v) = match super::cpu::try_run(&SituGluKernel { beta1, beta2 }, [g, v]) {
+        Ok(y) => return (y, dtype),
+        Err([g, v]) => (g, v),
+    };
     let a = situ(g, beta1);
     let b = match beta2 {
         Some(b2) => soft_cap(v, b2),

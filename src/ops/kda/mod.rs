@@ -17,6 +17,7 @@
 
 mod chunk;
 pub(crate) mod conv;
+mod cpu;
 mod fused_recurrent;
 mod gate;
 mod intra;
@@ -307,6 +308,47 @@ pub(crate) fn prepare<B: Backend>(
         out_dtype,
         output_final_state: opts.output_final_state,
     })
+}
+
+/// KDA from a zero state, without the final state, on the CPU kernel ([`cpu`]) when the backend has
+/// one and every input is f32; `None` otherwise (the caller then runs a tensor-op form).
+///
+/// `q, k, g: [B, T, H, K]`, `v: [B, T, H, V]`, `beta: [B, T, H]`; `q` is L2-normalised (with
+/// `l2norm`) and scaled (by `scale`, `K^−1/2` when `None`) inside, like [`prepare`] does; `seqs`:
+/// packed `(start, len)` spans along T with `B = 1`. The caller validates the shapes.
+pub(crate) fn cpu_kda<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    g: &Tensor<B, 4>,
+    beta: &Tensor<B, 3>,
+    scale: Option<f64>,
+    l2norm: bool,
+    seqs: Option<Vec<(usize, usize)>>,
+) -> Option<Tensor<B, 4>> {
+    let f32s = [q.dtype(), k.dtype(), v.dtype(), g.dtype(), beta.dtype()]
+        .iter()
+        .all(|d| *d == DType::F32);
+    if !(f32s && super::cpu::is_cpu_backend::<B>()) {
+        return None;
+    }
+    let kd = q.dims()[3];
+    let op = cpu::KdaRecurrence {
+        scale: scale.unwrap_or(1.0 / (kd as f64).sqrt()) as f32,
+        l2norm,
+        seqs,
+    };
+    let prim = |x: Tensor<B, 4>| x.into_primitive().tensor();
+    Some(super::cpu::run(
+        &op,
+        [
+            prim(q.clone()),
+            prim(k.clone()),
+            prim(v.clone()),
+            prim(g.clone()),
+            beta.clone().into_primitive().tensor(),
+        ],
+    ))
 }
 
 /// Splits `x` along `dim` into its slices of length one.
