@@ -119,11 +119,13 @@ fn kernel_usable<B: Backend, const D: usize>(gate: &Tensor<B, D>, up: &Tensor<B,
 }
 
 /// `[.., h]` → `[rows, h]`, the layout the kernels take.
+#[cfg_attr(not(feature = "cubecl-kernels"), allow(dead_code))]
 fn rows_of<const D: usize>(dims: [usize; D]) -> [usize; 2] {
     let h = dims[D - 1];
     [dims.iter().product::<usize>() / h, h]
 }
 
+#[cfg_attr(not(feature = "cubecl-kernels"), allow(dead_code))]
 struct FusedGlu<B: Backend, const D: usize> {
     gate: Tensor<B, D>,
     up: Tensor<B, D>,
@@ -149,6 +151,7 @@ impl<B: Backend, const D: usize> KernelOp<B> for FusedGlu<B, D> {
     }
 }
 
+#[cfg_attr(not(feature = "cubecl-kernels"), allow(dead_code))]
 struct FusedWeightedGlu<B: Backend> {
     gate: Tensor<B, 2>,
     up: Tensor<B, 2>,

@@ -140,8 +140,33 @@ fn cast<S: 'static, T: 'static>(x: S) -> Option<T> {
 }
 
 /// Copies a primitive of backend `X` to the host in `f32`.
+///
+/// An ndarray `f32` tensor in standard layout is copied as one slice: Burn's `into_data` walks a
+/// shared array (autodiff keeps a clone of every input) element by element through a dynamic-rank
+/// iterator, which cost more than the kernels themselves.
 #[cfg(any(feature = "ndarray", feature = "flex"))]
 fn to_host<X: Backend>(x: FloatTensor<X>) -> HostTensor {
+    #[cfg(feature = "ndarray")]
+    let x = match (TypeId::of::<FloatTensor<X>>()
+        == TypeId::of::<burn::backend::ndarray::NdArrayTensor>())
+    .then(|| cast::<FloatTensor<X>, burn::backend::ndarray::NdArrayTensor>(x.clone()))
+    .flatten()
+    {
+        Some(nd) => {
+            if let burn::backend::ndarray::NdArrayTensor::F32(storage) = &nd {
+                let view = storage.view();
+                if let Some(slice) = view.as_slice() {
+                    return HostTensor {
+                        data: slice.to_vec(),
+                        shape: view.shape().to_vec(),
+                    };
+                }
+            }
+            cast::<burn::backend::ndarray::NdArrayTensor, FloatTensor<X>>(nd)
+                .unwrap_or_else(|| unreachable!("cast back to the type it came from"))
+        }
+        None => x,
+    };
     let data = Tensor::<X, 1>::from_primitive(TensorPrimitive::Float(x))
         .into_data()
         .convert_dtype(DType::F32);
