@@ -4,6 +4,7 @@ use burn::tensor::{backend::Backend, Tensor};
 
 use super::{gather_tokens, prepare, unbind, KdaOptions, Prepared};
 use crate::error::Result;
+use crate::ops::fused::{self, FusedOp, KernelPath, RecurrentOp};
 use crate::ops::precision::restore;
 
 /// KDA by its recurrence (SPEC §4.1), for short inputs (decode, speculative verification):
@@ -17,6 +18,9 @@ use crate::ops::precision::restore;
 /// `[N, max T_n]` batch with steps that leave the state unchanged (`g = 0`, `k = 0`, `β = 0`), so
 /// a decode step of N sequences is one batched update. Cost grows linearly in `T` with one small
 /// kernel sequence per token; use [`chunk_kda`](super::chunk_kda) for long inputs.
+///
+/// On the CubeCL backends (see [`fused`](crate::ops::fused)) inference calls run one kernel that
+/// keeps the f32 state on chip for all steps; inputs tracked by autodiff take the tensor ops.
 ///
 /// # Panics
 /// On invalid input; see [`try_fused_recurrent_kda`].
@@ -55,7 +59,74 @@ pub(crate) fn fused_recurrent_kda_inner<B: Backend>(
     check_gates: bool,
 ) -> Result<(Tensor<B, 4>, Option<Tensor<B, 4>>)> {
     let p = prepare(q, k, v, g, beta, opts, check_gates)?;
-    Ok(run(p))
+    Ok(match try_kernel(p) {
+        Ok(out) => {
+            fused::record(FusedOp::KdaRecurrent, KernelPath::Kernel);
+            out
+        }
+        Err(p) => {
+            fused::record(FusedOp::KdaRecurrent, KernelPath::Reference);
+            run(p)
+        }
+    })
+}
+
+/// The recurrent CubeCL kernel ([`KdaKernels`](crate::ops::fused::KdaKernels)) when the backend
+/// has it and no input is tracked by autodiff (the kernel has no backward pass; training uses
+/// [`chunk_kda`](super::chunk_kda)). Hands the inputs back otherwise.
+fn try_kernel<B: Backend>(p: Prepared<B>) -> Result<(Tensor<B, 4>, Option<Tensor<B, 4>>), Prepared<B>> {
+    if !fused::available::<B>() {
+        return Err(p);
+    }
+    let seq_starts = sequence_starts(&p);
+    let Prepared {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        h0,
+        seqs,
+        dims,
+        out_dtype,
+        output_final_state,
+    } = p;
+    let op = RecurrentOp {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        h0,
+        seq_starts,
+    };
+    match fused::dispatch::<B, _>(op) {
+        Ok(Ok((o, s))) => Ok((restore(o, out_dtype), output_final_state.then_some(s))),
+        Ok(Err(op)) | Err(op) => Err(Prepared {
+            q: op.q,
+            k: op.k,
+            v: op.v,
+            g: op.g,
+            beta: op.beta,
+            h0: op.h0,
+            seqs,
+            dims,
+            out_dtype,
+            output_final_state,
+        }),
+    }
+}
+
+/// Token offsets `[N + 1]` of the sequences along the flattened `B·T` axis.
+pub(crate) fn sequence_starts<B: Backend>(p: &Prepared<B>) -> Vec<usize> {
+    match &p.seqs {
+        Some(seqs) => seqs
+            .iter()
+            .map(|s| s.0)
+            .chain(std::iter::once(p.dims.t))
+            .collect(),
+        None => (0..=p.dims.b).map(|b| b * p.dims.t).collect(),
+    }
 }
 
 fn run<B: Backend>(p: Prepared<B>) -> (Tensor<B, 4>, Option<Tensor<B, 4>>) {
