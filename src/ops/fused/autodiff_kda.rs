@@ -58,6 +58,23 @@ impl<B: KdaKernels, C: CheckpointStrategy> KdaKernels for Autodiff<B, C> {
         (Self::from_inner(o), Self::from_inner(s))
     }
 
+    fn kda_chunk_forward(
+        input: KdaKernelInput<Self>,
+        chunk: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let inner = KdaKernelInput::<B> {
+            q: Self::inner(input.q),
+            k: Self::inner(input.k),
+            v: Self::inner(input.v),
+            g: Self::inner(input.g),
+            beta: Self::inner(input.beta),
+            initial_state: input.initial_state.map(Self::inner),
+            seq_starts: input.seq_starts,
+        };
+        let (o, s) = B::kda_chunk_forward(inner, chunk);
+        (Self::from_inner(o), Self::from_inner(s))
+    }
+
     fn rms_norm_gated_forward(
         o: FloatTensor<Self>,
         z: FloatTensor<Self>,

@@ -17,7 +17,12 @@ type T<R> = CubeTensor<R>;
 
 /// A contiguous uninitialised tensor on `like`'s device (the kernels index flat arrays).
 fn empty<R: CubeRuntime>(like: &T<R>, shape: impl Into<Shape>, dtype: DType) -> T<R> {
-    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape.into(), dtype)
+    empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        shape.into(),
+        dtype,
+    )
 }
 
 fn f32_contiguous<R: CubeRuntime>(t: T<R>) -> T<R> {
@@ -26,7 +31,11 @@ fn f32_contiguous<R: CubeRuntime>(t: T<R>) -> T<R> {
 
 /// A u32 buffer holding `values` (at least one element).
 fn u32_buffer<R: CubeRuntime>(like: &T<R>, values: &[u32]) -> T<R> {
-    let data = if values.is_empty() { vec![0] } else { values.to_vec() };
+    let data = if values.is_empty() {
+        vec![0]
+    } else {
+        values.to_vec()
+    };
     let handle = like.client.create_from_slice(u32::as_bytes(&data));
     T::new_contiguous(
         like.client.clone(),
@@ -121,9 +130,174 @@ fn recurrent<R: CubeRuntime>(input: KdaKernelInput<CubeBackend<R, f32, i32, u32>
     (out, state)
 }
 
+/// Where each chunk lies: first token and length per chunk, first chunk per sequence. Chunks
+/// never cross a sequence boundary.
+struct ChunkTable {
+    tok: Vec<u32>,
+    len: Vec<u32>,
+    seq_chunk: Vec<u32>,
+}
+
+fn chunk_table(seq_starts: &[usize], chunk: usize) -> ChunkTable {
+    let mut table = ChunkTable {
+        tok: Vec::new(),
+        len: Vec::new(),
+        seq_chunk: vec![0],
+    };
+    for w in seq_starts.windows(2) {
+        let mut t = w[0];
+        while t < w[1] {
+            let l = chunk.min(w[1] - t);
+            table.tok.push(t as u32);
+            table.len.push(l as u32);
+            t += l;
+        }
+        table.seq_chunk.push(table.tok.len() as u32);
+    }
+    table
+}
+
+fn chunk_forward<R: CubeRuntime>(
+    input: KdaKernelInput<CubeBackend<R, f32, i32, u32>>,
+    chunk: usize,
+) -> (T<R>, T<R>) {
+    assert!(
+        chunk % kkda::SUB == 0 && chunk * chunk >= kkda::INTRA_CUBE as usize,
+        "KDA chunk kernels: chunk size {chunk} must be 16, 32 or 64"
+    );
+    let q = f32_contiguous(input.q);
+    let k = f32_contiguous(input.k);
+    let v = f32_contiguous(input.v);
+    let g = f32_contiguous(input.g);
+    let beta = f32_contiguous(input.beta);
+    let [b, t, h, kd] = dims4(&q);
+    let vd = dims4(&v)[3];
+    let n = input.seq_starts.len() - 1;
+    let state = state_buffer(&q, input.initial_state, [n, h, kd, vd]);
+    let out = empty(&q, [b, t, h, vd], DType::F32);
+    let table = chunk_table(&input.seq_starts, chunk);
+    let chunks = table.tok.len();
+    if chunks * h * vd == 0 {
+        return (out, state);
+    }
+    let client = q.client.clone();
+    let tok = u32_buffer(&q, &table.tok);
+    let len = u32_buffer(&q, &table.len);
+    let seq_chunk = u32_buffer(&q, &table.seq_chunk);
+    let tokens = b * t;
+    let like = q.clone();
+    let scratch = |shape: Vec<usize>| empty(&like, shape, DType::F32);
+    let qe = scratch(vec![tokens, h, kd]);
+    let we = scratch(vec![tokens, h, kd]);
+    let ke = scratch(vec![tokens, h, kd]);
+    let qp = scratch(vec![tokens, h, kd]);
+    let kp = scratch(vec![tokens, h, kd]);
+    let ks = scratch(vec![tokens, h, kd]);
+    let decay = scratch(vec![chunks, h, kd]);
+    let sub_decay = scratch(vec![chunks, h, chunk / kkda::SUB, kd]);
+    let units = chunks * h * kd;
+    let dim = CubeDim::new(&client, units);
+    kkda::kda_chunk_gates::launch::<R>(
+        &client,
+        calculate_cube_count_elemwise(&client, units, dim),
+        dim,
+        q.clone().into_array_arg(),
+        k.clone().into_array_arg(),
+        g.clone().into_array_arg(),
+        tok.clone().into_array_arg(),
+        len.clone().into_array_arg(),
+        qe.clone().into_array_arg(),
+        we.clone().into_array_arg(),
+        ke.clone().into_array_arg(),
+        qp.clone().into_array_arg(),
+        kp.clone().into_array_arg(),
+        ks.clone().into_array_arg(),
+        decay.clone().into_array_arg(),
+        sub_decay.clone().into_array_arg(),
+        chunks,
+        h,
+        kd,
+        chunk,
+    );
+    let a_qk = scratch(vec![chunks, h, chunk, chunk]);
+    let a_kk = scratch(vec![chunks, h, chunk, chunk]);
+    kkda::kda_chunk_intra::launch::<R>(
+        &client,
+        per_row(&q, chunks * h),
+        CubeDim::new_1d(kkda::INTRA_CUBE),
+        q.into_array_arg(),
+        k.into_array_arg(),
+        g.into_array_arg(),
+        beta.clone().into_array_arg(),
+        qp.into_array_arg(),
+        kp.into_array_arg(),
+        ks.into_array_arg(),
+        sub_decay.into_array_arg(),
+        tok.clone().into_array_arg(),
+        len.clone().into_array_arg(),
+        a_qk.clone().into_array_arg(),
+        a_kk.clone().into_array_arg(),
+        chunks,
+        h,
+        kd,
+        chunk,
+    );
+    let w = scratch(vec![chunks, h, chunk, kd]);
+    let u = scratch(vec![chunks, h, chunk, vd]);
+    kkda::kda_chunk_solve::launch::<R>(
+        &client,
+        CubeCount::Static(
+            (kd + vd).div_ceil(kkda::SOLVE_CUBE as usize) as u32,
+            (chunks * h) as u32,
+            1,
+        ),
+        CubeDim::new_1d(kkda::SOLVE_CUBE),
+        we.into_array_arg(),
+        v.into_array_arg(),
+        beta.into_array_arg(),
+        a_kk.into_array_arg(),
+        tok.clone().into_array_arg(),
+        len.clone().into_array_arg(),
+        w.clone().into_array_arg(),
+        u.clone().into_array_arg(),
+        chunks,
+        h,
+        kd,
+        vd,
+        chunk,
+    );
+    let vt = kkda::recurrent_columns(kd).min(kkda::chunk_state_columns(kd, chunk));
+    kkda::kda_chunk_state::launch::<R>(
+        &client,
+        CubeCount::Static(vd.div_ceil(vt) as u32, (n * h) as u32, 1),
+        CubeDim::new_1d(vt as u32),
+        qe.into_array_arg(),
+        ke.into_array_arg(),
+        decay.into_array_arg(),
+        w.into_array_arg(),
+        u.into_array_arg(),
+        a_qk.into_array_arg(),
+        tok.into_array_arg(),
+        len.into_array_arg(),
+        seq_chunk.into_array_arg(),
+        state.clone().into_array_arg(),
+        out.clone().into_array_arg(),
+        h,
+        vd,
+        kd,
+        vt,
+        chunk,
+    );
+    (out, state)
+}
+
 fn dims2<R: CubeRuntime>(t: &T<R>) -> [usize; 2] {
     let s = t.shape();
-    assert_eq!(s.num_dims(), 2, "the gated norm kernels take [rows, V] tensors");
+    assert_eq!(
+        s.num_dims(),
+        2,
+        "the gated norm kernels take [rows, V] tensors"
+    );
     [s[0], s[1]]
 }
 
@@ -231,6 +405,10 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KdaKernels
 {
     fn kda_recurrent_forward(input: KdaKernelInput<Self>) -> (T<R>, T<R>) {
         recurrent(input_cast(input))
+    }
+
+    fn kda_chunk_forward(input: KdaKernelInput<Self>, chunk: usize) -> (T<R>, T<R>) {
+        chunk_forward(input_cast(input), chunk)
     }
 
     fn rms_norm_gated_forward(o: T<R>, z: T<R>, weight: T<R>, eps: f64) -> T<R> {

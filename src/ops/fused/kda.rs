@@ -39,7 +39,21 @@ pub trait KdaKernels: Backend {
     ///
     /// On `Autodiff<B>` it is not differentiable: the ops only call it when no input is tracked
     /// (see [`kda_tracked`](Self::kda_tracked)), which is the case in decode.
-    fn kda_recurrent_forward(input: KdaKernelInput<Self>) -> (FloatTensor<Self>, FloatTensor<Self>);
+    fn kda_recurrent_forward(input: KdaKernelInput<Self>)
+        -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Chunked KDA (SPEC §4.3) with chunks of `chunk` tokens (16, 32 or 64; 16-row sub-chunks)
+    /// that never cross a sequence: four launches (gate sums, within-chunk matrices, the
+    /// triangular solve for `W` and `U`, the sequential state pass tiled over `V`), whatever `T`.
+    /// Returns `o: [B, T, H, V]` f32 and `S_T: [N, H, K, V]` f32.
+    ///
+    /// Like the recurrent kernel, forward only. **Not dispatched by
+    /// [`chunk_kda`](crate::ops::kda::chunk_kda) yet**: it matches the reference for `K ≤ 96` but
+    /// not for `K ≥ 127` from the third chunk of a sequence on (issue #7, under investigation).
+    fn kda_chunk_forward(
+        input: KdaKernelInput<Self>,
+        chunk: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
     /// The gated output norm `y = o / sqrt(mean(o²) + eps) · weight ⊙ σ(z)` (SPEC §4.2) over the
     /// last dim: `o, z: [rows, V]` (same dtype), `weight: [V]`. Returns `[rows, V]` in `o`'s
@@ -80,8 +94,8 @@ fn tensor<K: Backend, B: Backend, const D: usize>(t: FloatTensor<K>) -> Tensor<B
     same(Tensor::<K, D>::from_primitive(TensorPrimitive::Float(t)))
 }
 
-/// [`KdaKernels::kda_recurrent_forward`] on `Tensor`s; hands itself back when an input is
-/// tracked by autodiff.
+/// [`KdaKernels::kda_recurrent_forward`] or [`KdaKernels::kda_chunk_forward`] on `Tensor`s;
+/// hands itself back when an input is tracked by autodiff.
 pub(crate) struct RecurrentOp<B: Backend> {
     pub q: Tensor<B, 4>,
     pub k: Tensor<B, 4>,
@@ -90,6 +104,7 @@ pub(crate) struct RecurrentOp<B: Backend> {
     pub beta: Tensor<B, 3>,
     pub h0: Option<Tensor<B, 4>>,
     pub seq_starts: Vec<usize>,
+    pub form: KdaForm,
 }
 
 impl<B: Backend> KernelOp<B> for RecurrentOp<B> {
@@ -110,9 +125,22 @@ impl<B: Backend> KernelOp<B> for RecurrentOp<B> {
         if K::kda_tracked(&all) {
             return Err(self);
         }
-        let (o, s) = K::kda_recurrent_forward(input);
+        let (o, s) = match self.form {
+            KdaForm::Recurrent => K::kda_recurrent_forward(input),
+            KdaForm::Chunk(c) => K::kda_chunk_forward(input, c),
+        };
         Ok((tensor::<K, B, 4>(o), tensor::<K, B, 4>(s)))
     }
+}
+
+/// Which KDA kernel a [`RecurrentOp`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KdaForm {
+    /// [`KdaKernels::kda_recurrent_forward`].
+    Recurrent,
+    /// [`KdaKernels::kda_chunk_forward`] with this chunk size (not dispatched yet).
+    #[allow(dead_code)]
+    Chunk(usize),
 }
 
 /// [`KdaKernels::rms_norm_gated_forward`] on `Tensor`s (`[rows, V]`).

@@ -46,8 +46,8 @@ mod cube;
 mod cube_kda;
 mod kda;
 
+pub(crate) use kda::{KdaForm, NormGatedOp, RecurrentOp};
 pub use kda::{KdaKernelInput, KdaKernels};
-pub(crate) use kda::{NormGatedOp, RecurrentOp};
 
 /// The gated activation a fused kernel evaluates (SPEC §1), all in f32.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -144,7 +144,11 @@ pub trait MoeKernels: Backend {
         weight: Option<FloatTensor<Self>>,
         grad: FloatTensor<Self>,
         activation: FusedActivation,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, Option<FloatTensor<Self>>);
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    );
 
     /// Top-k of `scores + bias` per token (ties: lower expert index) and, optionally, the QB
     /// histogram of the margins `r_ij = α_i − s_ij` (SPEC §3) over the valid tokens.
@@ -198,13 +202,16 @@ pub enum FusedOp {
     MoeExpertsBackward,
     /// [`fused_recurrent_kda`](crate::ops::kda::fused_recurrent_kda) (the recurrent KDA kernel).
     KdaRecurrent,
+    /// [`chunk_kda`](crate::ops::kda::chunk_kda) forward (always the reference path for now: the
+    /// chunked kernels are not dispatched yet).
+    KdaChunk,
     /// [`rms_norm_gated`](crate::ops::kda::rms_norm_gated) forward.
     RmsNormGated,
     /// Its backward (autodiff).
     RmsNormGatedBackward,
 }
 
-const N_OPS: usize = 9;
+const N_OPS: usize = 10;
 
 impl FusedOp {
     fn slot(self) -> usize {
@@ -428,9 +435,7 @@ impl<B: Backend> KernelOp<B> for MoeOp<B> {
 
     fn run<K: FusedKernels>(self) -> Self::Output {
         use burn::tensor::{Int, Tensor, TensorPrimitive};
-        fn float<B: Backend, K: Backend, const D: usize>(
-            t: Tensor<B, D>,
-        ) -> FloatTensor<K> {
+        fn float<B: Backend, K: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<K> {
             same::<Tensor<B, D>, Tensor<K, D>>(t)
                 .into_primitive()
                 .tensor()

@@ -2,9 +2,9 @@
 
 use burn::tensor::{backend::Backend, Tensor};
 
-use super::{gather_tokens, prepare, unbind, KdaOptions, Prepared};
+use super::{gather_tokens, kernel_forward, prepare, unbind, KdaOptions, Prepared};
 use crate::error::Result;
-use crate::ops::fused::{self, FusedOp, KernelPath, RecurrentOp};
+use crate::ops::fused::{self, FusedOp, KdaForm, KernelPath};
 use crate::ops::precision::restore;
 
 /// KDA by its recurrence (SPEC §4.1), for short inputs (decode, speculative verification):
@@ -59,7 +59,7 @@ pub(crate) fn fused_recurrent_kda_inner<B: Backend>(
     check_gates: bool,
 ) -> Result<(Tensor<B, 4>, Option<Tensor<B, 4>>)> {
     let p = prepare(q, k, v, g, beta, opts, check_gates)?;
-    Ok(match try_kernel(p) {
+    Ok(match kernel_forward(p, KdaForm::Recurrent) {
         Ok(out) => {
             fused::record(FusedOp::KdaRecurrent, KernelPath::Kernel);
             out
@@ -69,64 +69,6 @@ pub(crate) fn fused_recurrent_kda_inner<B: Backend>(
             run(p)
         }
     })
-}
-
-/// The recurrent CubeCL kernel ([`KdaKernels`](crate::ops::fused::KdaKernels)) when the backend
-/// has it and no input is tracked by autodiff (the kernel has no backward pass; training uses
-/// [`chunk_kda`](super::chunk_kda)). Hands the inputs back otherwise.
-fn try_kernel<B: Backend>(p: Prepared<B>) -> Result<(Tensor<B, 4>, Option<Tensor<B, 4>>), Prepared<B>> {
-    if !fused::available::<B>() {
-        return Err(p);
-    }
-    let seq_starts = sequence_starts(&p);
-    let Prepared {
-        q,
-        k,
-        v,
-        g,
-        beta,
-        h0,
-        seqs,
-        dims,
-        out_dtype,
-        output_final_state,
-    } = p;
-    let op = RecurrentOp {
-        q,
-        k,
-        v,
-        g,
-        beta,
-        h0,
-        seq_starts,
-    };
-    match fused::dispatch::<B, _>(op) {
-        Ok(Ok((o, s))) => Ok((restore(o, out_dtype), output_final_state.then_some(s))),
-        Ok(Err(op)) | Err(op) => Err(Prepared {
-            q: op.q,
-            k: op.k,
-            v: op.v,
-            g: op.g,
-            beta: op.beta,
-            h0: op.h0,
-            seqs,
-            dims,
-            out_dtype,
-            output_final_state,
-        }),
-    }
-}
-
-/// Token offsets `[N + 1]` of the sequences along the flattened `B·T` axis.
-pub(crate) fn sequence_starts<B: Backend>(p: &Prepared<B>) -> Vec<usize> {
-    match &p.seqs {
-        Some(seqs) => seqs
-            .iter()
-            .map(|s| s.0)
-            .chain(std::iter::once(p.dims.t))
-            .collect(),
-        None => (0..=p.dims.b).map(|b| b * p.dims.t).collect(),
-    }
 }
 
 fn run<B: Backend>(p: Prepared<B>) -> (Tensor<B, 4>, Option<Tensor<B, 4>>) {
