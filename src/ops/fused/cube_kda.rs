@@ -162,7 +162,7 @@ fn chunk_forward<R: CubeRuntime>(
     chunk: usize,
 ) -> (T<R>, T<R>) {
     assert!(
-        chunk % kkda::SUB == 0 && chunk * chunk >= kkda::INTRA_CUBE as usize,
+        chunk.is_multiple_of(kkda::SUB) && chunk * chunk >= kkda::INTRA_CUBE as usize,
         "KDA chunk kernels: chunk size {chunk} must be 16, 32 or 64"
     );
     let q = f32_contiguous(input.q);
