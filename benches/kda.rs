@@ -1,6 +1,7 @@
 //! KDA op benchmarks: `chunk_kda` forward and forward + backward at B = 1, H = 4, K = V = 64 for
 //! T ∈ {512, 2048, 8192}, and `fused_recurrent_kda` per decode token. On ndarray, and on wgpu with
-//! `--features wgpu`.
+//! `--features wgpu` (CUDA with `--features cuda`), where the forward and decode groups run twice,
+//! `…-kernel` (the CubeCL KDA kernels) and `…-reference` (tensor ops, kernels switched off).
 //!
 //! `cargo bench --bench kda -- --warm-up-time 1 --measurement-time 3`
 
@@ -137,17 +138,41 @@ fn ndarray(c: &mut Criterion) {
     decode::<NdArray<f32>>(c, "ndarray", &device);
 }
 
+/// The KDA kernels against the reference tensor ops on the same CubeCL backend: `chunk_kda`
+/// forward (inference, untracked inputs) and one decode token, each once with the kernels and once
+/// with them switched off.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn kernel_vs_reference<B: Backend>(c: &mut Criterion, backend: &str, device: &B::Device) {
+    use kimi_burn::ops::with_kernels;
+    for (path, on) in [("kernel", true), ("reference", false)] {
+        with_kernels(on, || {
+            forward::<B>(c, &format!("{backend}-{path}"), device);
+            decode::<B>(c, &format!("{backend}-{path}"), device);
+        });
+    }
+}
+
 #[cfg(feature = "wgpu")]
 fn wgpu(c: &mut Criterion) {
     use burn::backend::Wgpu;
     let device = Default::default();
-    forward::<Wgpu>(c, "wgpu", &device);
+    kernel_vs_reference::<Wgpu>(c, "wgpu", &device);
     forward_backward::<Autodiff<Wgpu>>(c, "wgpu", &device);
-    decode::<Wgpu>(c, "wgpu", &device);
 }
 
 #[cfg(not(feature = "wgpu"))]
 fn wgpu(_: &mut Criterion) {}
 
-criterion_group!(benches, ndarray, wgpu);
+#[cfg(feature = "cuda")]
+fn cuda(c: &mut Criterion) {
+    use burn::backend::Cuda;
+    let device = Default::default();
+    kernel_vs_reference::<Cuda>(c, "cuda", &device);
+    forward_backward::<Autodiff<Cuda>>(c, "cuda", &device);
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda(_: &mut Criterion) {}
+
+criterion_group!(benches, ndarray, wgpu, cuda);
 criterion_main!(benches);

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# CUDA verification of the fused MoE kernels (issue #6): build here, run on a GPU machine.
+# CUDA verification of the fused kernels (MoE, issue #6; KDA, issue #7): build here, run on a GPU
+# machine.
 #
 #   scripts/cuda-check.sh build [DIR]   compile the CUDA test and bench binaries (no GPU needed:
 #                                       cudarc loads the driver and NVRTC at run time) and copy the
@@ -8,10 +9,12 @@
 #                                       summary go to $OUT (default: ./cuda-out)
 #   scripts/cuda-check.sh               both, on a machine that has the GPU and the toolchain
 #
-# What runs: `tests/suite/kernels_moe.rs` (the `kernels_moe::` tests of the suite binary) on `Cuda` (every kernel against the reference path on the same
-# device, f32 ≤ 1e-5, half storage ≤ 5e-3 where supported, bit-for-bit repeatability, exact QB
-# counts, and a check that the kernel path ran) and the `moe` criterion bench's CUDA group
-# (kernel vs reference path in the same run). Exit status: non-zero if any test failed.
+# What runs: `tests/suite/kernels_moe.rs` and `tests/suite/kernels_kda.rs` (the `kernels_moe::`
+# and `kernels_kda::` tests of the suite binary) on `Cuda` (every kernel against the reference path
+# on the same device, f32 ≤ 1e-5, half storage ≤ 5e-3 where supported, bit-for-bit repeatability,
+# exact QB counts, KDA against the naive recurrence on the SPEC §4.5 grid, prefill then decode,
+# and a check that the kernel path ran), and the CUDA groups of the `moe` and `kda` criterion
+# benches (kernel vs reference path in the same run). Exit status: non-zero if any test failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,14 +31,16 @@ build() {
 for l in sys.stdin:
     m=json.loads(l)
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="suite": print(m["executable"])')
-    benches=$(cargo bench --features cuda --bench moe --no-run --message-format=json \
-        | python3 -c 'import json,sys
+    cp "$tests" "$dir/suite"
+    for bench in moe kda; do
+        benches=$(cargo bench --features cuda --bench "$bench" --no-run --message-format=json \
+            | BENCH="$bench" python3 -c 'import json,os,sys
 for l in sys.stdin:
     m=json.loads(l)
-    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="moe": print(m["executable"])')
-    cp "$tests" "$dir/kernels_moe"
-    cp "$benches" "$dir/bench_moe"
-    strip "$dir/kernels_moe" "$dir/bench_moe" 2>/dev/null || true
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]==os.environ["BENCH"]: print(m["executable"])')
+        cp "$benches" "$dir/bench_$bench"
+    done
+    strip "$dir/suite" "$dir/bench_moe" "$dir/bench_kda" 2>/dev/null || true
     ls -la "$dir"
 }
 
@@ -44,13 +49,15 @@ run() {
     nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
     local status=0
     # One test thread: the tests share one device; the output names which dtypes were covered.
-    "$dir/kernels_moe" kernels_moe:: --test-threads=1 --nocapture >"$out/kernels_moe.log" 2>&1 || status=$?
-    echo "kernels_moe exit status: $status" >"$out/summary.txt"
-    grep -E "^test |test result|covered" "$out/kernels_moe.log" >>"$out/summary.txt" || true
-    # Criterion: short measurement, only the CUDA group.
-    "$dir/bench_moe" --bench cuda --warm-up-time 1 --measurement-time 5 \
-        >"$out/bench_moe.log" 2>&1 || echo "bench exit status: $?" >>"$out/summary.txt"
-    grep -E "^cuda|time:" "$out/bench_moe.log" >>"$out/summary.txt" || true
+    "$dir/suite" kernels_moe:: kernels_kda:: --test-threads=1 --nocapture >"$out/kernels.log" 2>&1 || status=$?
+    echo "kernel tests exit status: $status" >"$out/summary.txt"
+    grep -E "^test |test result|covered" "$out/kernels.log" >>"$out/summary.txt" || true
+    # Criterion: short measurement, only the CUDA groups.
+    for bench in moe kda; do
+        "$dir/bench_$bench" --bench cuda --warm-up-time 1 --measurement-time 5 \
+            >"$out/bench_$bench.log" 2>&1 || echo "bench $bench exit status: $?" >>"$out/summary.txt"
+        grep -E "cuda|time:" "$out/bench_$bench.log" >>"$out/summary.txt" || true
+    done
     cat "$out/summary.txt"
     return "$status"
 }

@@ -389,27 +389,59 @@ mod tests {
     fn reader_accepts_f32_f16_and_bf16_and_rejects_other_dtypes() {
         let values = [1.5f32, -0.25, 3.0, 1e-3, -7.75, 0.0];
         let f32_bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let f16_bytes: Vec<u8> = values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
-        let bf16_bytes: Vec<u8> = values.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+        let f16_bytes: Vec<u8> = values
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect();
+        let bf16_bytes: Vec<u8> = values
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect();
         let i32_bytes: Vec<u8> = [1i32, 2].iter().flat_map(|v| v.to_le_bytes()).collect();
         let views = vec![
-            ("a.f32", safetensors::tensor::TensorView::new(Dtype::F32, vec![2, 3], &f32_bytes).unwrap()),
-            ("b.f16", safetensors::tensor::TensorView::new(Dtype::F16, vec![2, 3], &f16_bytes).unwrap()),
-            ("c.bf16", safetensors::tensor::TensorView::new(Dtype::BF16, vec![6], &bf16_bytes).unwrap()),
-            ("d.i32", safetensors::tensor::TensorView::new(Dtype::I32, vec![2], &i32_bytes).unwrap()),
+            (
+                "a.f32",
+                safetensors::tensor::TensorView::new(Dtype::F32, vec![2, 3], &f32_bytes).unwrap(),
+            ),
+            (
+                "b.f16",
+                safetensors::tensor::TensorView::new(Dtype::F16, vec![2, 3], &f16_bytes).unwrap(),
+            ),
+            (
+                "c.bf16",
+                safetensors::tensor::TensorView::new(Dtype::BF16, vec![6], &bf16_bytes).unwrap(),
+            ),
+            (
+                "d.i32",
+                safetensors::tensor::TensorView::new(Dtype::I32, vec![2], &i32_bytes).unwrap(),
+            ),
         ];
-        let path = std::env::temp_dir().join(format!("kimi-burn-dtypes-{}.safetensors", std::process::id()));
+        let path = std::env::temp_dir().join(format!(
+            "kimi-burn-dtypes-{}.safetensors",
+            std::process::id()
+        ));
         safetensors::serialize_to_file(views, None, &path).unwrap();
         let reader = SafeTensorsReader::open(&path).unwrap();
-        assert_eq!(reader.names().collect::<Vec<_>>(), ["a.f32", "b.f16", "c.bf16", "d.i32"]);
+        assert_eq!(
+            reader.names().collect::<Vec<_>>(),
+            ["a.f32", "b.f16", "c.bf16", "d.i32"]
+        );
         let a = reader.read("a.f32").unwrap().unwrap();
         assert_eq!((a.shape, a.data), (vec![2, 3], values.to_vec()));
         let b = reader.read("b.f16").unwrap().unwrap();
         let c = reader.read("c.bf16").unwrap().unwrap();
         for (i, v) in values.iter().enumerate() {
             // Exact up to the precision of the stored type (both round-trip these values closely).
-            assert!((b.data[i] - v).abs() <= 1e-3 * v.abs().max(1.0), "f16 {i}: {} vs {v}", b.data[i]);
-            assert!((c.data[i] - v).abs() <= 1e-2 * v.abs().max(1.0), "bf16 {i}: {} vs {v}", c.data[i]);
+            assert!(
+                (b.data[i] - v).abs() <= 1e-3 * v.abs().max(1.0),
+                "f16 {i}: {} vs {v}",
+                b.data[i]
+            );
+            assert!(
+                (c.data[i] - v).abs() <= 1e-2 * v.abs().max(1.0),
+                "bf16 {i}: {} vs {v}",
+                c.data[i]
+            );
         }
         assert_eq!(c.shape, vec![6]);
         let err = reader.read("d.i32").unwrap_err().to_string();

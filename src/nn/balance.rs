@@ -72,7 +72,11 @@ pub trait Balancer {
 /// `dst += src` elementwise: pooling another replica's integer counts of the same layout.
 fn add_counts(dst: &mut [u64], src: &[u64]) -> Result<()> {
     if src.len() != dst.len() {
-        return Err(Error::shape("counts", format!("[{}]", dst.len()), [src.len()]));
+        return Err(Error::shape(
+            "counts",
+            format!("[{}]", dst.len()),
+            [src.len()],
+        ));
     }
     dst.iter_mut().zip(src).for_each(|(a, b)| *a += b);
     Ok(())
@@ -269,7 +273,11 @@ impl QuantileBalancer {
             ));
         }
         if bias.len() != self.experts {
-            return Err(Error::shape("bias", format!("[{}]", self.experts), [bias.len()]));
+            return Err(Error::shape(
+                "bias",
+                format!("[{}]", self.experts),
+                [bias.len()],
+            ));
         }
         self.begin(bias, k)?;
         for (a, b) in self.counts.iter_mut().zip(counts) {

@@ -7,8 +7,8 @@ use burn::tensor::{activation::softmax, backend::Backend, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::ops::precision::{sigmoid, widen};
 use crate::ops::fused::HistogramSpec;
+use crate::ops::precision::{sigmoid, widen};
 use crate::ops::route::{
     route_top_k_fused, select_top_k, to_host_f32, Scoring, Selection, TopKOptions,
 };
@@ -208,7 +208,12 @@ impl<B: Backend> Router<B> {
                 None => {
                     let host = to_host_f32(scores.clone());
                     let selection = select_top_k(&host, n, bias, opts)?;
-                    (selection.to_tensor::<B>(&device), selection, Some(host), None)
+                    (
+                        selection.to_tensor::<B>(&device),
+                        selection,
+                        Some(host),
+                        None,
+                    )
                 }
             };
         let source = if self.options.weights_from_biased_scores {

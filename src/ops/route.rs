@@ -221,7 +221,13 @@ pub fn route_top_k_fused<B: Backend>(
         fused::record(FusedOp::RouteTopK, KernelPath::Reference);
         return None;
     }
-    let has_nan = scores.clone().is_nan().any().into_data().iter::<bool>().next();
+    let has_nan = scores
+        .clone()
+        .is_nan()
+        .any()
+        .into_data()
+        .iter::<bool>()
+        .next();
     if has_nan.unwrap_or(false) {
         fused::record(FusedOp::RouteTopK, KernelPath::Reference);
         return None;

@@ -3,7 +3,7 @@
 use burn::tensor::{backend::Backend, Tensor, TensorPrimitive};
 
 use super::cpu::elementwise::SituGlu as SituGluKernel;
-use super::fused::{self, FusedActivation, FusedOp, KernelOp, KernelPath, MoeKernels};
+use super::fused::{self, FusedActivation, FusedKernels, FusedOp, KernelOp, KernelPath};
 use super::precision::{restore, sigmoid, widen};
 
 /// The SiTU-GLU gated activation `A(gate) ⊙ B(up)` (SPEC §1):
@@ -135,7 +135,7 @@ struct FusedGlu<B: Backend, const D: usize> {
 impl<B: Backend, const D: usize> KernelOp<B> for FusedGlu<B, D> {
     type Output = Tensor<B, D>;
 
-    fn run<K: MoeKernels>(self) -> Tensor<B, D> {
+    fn run<K: FusedKernels>(self) -> Tensor<B, D> {
         let dims = self.gate.dims();
         let rows = rows_of(dims);
         let gate: Tensor<K, D> = fused::same(self.gate);
@@ -162,7 +162,7 @@ struct FusedWeightedGlu<B: Backend> {
 impl<B: Backend> KernelOp<B> for FusedWeightedGlu<B> {
     type Output = Tensor<B, 2>;
 
-    fn run<K: MoeKernels>(self) -> Tensor<B, 2> {
+    fn run<K: FusedKernels>(self) -> Tensor<B, 2> {
         let gate: Tensor<K, 2> = fused::same(self.gate);
         let up: Tensor<K, 2> = fused::same(self.up);
         // f32 before the kernel, so the routing-weight gradient flows back through a cast.

@@ -6,10 +6,8 @@
 //! touches the device first in a process fixes the dtype of every tensor (and module) created
 //! without an explicit dtype. Only f64 backends may run in this binary.
 
-
-
-use burn::module::{AutodiffModule, Param};
 use crate::common::*;
+use burn::module::{AutodiffModule, Param};
 use kimi_burn::nn::{BalancerKind, GluActivation, LatentMoeConfig, MoeLayout};
 use kimi_burn::ops::situ_glu;
 

@@ -6,11 +6,9 @@
 //! same binary would silently turn every "f64" tensor here into f32. Only `Cpu64Ad` runs here,
 //! and [`f64_device`] fails loudly if that ever changes.
 
-
-
+use crate::common::*;
 use burn::module::Param;
 use burn::tensor::{Bool, DType, Tensor, TensorData};
-use crate::common::*;
 use kimi_burn::nn::mla::AttentionKind;
 use kimi_burn::nn::{GatedMla, MlaConfig};
 use kimi_burn::ops::attn_res::attn_res;

@@ -1,11 +1,9 @@
 //! Synthetic tasks (SPEC §10): structure, determinism, errors, accuracy and the masked loss.
 
-
-
 use std::collections::{HashMap, HashSet};
 
-use burn::tensor::Tensor;
 use crate::common::*;
+use burn::tensor::Tensor;
 use kimi_burn::data::{
     accuracy, accuracy_from_logits, masked_cross_entropy, Batch, ByteLm, Mqar, Palindrome,
     SeededRng, Task, BUILTIN_CORPUS, IGNORE_INDEX, MQAR_GRID, MQAR_VOCAB,

@@ -1,12 +1,10 @@
 //! KDA ops and layer (SPEC §4.5): chunked vs recurrent, packed sequences, decode, gradients,
 //! gate helpers and input validation.
 
-
-
+use crate::common::*;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
-use crate::common::*;
 use kimi_burn::nn::{KdaCache, KdaConfig, KimiDeltaAttention};
 use kimi_burn::ops::kda::{chunk_kda, fused_recurrent_kda, naive_recurrent_kda, KdaOptions};
 use kimi_burn::ops::kda::{

@@ -12,8 +12,8 @@ type Gpu = burn::backend::Cuda;
 type Gpu = crate::common::Gpu;
 type GpuAd = burn::backend::Autodiff<Gpu>;
 
-use burn::tensor::{backend::Backend, DType, FloatDType, Tensor};
 use crate::common::{assert_close, from_f64, host, randn, rng, uniform};
+use burn::tensor::{backend::Backend, DType, FloatDType, Tensor};
 use kimi_burn::ops::{kernel_calls, last_path, with_kernels, FusedOp, KernelPath};
 use kimi_burn::ops::{situ::swiglu, situ_glu, situ_glu_weighted};
 
@@ -66,7 +66,11 @@ fn on_kernel<T>(op: FusedOp, min: u64, f: impl FnOnce() -> T) -> T {
 fn on_reference<T>(op: FusedOp, f: impl FnOnce() -> T) -> T {
     let before = kernel_calls(op);
     let out = with_kernels(false, f);
-    assert_eq!(kernel_calls(op), before, "{op:?}: the reference run used the kernel");
+    assert_eq!(
+        kernel_calls(op),
+        before,
+        "{op:?}: the reference run used the kernel"
+    );
     out
 }
 
@@ -89,7 +93,12 @@ mod situ {
             .zip(&v)
             .map(|(&g, &v)| situ64(g, v, 4.0, 25.0))
             .collect();
-        let col = |i: usize| expect.iter().map(|e| [e.0, e.1, e.2][i]).collect::<Vec<_>>();
+        let col = |i: usize| {
+            expect
+                .iter()
+                .map(|e| [e.0, e.1, e.2][i])
+                .collect::<Vec<_>>()
+        };
         assert_close("y", &col(0), &host(y), 1e-5);
         assert_close("dG", &col(1), &host(gate.grad(&grads).unwrap()), 1e-5);
         assert_close("dV", &col(2), &host(up.grad(&grads).unwrap()), 1e-5);
@@ -373,7 +382,8 @@ mod routing {
             .with_layout(MoeLayout::StableLatent { dim: 8 })
             .with_balancer(BalancerKind::Quantile { bins: 64 });
         let moe = cfg.init::<GpuAd>(&device);
-        moe.balance.set_bias(&[0.1, -0.05, 0.0, 0.2, -0.1, 0.05, 0.0, -0.2]);
+        moe.balance
+            .set_bias(&[0.1, -0.05, 0.0, 0.2, -0.1, 0.05, 0.0, -0.2]);
         let mut r = rng(7);
         let x = randn::<GpuAd, 3>(&mut r, [3, 11, 16], 1.0, &device);
         let run = |kernel: bool| {
@@ -571,7 +581,9 @@ mod dispatch {
                 out.push((format!("experts.{e}.{name}"), g));
             }
         }
-        let lin = |l: &Option<burn::nn::Linear<GpuAd>>| host(l.as_ref().unwrap().weight.grad(grads).unwrap());
+        let lin = |l: &Option<burn::nn::Linear<GpuAd>>| {
+            host(l.as_ref().unwrap().weight.grad(grads).unwrap())
+        };
         out.push(("down".into(), lin(&moe.down)));
         out.push(("up".into(), lin(&moe.up)));
         out.push((
@@ -596,7 +608,10 @@ mod dispatch {
             let run = |kernel: bool| {
                 let x = x.clone().require_grad();
                 let mask = padded.then(|| {
-                    Tensor::<GpuAd, 2, Bool>::from_data(TensorData::new(pad.clone(), [2, 9]), &device)
+                    Tensor::<GpuAd, 2, Bool>::from_data(
+                        TensorData::new(pad.clone(), [2, 9]),
+                        &device,
+                    )
                 });
                 let go = || {
                     let out = moe.try_forward(x.clone(), mask).unwrap();
@@ -616,7 +631,11 @@ mod dispatch {
             };
             let (k, rf) = (run(true), run(false));
             for ((name, a), (_, b)) in rf.iter().zip(&k) {
-                assert_eq!(a.len(), b.len(), "{name}: gradient present on one path only");
+                assert_eq!(
+                    a.len(),
+                    b.len(),
+                    "{name}: gradient present on one path only"
+                );
                 assert_close(&format!("{name} (padded {padded})"), a, b, 1e-5);
             }
             moe.balance.update();

@@ -8,6 +8,8 @@ mod common;
 mod data;
 mod kda;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod kernels_kda;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod kernels_moe;
 mod mla;
 mod model;

@@ -1,11 +1,9 @@
 //! Gated NoPE MLA (SPEC §5) and Attention Residuals (SPEC §6) against independent references.
 
-
-
+use crate::common::*;
 use burn::module::{Module, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, Tensor, TensorData};
-use crate::common::*;
 use kimi_burn::nn::mla::AttentionKind;
 use kimi_burn::nn::{AttnResConfig, AttnResMix, GatedMla, MlaCache, MlaConfig};
 use kimi_burn::ops::attn_res::attn_res;

@@ -1,11 +1,9 @@
 //! The hybrid model: presets, incremental decoding, generation and Hugging Face checkpoints
 //! (SPEC §6, §7).
 
-
-
+use crate::common::*;
 use burn::module::Module;
 use burn::tensor::{backend::AutodiffBackend, Int, Tensor, TensorData};
-use crate::common::*;
 use kimi_burn::model::{KimiConfig, KimiForCausalLM, Sampling};
 use rand::Rng;
 

@@ -1,10 +1,8 @@
 //! SiTU-GLU, router, balancers and Stable LatentMoE on the reference path (SPEC §1–§3).
 
-
-
+use crate::common::*;
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::{backend::AutodiffBackend, backend::Backend, Bool, Tensor, TensorData};
-use crate::common::*;
 use kimi_burn::nn::balance::{
     quantile_bias_exact, quantile_bias_from_histogram, Balancer, MoeStats, QuantileBalancer,
     RoutedBatch, SignBalancer,

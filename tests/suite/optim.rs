@@ -1,8 +1,7 @@
 //! Muon per head and the role-routed optimiser (SPEC §8), against host references in f64 and
 //! against Burn's own Muon and AdamW applied alone.
 
-
-
+use crate::common::*;
 use burn::module::{Module, Param, ParamId, RunningState};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::decay::WeightDecayConfig;
@@ -14,7 +13,6 @@ use burn::optim::{
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::{Backend, DeviceOps};
 use burn::tensor::Tensor;
-use crate::common::*;
 use kimi_burn::optim::{
     newton_schulz, newton_schulz_batched, HeadMuon, HeadSplit, KimiOptimizerConfig, ParamRole,
     ParamRoles,

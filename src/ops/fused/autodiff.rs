@@ -11,8 +11,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 
 use super::{
-    record, FusedActivation, FusedOp, HistogramSpec, KernelPath, MoeExpertsGrads,
-    MoeExpertsInput, MoeKernels,
+    record, FusedActivation, FusedOp, HistogramSpec, KernelPath, MoeExpertsGrads, MoeExpertsInput,
+    MoeKernels,
 };
 
 /// SiTU-GLU without a routing weight: parents `[gate, up]`.
@@ -193,7 +193,11 @@ impl<B: MoeKernels, C: CheckpointStrategy> MoeKernels for Autodiff<B, C> {
         weight: Option<FloatTensor<Self>>,
         grad: FloatTensor<Self>,
         activation: FusedActivation,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, Option<FloatTensor<Self>>) {
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    ) {
         let (dg, du, dw) = B::situ_glu_backward(
             Self::inner(gate),
             Self::inner(up),
@@ -215,13 +219,7 @@ impl<B: MoeKernels, C: CheckpointStrategy> MoeKernels for Autodiff<B, C> {
         k: usize,
         histogram: Option<HistogramSpec>,
     ) -> (IntTensor<Self>, Option<IntTensor<Self>>) {
-        B::route_top_k(
-            Self::inner(scores),
-            Self::inner(bias),
-            valid,
-            k,
-            histogram,
-        )
+        B::route_top_k(Self::inner(scores), Self::inner(bias), valid, k, histogram)
     }
 
     fn moe_experts(input: MoeExpertsInput<Self>) -> FloatTensor<Self> {

@@ -30,7 +30,12 @@ fn activation_params(act: FusedActivation) -> (u32, f32, f32) {
 /// A contiguous (row-major, unpadded) uninitialised tensor on `like`'s device: the kernels index
 /// flat arrays, so the pitched layouts `empty_device_dtype` may pick are not allowed here.
 fn empty<R: CubeRuntime>(like: &T<R>, shape: impl Into<Shape>, dtype: DType) -> T<R> {
-    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape.into(), dtype)
+    empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        shape.into(),
+        dtype,
+    )
 }
 
 /// A zero-filled u32 buffer of `len` elements (at least one, so it can stand in as a dummy).
@@ -85,7 +90,11 @@ fn dims2<R: CubeRuntime>(t: &T<R>) -> [usize; 2] {
 
 fn dims3<R: CubeRuntime>(t: &T<R>) -> [usize; 3] {
     let s = t.shape();
-    assert_eq!(s.num_dims(), 3, "stacked expert weights are [n, rows, cols]");
+    assert_eq!(
+        s.num_dims(),
+        3,
+        "stacked expert weights are [n, rows, cols]"
+    );
     [s[0], s[1], s[2]]
 }
 

@@ -1,14 +1,16 @@
 //! Fused CubeCL kernels behind the ops, chosen at run time.
 //!
 //! The modules stay generic over any [`Backend`]; the ops ([`situ_glu`](crate::ops::situ_glu),
-//! the router's top-k and QB histogram, the MoE dispatch) first offer their tensors to a kernel
-//! implementation and otherwise run their reference tensor-op code. The kernels are reached through
-//! the backend-extension trait [`MoeKernels`], implemented (with the `wgpu` or `cuda` feature) for
+//! the router's top-k and QB histogram, the MoE dispatch, the KDA recurrence and gated norm) first
+//! offer their tensors to a kernel implementation and otherwise run their reference tensor-op
+//! code. The kernels are reached through the backend-extension traits [`MoeKernels`] and
+//! [`KdaKernels`], implemented (with the `wgpu` or `cuda` feature) for
 //! every `CubeBackend<R, F, I, BT>` and, with custom backward passes, for `Autodiff<B>` over such a
 //! backend.
 //!
 //! **Which backends take the kernel path automatically.** An op's `B` is compared (by `TypeId`)
-//! with this list, and on a match the call is forwarded to `B`'s [`MoeKernels`] methods:
+//! with this list, and on a match the call is forwarded to `B`'s [`MoeKernels`] / [`KdaKernels`]
+//! methods:
 //!
 //! | feature | backend types |
 //! |---|---|
@@ -39,8 +41,16 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 
 #[cfg(feature = "autodiff")]
 mod autodiff;
+#[cfg(feature = "autodiff")]
+mod autodiff_kda;
 #[cfg(feature = "cubecl-kernels")]
 mod cube;
+#[cfg(feature = "cubecl-kernels")]
+mod cube_kda;
+mod kda;
+
+pub(crate) use kda::{KdaForm, NormGatedOp, RecurrentOp};
+pub use kda::{KdaKernelInput, KdaKernels};
 
 /// The gated activation a fused kernel evaluates (SPEC §1), all in f32.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -137,7 +147,11 @@ pub trait MoeKernels: Backend {
         weight: Option<FloatTensor<Self>>,
         grad: FloatTensor<Self>,
         activation: FusedActivation,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, Option<FloatTensor<Self>>);
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    );
 
     /// Top-k of `scores + bias` per token (ties: lower expert index) and, optionally, the QB
     /// histogram of the margins `r_ij = α_i − s_ij` (SPEC §3) over the valid tokens.
@@ -189,9 +203,18 @@ pub enum FusedOp {
     MoeExperts,
     /// Their backward (autodiff).
     MoeExpertsBackward,
+    /// [`fused_recurrent_kda`](crate::ops::kda::fused_recurrent_kda) (the recurrent KDA kernel).
+    KdaRecurrent,
+    /// [`chunk_kda`](crate::ops::kda::chunk_kda) forward (always the reference path for now: the
+    /// chunked kernels are not dispatched yet).
+    KdaChunk,
+    /// [`rms_norm_gated`](crate::ops::kda::rms_norm_gated) forward.
+    RmsNormGated,
+    /// Its backward (autodiff).
+    RmsNormGatedBackward,
 }
 
-const N_OPS: usize = 6;
+const N_OPS: usize = 10;
 
 impl FusedOp {
     fn slot(self) -> usize {
@@ -285,13 +308,18 @@ pub(crate) fn record(op: FusedOp, path: KernelPath) {
     }
 }
 
+/// Every kernel family a dispatched backend provides: [`MoeKernels`] and [`KdaKernels`].
+pub trait FusedKernels: MoeKernels + KdaKernels {}
+
+impl<B: MoeKernels + KdaKernels> FusedKernels for B {}
+
 /// An op's arguments, ready to run on a concrete kernel backend `K` (which is `B` itself: the
 /// dispatch only calls [`run`](Self::run) after matching the types).
 pub(crate) trait KernelOp<B: Backend>: Sized {
     /// The result, in `B`'s types.
     type Output;
     /// Runs on `K` (`== B`); use [`same`] to move values between the two names of the type.
-    fn run<K: MoeKernels>(self) -> Self::Output;
+    fn run<K: FusedKernels>(self) -> Self::Output;
 }
 
 /// Moves a value between two names of the same type (`T == U`, checked at run time).
@@ -353,7 +381,7 @@ pub(crate) fn available<B: Backend>() -> bool {
     struct Probe;
     impl<B: Backend> KernelOp<B> for Probe {
         type Output = ();
-        fn run<K: MoeKernels>(self) {}
+        fn run<K: FusedKernels>(self) {}
     }
     dispatch::<B, _>(Probe).is_ok()
 }
@@ -374,7 +402,7 @@ impl<B: Backend> KernelOp<B> for RouteOp<B> {
         Option<burn::tensor::Tensor<B, 2, burn::tensor::Int>>,
     );
 
-    fn run<K: MoeKernels>(self) -> Self::Output {
+    fn run<K: FusedKernels>(self) -> Self::Output {
         use burn::tensor::{Int, Tensor};
         let scores: Tensor<K, 2> = same(self.scores);
         let bias: Tensor<K, 1> = same(self.bias);
@@ -408,11 +436,9 @@ pub(crate) struct MoeOp<B: Backend> {
 impl<B: Backend> KernelOp<B> for MoeOp<B> {
     type Output = burn::tensor::Tensor<B, 2>;
 
-    fn run<K: MoeKernels>(self) -> Self::Output {
+    fn run<K: FusedKernels>(self) -> Self::Output {
         use burn::tensor::{Int, Tensor, TensorPrimitive};
-        fn float<B: Backend, K: Backend, const D: usize>(
-            t: Tensor<B, D>,
-        ) -> FloatTensor<K> {
+        fn float<B: Backend, K: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<K> {
             same::<Tensor<B, D>, Tensor<K, D>>(t)
                 .into_primitive()
                 .tensor()

@@ -2,8 +2,9 @@
 
 use burn::tensor::{backend::Backend, Tensor};
 
-use super::{gather_tokens, prepare, unbind, KdaOptions, Prepared};
+use super::{gather_tokens, kernel_forward, prepare, unbind, KdaOptions, Prepared};
 use crate::error::Result;
+use crate::ops::fused::{self, FusedOp, KdaForm, KernelPath};
 use crate::ops::precision::restore;
 
 /// KDA by its recurrence (SPEC §4.1), for short inputs (decode, speculative verification):
@@ -17,6 +18,9 @@ use crate::ops::precision::restore;
 /// `[N, max T_n]` batch with steps that leave the state unchanged (`g = 0`, `k = 0`, `β = 0`), so
 /// a decode step of N sequences is one batched update. Cost grows linearly in `T` with one small
 /// kernel sequence per token; use [`chunk_kda`](super::chunk_kda) for long inputs.
+///
+/// On the CubeCL backends (see [`fused`](crate::ops::fused)) inference calls run one kernel that
+/// keeps the f32 state on chip for all steps; inputs tracked by autodiff take the tensor ops.
 ///
 /// # Panics
 /// On invalid input; see [`try_fused_recurrent_kda`].
@@ -55,7 +59,16 @@ pub(crate) fn fused_recurrent_kda_inner<B: Backend>(
     check_gates: bool,
 ) -> Result<(Tensor<B, 4>, Option<Tensor<B, 4>>)> {
     let p = prepare(q, k, v, g, beta, opts, check_gates)?;
-    Ok(run(p))
+    Ok(match kernel_forward(p, KdaForm::Recurrent) {
+        Ok(out) => {
+            fused::record(FusedOp::KdaRecurrent, KernelPath::Kernel);
+            out
+        }
+        Err(p) => {
+            fused::record(FusedOp::KdaRecurrent, KernelPath::Reference);
+            run(p)
+        }
+    })
 }
 
 fn run<B: Backend>(p: Prepared<B>) -> (Tensor<B, 4>, Option<Tensor<B, 4>>) {

@@ -3,6 +3,7 @@
 use burn::tensor::{backend::Backend, Tensor};
 
 use crate::error::{Error, Result};
+use crate::ops::fused::{self, FusedOp, KernelPath, NormGatedOp};
 use crate::ops::norm::rms_norm;
 use crate::ops::precision::{restore, sigmoid, softplus, widen};
 
@@ -73,6 +74,9 @@ pub fn try_kda_gate<B: Backend>(
 ///
 /// `o, z: [..., V]`, `weight: [V]` → `[..., V]` in the dtype of `o`; statistics and gate in f32.
 ///
+/// On the CubeCL backends (see [`fused`](crate::ops::fused)) one fused kernel each way (f32, f16
+/// or bf16 storage, `o` and `z` of one dtype); elsewhere the tensor ops.
+///
 /// # Panics
 /// On invalid input; see [`try_rms_norm_gated`].
 pub fn rms_norm_gated<B: Backend, const D: usize>(
@@ -108,7 +112,46 @@ pub fn try_rms_norm_gated<B: Backend, const D: usize>(
             weight.dims(),
         ));
     }
+    let usable = fused::kernel_dtype(o.dtype())
+        && o.dtype() == z.dtype()
+        && dims.iter().product::<usize>() > 0
+        && fused::available::<B>();
+    if usable {
+        let rows = dims.iter().product::<usize>() / v;
+        let op = NormGatedOp {
+            o: o.reshape([rows, v]),
+            z: z.reshape([rows, v]),
+            weight,
+            eps,
+        };
+        match fused::dispatch::<B, _>(op) {
+            Ok(y) => {
+                fused::record(FusedOp::RmsNormGated, KernelPath::Kernel);
+                return Ok(y.reshape(dims));
+            }
+            Err(op) => {
+                fused::record(FusedOp::RmsNormGated, KernelPath::Reference);
+                return Ok(rms_norm_gated_reference(
+                    op.o.reshape(dims),
+                    op.z.reshape(dims),
+                    op.weight,
+                    eps,
+                ));
+            }
+        }
+    }
+    fused::record(FusedOp::RmsNormGated, KernelPath::Reference);
+    Ok(rms_norm_gated_reference(o, z, weight, eps))
+}
+
+/// [`rms_norm_gated`] in tensor ops (any backend, Burn's autodiff).
+fn rms_norm_gated_reference<B: Backend, const D: usize>(
+    o: Tensor<B, D>,
+    z: Tensor<B, D>,
+    weight: Tensor<B, 1>,
+    eps: f64,
+) -> Tensor<B, D> {
     let (o, dtype) = widen(o);
     let (z, _) = widen(z);
-    Ok(restore(rms_norm(o, weight, eps).mul(sigmoid(z)), dtype))
+    restore(rms_norm(o, weight, eps).mul(sigmoid(z)), dtype)
 }

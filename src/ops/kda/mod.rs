@@ -33,7 +33,8 @@ pub(crate) use fused_recurrent::fused_recurrent_kda_inner;
 
 use burn::tensor::{backend::Backend, DType, ElementConversion, Int, Tensor, TensorData};
 
-use super::precision::widen;
+use super::fused::{self, KdaForm, RecurrentOp};
+use super::precision::{restore, widen};
 use crate::error::{Error, Result};
 
 /// The largest key head dim the ops accept (the reference kernels' limit).
@@ -346,9 +347,72 @@ pub(crate) fn cpu_kda<B: Backend>(
             prim(k.clone()),
             prim(v.clone()),
             prim(g.clone()),
-            beta.clone().into_primitive().tensor(),
+                beta.clone().into_primitive().tensor(),
         ],
     ))
+}
+
+/// A KDA CubeCL kernel ([`KdaKernels`](crate::ops::fused::KdaKernels)) on prepared inputs, when
+/// the backend has one and no input is tracked by autodiff (the kernels have no backward pass
+/// yet). Hands the inputs back otherwise.
+#[allow(clippy::type_complexity)]
+pub(crate) fn kernel_forward<B: Backend>(
+    p: Prepared<B>,
+    form: KdaForm,
+) -> std::result::Result<(Tensor<B, 4>, Option<Tensor<B, 4>>), Prepared<B>> {
+    if !fused::available::<B>() {
+        return Err(p);
+    }
+    let seq_starts = sequence_starts(&p);
+    let Prepared {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        h0,
+        seqs,
+        dims,
+        out_dtype,
+        output_final_state,
+    } = p;
+    let op = RecurrentOp {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        h0,
+        seq_starts,
+        form,
+    };
+    match fused::dispatch::<B, _>(op) {
+        Ok(Ok((o, s))) => Ok((restore(o, out_dtype), output_final_state.then_some(s))),
+        Ok(Err(op)) | Err(op) => Err(Prepared {
+            q: op.q,
+            k: op.k,
+            v: op.v,
+            g: op.g,
+            beta: op.beta,
+            h0: op.h0,
+            seqs,
+            dims,
+            out_dtype,
+            output_final_state,
+        }),
+    }
+}
+
+/// Token offsets `[N + 1]` of the sequences along the flattened `B·T` axis.
+fn sequence_starts<B: Backend>(p: &Prepared<B>) -> Vec<usize> {
+    match &p.seqs {
+        Some(seqs) => seqs
+            .iter()
+            .map(|s| s.0)
+            .chain(std::iter::once(p.dims.t))
+            .collect(),
+        None => (0..=p.dims.b).map(|b| b * p.dims.t).collect(),
+    }
 }
 
 /// Splits `x` along `dim` into its slices of length one.

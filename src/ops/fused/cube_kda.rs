@@ -1,0 +1,427 @@
+//! [`KdaKernels`] for every CubeCL backend: allocates outputs and launches the KDA kernels of
+//! `kimi-burn-kernels`.
+
+use burn::tensor::{DType, Shape, TensorMetadata};
+use burn_cubecl::element::BoolElement;
+use burn_cubecl::kernel::{cast, into_contiguous};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
+use cubecl::prelude::*;
+use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
+use kimi_burn_kernels::kda as kkda;
+
+use super::{KdaKernelInput, KdaKernels};
+
+type T<R> = CubeTensor<R>;
+
+/// A contiguous uninitialised tensor on `like`'s device (the kernels index flat arrays).
+fn empty<R: CubeRuntime>(like: &T<R>, shape: impl Into<Shape>, dtype: DType) -> T<R> {
+    empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        shape.into(),
+        dtype,
+    )
+}
+
+fn f32_contiguous<R: CubeRuntime>(t: T<R>) -> T<R> {
+    into_contiguous(cast(t, DType::F32))
+}
+
+/// A u32 buffer holding `values` (at least one element).
+fn u32_buffer<R: CubeRuntime>(like: &T<R>, values: &[u32]) -> T<R> {
+    let data = if values.is_empty() {
+        vec![0]
+    } else {
+        values.to_vec()
+    };
+    let handle = like.client.create_from_slice(u32::as_bytes(&data));
+    T::new_contiguous(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::new([data.len()]),
+        handle,
+        DType::U32,
+    )
+}
+
+fn starts_u32(starts: &[usize]) -> Vec<u32> {
+    starts
+        .iter()
+        .map(|&s| u32::try_from(s).expect("KDA kernels: token offsets must fit in u32"))
+        .collect()
+}
+
+/// `S_0` copied into a fresh contiguous f32 buffer the kernels may update in place, or zeros.
+/// (A copy even when `S_0` is already f32 and contiguous: `cast` and `into_contiguous` may hand
+/// back the caller's own buffer.)
+fn state_buffer<R: CubeRuntime>(like: &T<R>, h0: Option<T<R>>, shape: [usize; 4]) -> T<R> {
+    let out = empty(like, shape, DType::F32);
+    let len = shape.iter().product::<usize>();
+    if len == 0 {
+        return out;
+    }
+    let copy = h0.is_some();
+    let src = match h0 {
+        Some(s) => f32_contiguous(s),
+        None => {
+            let handle = like.client.create_from_slice(f32::as_bytes(&[0.0]));
+            T::new_contiguous(
+                like.client.clone(),
+                like.device.clone(),
+                Shape::new([1]),
+                handle,
+                DType::F32,
+            )
+        }
+    };
+    let dim = CubeDim::new(&like.client, len);
+    kkda::init_state::launch::<R>(
+        &like.client,
+        calculate_cube_count_elemwise(&like.client, len, dim),
+        dim,
+        src.into_array_arg(),
+        out.clone().into_array_arg(),
+        len,
+        copy,
+    );
+    out
+}
+
+fn dims4<R: CubeRuntime>(t: &T<R>) -> [usize; 4] {
+    let s = t.shape();
+    assert_eq!(s.num_dims(), 4, "KDA kernels take [B, T, H, X] tensors");
+    [s[0], s[1], s[2], s[3]]
+}
+
+fn recurrent<R: CubeRuntime>(input: KdaKernelInput<CubeBackend<R, f32, i32, u32>>) -> (T<R>, T<R>) {
+    let q = f32_contiguous(input.q);
+    let k = f32_contiguous(input.k);
+    let v = f32_contiguous(input.v);
+    let g = f32_contiguous(input.g);
+    let beta = f32_contiguous(input.beta);
+    let [b, t, h, kd] = dims4(&q);
+    let vd = dims4(&v)[3];
+    let n = input.seq_starts.len() - 1;
+    let state = state_buffer(&q, input.initial_state, [n, h, kd, vd]);
+    let out = empty(&q, [b, t, h, vd], DType::F32);
+    let vt = kkda::recurrent_columns(kd);
+    let starts = u32_buffer(&q, &starts_u32(&input.seq_starts));
+    if n * h * vd > 0 {
+        kkda::kda_recurrent::launch::<R>(
+            &q.client,
+            CubeCount::Static(vd.div_ceil(vt) as u32, (n * h) as u32, 1),
+            CubeDim::new_1d(vt as u32),
+            q.clone().into_array_arg(),
+            k.into_array_arg(),
+            v.into_array_arg(),
+            g.into_array_arg(),
+            beta.into_array_arg(),
+            starts.into_array_arg(),
+            state.clone().into_array_arg(),
+            out.clone().into_array_arg(),
+            h,
+            vd,
+            kd,
+            vt,
+        );
+    }
+    (out, state)
+}
+
+/// Where each chunk lies: first token and length per chunk, first chunk per sequence. Chunks
+/// never cross a sequence boundary.
+struct ChunkTable {
+    tok: Vec<u32>,
+    len: Vec<u32>,
+    seq_chunk: Vec<u32>,
+}
+
+fn chunk_table(seq_starts: &[usize], chunk: usize) -> ChunkTable {
+    let mut table = ChunkTable {
+        tok: Vec::new(),
+        len: Vec::new(),
+        seq_chunk: vec![0],
+    };
+    for w in seq_starts.windows(2) {
+        let mut t = w[0];
+        while t < w[1] {
+            let l = chunk.min(w[1] - t);
+            table.tok.push(t as u32);
+            table.len.push(l as u32);
+            t += l;
+        }
+        table.seq_chunk.push(table.tok.len() as u32);
+    }
+    table
+}
+
+fn chunk_forward<R: CubeRuntime>(
+    input: KdaKernelInput<CubeBackend<R, f32, i32, u32>>,
+    chunk: usize,
+) -> (T<R>, T<R>) {
+    assert!(
+        chunk.is_multiple_of(kkda::SUB) && chunk * chunk >= kkda::INTRA_CUBE as usize,
+        "KDA chunk kernels: chunk size {chunk} must be 16, 32 or 64"
+    );
+    let q = f32_contiguous(input.q);
+    let k = f32_contiguous(input.k);
+    let v = f32_contiguous(input.v);
+    let g = f32_contiguous(input.g);
+    let beta = f32_contiguous(input.beta);
+    let [b, t, h, kd] = dims4(&q);
+    let vd = dims4(&v)[3];
+    let n = input.seq_starts.len() - 1;
+    let state = state_buffer(&q, input.initial_state, [n, h, kd, vd]);
+    let out = empty(&q, [b, t, h, vd], DType::F32);
+    let table = chunk_table(&input.seq_starts, chunk);
+    let chunks = table.tok.len();
+    if chunks * h * vd == 0 {
+        return (out, state);
+    }
+    let client = q.client.clone();
+    let tok = u32_buffer(&q, &table.tok);
+    let len = u32_buffer(&q, &table.len);
+    let seq_chunk = u32_buffer(&q, &table.seq_chunk);
+    let tokens = b * t;
+    let like = q.clone();
+    let scratch = |shape: Vec<usize>| empty(&like, shape, DType::F32);
+    let qe = scratch(vec![tokens, h, kd]);
+    let we = scratch(vec![tokens, h, kd]);
+    let ke = scratch(vec![tokens, h, kd]);
+    let qp = scratch(vec![tokens, h, kd]);
+    let kp = scratch(vec![tokens, h, kd]);
+    let ks = scratch(vec![tokens, h, kd]);
+    let decay = scratch(vec![chunks, h, kd]);
+    let sub_decay = scratch(vec![chunks, h, chunk / kkda::SUB, kd]);
+    let units = chunks * h * kd;
+    let dim = CubeDim::new(&client, units);
+    kkda::kda_chunk_gates::launch::<R>(
+        &client,
+        calculate_cube_count_elemwise(&client, units, dim),
+        dim,
+        q.clone().into_array_arg(),
+        k.clone().into_array_arg(),
+        g.clone().into_array_arg(),
+        tok.clone().into_array_arg(),
+        len.clone().into_array_arg(),
+        qe.clone().into_array_arg(),
+        we.clone().into_array_arg(),
+        ke.clone().into_array_arg(),
+        qp.clone().into_array_arg(),
+        kp.clone().into_array_arg(),
+        ks.clone().into_array_arg(),
+        decay.clone().into_array_arg(),
+        sub_decay.clone().into_array_arg(),
+        chunks,
+        h,
+        kd,
+        chunk,
+    );
+    let a_qk = scratch(vec![chunks, h, chunk, chunk]);
+    let a_kk = scratch(vec![chunks, h, chunk, chunk]);
+    kkda::kda_chunk_intra::launch::<R>(
+        &client,
+        per_row(&q, chunks * h),
+        CubeDim::new_1d(kkda::INTRA_CUBE),
+        q.into_array_arg(),
+        k.into_array_arg(),
+        g.into_array_arg(),
+        beta.clone().into_array_arg(),
+        qp.into_array_arg(),
+        kp.into_array_arg(),
+        ks.into_array_arg(),
+        sub_decay.into_array_arg(),
+        tok.clone().into_array_arg(),
+        len.clone().into_array_arg(),
+        a_qk.clone().into_array_arg(),
+        a_kk.clone().into_array_arg(),
+        chunks,
+        h,
+        kd,
+        chunk,
+    );
+    let w = scratch(vec![chunks, h, chunk, kd]);
+    let u = scratch(vec![chunks, h, chunk, vd]);
+    kkda::kda_chunk_solve::launch::<R>(
+        &client,
+        CubeCount::Static(
+            (kd + vd).div_ceil(kkda::SOLVE_CUBE as usize) as u32,
+            (chunks * h) as u32,
+            1,
+        ),
+        CubeDim::new_1d(kkda::SOLVE_CUBE),
+        we.into_array_arg(),
+        v.into_array_arg(),
+        beta.into_array_arg(),
+        a_kk.into_array_arg(),
+        tok.clone().into_array_arg(),
+        len.clone().into_array_arg(),
+        w.clone().into_array_arg(),
+        u.clone().into_array_arg(),
+        chunks,
+        h,
+        kd,
+        vd,
+        chunk,
+    );
+    let vt = kkda::recurrent_columns(kd).min(kkda::chunk_state_columns(kd, chunk));
+    kkda::kda_chunk_state::launch::<R>(
+        &client,
+        CubeCount::Static(vd.div_ceil(vt) as u32, (n * h) as u32, 1),
+        CubeDim::new_1d(vt as u32),
+        qe.into_array_arg(),
+        ke.into_array_arg(),
+        decay.into_array_arg(),
+        w.into_array_arg(),
+        u.into_array_arg(),
+        a_qk.into_array_arg(),
+        tok.into_array_arg(),
+        len.into_array_arg(),
+        seq_chunk.into_array_arg(),
+        state.clone().into_array_arg(),
+        out.clone().into_array_arg(),
+        h,
+        vd,
+        kd,
+        vt,
+        chunk,
+    );
+    (out, state)
+}
+
+fn dims2<R: CubeRuntime>(t: &T<R>) -> [usize; 2] {
+    let s = t.shape();
+    assert_eq!(
+        s.num_dims(),
+        2,
+        "the gated norm kernels take [rows, V] tensors"
+    );
+    [s[0], s[1]]
+}
+
+/// `rows` cubes spread over the grid's dimensions (the kernels read the linear `CUBE_POS`).
+fn per_row<R: CubeRuntime>(t: &T<R>, rows: usize) -> CubeCount {
+    cubecl::server::CubeCountSelection::new(&t.client, rows as u32).cube_count()
+}
+
+fn norm_forward<R: CubeRuntime>(o: T<R>, z: T<R>, weight: T<R>, eps: f64) -> T<R> {
+    let o = into_contiguous(o);
+    let dtype = o.dtype;
+    let z = into_contiguous(cast(z, dtype));
+    let weight = f32_contiguous(weight);
+    let [rows, cols] = dims2(&o);
+    let y = empty(&o, [rows, cols], dtype);
+    if rows * cols > 0 {
+        kkda::rms_norm_gated_forward::launch::<R>(
+            &o.client.clone(),
+            per_row(&o, rows),
+            CubeDim::new_1d(kkda::NORM_CUBE),
+            o.into_array_arg(),
+            z.into_array_arg(),
+            weight.into_array_arg(),
+            y.clone().into_array_arg(),
+            rows,
+            cols,
+            eps as f32,
+            dtype.into(),
+        );
+    }
+    y
+}
+
+fn norm_backward<R: CubeRuntime>(
+    o: T<R>,
+    z: T<R>,
+    weight: T<R>,
+    grad: T<R>,
+    eps: f64,
+) -> (T<R>, T<R>, T<R>) {
+    let o = into_contiguous(o);
+    let dtype = o.dtype;
+    let (z_dtype, w_dtype) = (z.dtype, weight.dtype);
+    let z = into_contiguous(cast(z, dtype));
+    let grad = into_contiguous(cast(grad, dtype));
+    let weight = f32_contiguous(weight);
+    let [rows, cols] = dims2(&o);
+    let d_o = empty(&o, [rows, cols], dtype);
+    let d_z = empty(&o, [rows, cols], dtype);
+    let partial = empty(&o, [rows.max(1), cols], DType::F32);
+    let dw = empty(&o, [cols], DType::F32);
+    let client = o.client.clone();
+    if rows * cols > 0 {
+        kkda::rms_norm_gated_backward::launch::<R>(
+            &client,
+            per_row(&o, rows),
+            CubeDim::new_1d(kkda::NORM_CUBE),
+            o.into_array_arg(),
+            z.into_array_arg(),
+            weight.into_array_arg(),
+            grad.into_array_arg(),
+            d_o.clone().into_array_arg(),
+            d_z.clone().into_array_arg(),
+            partial.clone().into_array_arg(),
+            rows,
+            cols,
+            eps as f32,
+            dtype.into(),
+        );
+    }
+    if cols > 0 {
+        let dim = CubeDim::new(&client, cols);
+        let rows_used = if rows * cols > 0 { rows } else { 0 };
+        kkda::column_sum::launch::<R>(
+            &client,
+            calculate_cube_count_elemwise(&client, cols, dim),
+            dim,
+            partial.into_array_arg(),
+            dw.clone().into_array_arg(),
+            rows_used,
+            cols,
+        );
+    }
+    (d_o, cast(d_z, z_dtype), cast(dw, w_dtype))
+}
+
+/// Only used to name `KdaKernelInput`'s backend; the primitives are the same `CubeTensor<R>`
+/// whatever the element parameters.
+fn input_cast<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    input: KdaKernelInput<CubeBackend<R, F, I, BT>>,
+) -> KdaKernelInput<CubeBackend<R, f32, i32, u32>> {
+    KdaKernelInput {
+        q: input.q,
+        k: input.k,
+        v: input.v,
+        g: input.g,
+        beta: input.beta,
+        initial_state: input.initial_state,
+        seq_starts: input.seq_starts,
+    }
+}
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KdaKernels
+    for CubeBackend<R, F, I, BT>
+{
+    fn kda_recurrent_forward(input: KdaKernelInput<Self>) -> (T<R>, T<R>) {
+        recurrent(input_cast(input))
+    }
+
+    fn kda_chunk_forward(input: KdaKernelInput<Self>, chunk: usize) -> (T<R>, T<R>) {
+        chunk_forward(input_cast(input), chunk)
+    }
+
+    fn rms_norm_gated_forward(o: T<R>, z: T<R>, weight: T<R>, eps: f64) -> T<R> {
+        norm_forward(o, z, weight, eps)
+    }
+
+    fn rms_norm_gated_backward(
+        o: T<R>,
+        z: T<R>,
+        weight: T<R>,
+        grad: T<R>,
+        eps: f64,
+    ) -> (T<R>, T<R>, T<R>) {
+        norm_backward(o, z, weight, grad, eps)
+    }
+}

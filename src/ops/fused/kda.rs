@@ -1,0 +1,166 @@
+//! The KDA side of the fused kernels: the backend extension [`KdaKernels`] and the op wrappers
+//! that move tensors onto it after [`dispatch`](super::dispatch) matched the backend.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use super::{same, FusedKernels, KernelOp};
+
+/// The inputs of the KDA kernels, as backend primitives in f32, already validated and prepared
+/// by the op (`q` scaled, and L2-normalised when asked).
+#[derive(Debug, Clone)]
+pub struct KdaKernelInput<B: Backend> {
+    /// `q: [B, T, H, K]` (scaled).
+    pub q: FloatTensor<B>,
+    /// `k: [B, T, H, K]`.
+    pub k: FloatTensor<B>,
+    /// `v: [B, T, H, V]`.
+    pub v: FloatTensor<B>,
+    /// Log decays `g: [B, T, H, K]`, ≤ 0.
+    pub g: FloatTensor<B>,
+    /// `β: [B, T, H]`.
+    pub beta: FloatTensor<B>,
+    /// `S_0: [N, H, K, V]`; `None`: zeros.
+    pub initial_state: Option<FloatTensor<B>>,
+    /// Token offsets of the `N` sequences along the flattened `B·T` axis, `[N + 1]`:
+    /// `[0, T, 2T, …]` for `B` rows, the `cu_seqlens` for a packed batch.
+    pub seq_starts: Vec<usize>,
+}
+
+/// Backend extension with the KDA kernels (SPEC §4). Implemented for every CubeCL backend
+/// (`CubeBackend<R, F, I, BT>`, features `wgpu` / `cuda`) and for `Autodiff<B>` over one.
+///
+/// The KDA recurrence kernels take f32 inputs (the ops widen first) and keep the state in f32;
+/// the norm kernels take f32, f16 or bf16 storage with f32 math.
+pub trait KdaKernels: Backend {
+    /// KDA by its recurrence (SPEC §4.1), one launch for every sequence, head and value tile,
+    /// with the state on chip. Returns `o: [B, T, H, V]` f32 and `S_T: [N, H, K, V]` f32.
+    ///
+    /// On `Autodiff<B>` it is not differentiable: the ops only call it when no input is tracked
+    /// (see [`kda_tracked`](Self::kda_tracked)), which is the case in decode.
+    fn kda_recurrent_forward(input: KdaKernelInput<Self>)
+        -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Chunked KDA (SPEC §4.3) with chunks of `chunk` tokens (16, 32 or 64; 16-row sub-chunks)
+    /// that never cross a sequence: four launches (gate sums, within-chunk matrices, the
+    /// triangular solve for `W` and `U`, the sequential state pass tiled over `V`), whatever `T`.
+    /// Returns `o: [B, T, H, V]` f32 and `S_T: [N, H, K, V]` f32.
+    ///
+    /// Like the recurrent kernel, forward only. **Not dispatched by
+    /// [`chunk_kda`](crate::ops::kda::chunk_kda) yet**: it matches the reference for `K ≤ 96` but
+    /// not for `K ≥ 127` from the third chunk of a sequence on (issue #7, under investigation).
+    fn kda_chunk_forward(
+        input: KdaKernelInput<Self>,
+        chunk: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// The gated output norm `y = o / sqrt(mean(o²) + eps) · weight ⊙ σ(z)` (SPEC §4.2) over the
+    /// last dim: `o, z: [rows, V]` (same dtype), `weight: [V]`. Returns `[rows, V]` in `o`'s
+    /// dtype. Differentiable on autodiff backends (fused backward).
+    fn rms_norm_gated_forward(
+        o: FloatTensor<Self>,
+        z: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self>;
+
+    /// The fused backward of [`rms_norm_gated_forward`](Self::rms_norm_gated_forward) for
+    /// `grad: [rows, V]`: returns `(do, dz, dweight)` in the dtypes of `o`, `z` and `weight`.
+    /// Not differentiable itself.
+    fn rms_norm_gated_backward(
+        o: FloatTensor<Self>,
+        z: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Whether any of `tensors` is tracked by autodiff: kernels without a backward pass step aside
+    /// for the reference path then. `false` on backends without autodiff.
+    fn kda_tracked(tensors: &[&FloatTensor<Self>]) -> bool {
+        let _ = tensors;
+        false
+    }
+}
+
+fn float<B: Backend, K: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<K> {
+    same::<Tensor<B, D>, Tensor<K, D>>(t)
+        .into_primitive()
+        .tensor()
+}
+
+fn tensor<K: Backend, B: Backend, const D: usize>(t: FloatTensor<K>) -> Tensor<B, D> {
+    same(Tensor::<K, D>::from_primitive(TensorPrimitive::Float(t)))
+}
+
+/// [`KdaKernels::kda_recurrent_forward`] or [`KdaKernels::kda_chunk_forward`] on `Tensor`s;
+/// hands itself back when an input is tracked by autodiff.
+pub(crate) struct RecurrentOp<B: Backend> {
+    pub q: Tensor<B, 4>,
+    pub k: Tensor<B, 4>,
+    pub v: Tensor<B, 4>,
+    pub g: Tensor<B, 4>,
+    pub beta: Tensor<B, 3>,
+    pub h0: Option<Tensor<B, 4>>,
+    pub seq_starts: Vec<usize>,
+    pub form: KdaForm,
+}
+
+impl<B: Backend> KernelOp<B> for RecurrentOp<B> {
+    type Output = Result<(Tensor<B, 4>, Tensor<B, 4>), Self>;
+
+    fn run<K: FusedKernels>(self) -> Self::Output {
+        let input = KdaKernelInput::<K> {
+            q: float::<B, K, 4>(self.q.clone()),
+            k: float::<B, K, 4>(self.k.clone()),
+            v: float::<B, K, 4>(self.v.clone()),
+            g: float::<B, K, 4>(self.g.clone()),
+            beta: float::<B, K, 3>(self.beta.clone()),
+            initial_state: self.h0.clone().map(float::<B, K, 4>),
+            seq_starts: self.seq_starts.clone(),
+        };
+        let mut all = vec![&input.q, &input.k, &input.v, &input.g, &input.beta];
+        all.extend(input.initial_state.as_ref());
+        if K::kda_tracked(&all) {
+            return Err(self);
+        }
+        let (o, s) = match self.form {
+            KdaForm::Recurrent => K::kda_recurrent_forward(input),
+            KdaForm::Chunk(c) => K::kda_chunk_forward(input, c),
+        };
+        Ok((tensor::<K, B, 4>(o), tensor::<K, B, 4>(s)))
+    }
+}
+
+/// Which KDA kernel a [`RecurrentOp`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KdaForm {
+    /// [`KdaKernels::kda_recurrent_forward`].
+    Recurrent,
+    /// [`KdaKernels::kda_chunk_forward`] with this chunk size (not dispatched yet).
+    #[allow(dead_code)]
+    Chunk(usize),
+}
+
+/// [`KdaKernels::rms_norm_gated_forward`] on `Tensor`s (`[rows, V]`).
+pub(crate) struct NormGatedOp<B: Backend> {
+    pub o: Tensor<B, 2>,
+    pub z: Tensor<B, 2>,
+    pub weight: Tensor<B, 1>,
+    pub eps: f64,
+}
+
+impl<B: Backend> KernelOp<B> for NormGatedOp<B> {
+    type Output = Tensor<B, 2>;
+
+    fn run<K: FusedKernels>(self) -> Self::Output {
+        let y = K::rms_norm_gated_forward(
+            float::<B, K, 2>(self.o),
+            float::<B, K, 2>(self.z),
+            float::<B, K, 1>(self.weight),
+            self.eps,
+        );
+        tensor::<K, B, 2>(y)
+    }
+}
