@@ -166,9 +166,15 @@ mod tests {
             let x = i as f32 * 0.1 + 0.003;
             let xd = x as f64;
             let s = 1.0 / (1.0 + (-xd).exp());
-            assert!((sigmoid(x) as f64 - s).abs() <= 1e-7 * s.max(1e-30) + 1e-30, "σ({x})");
+            assert!(
+                (sigmoid(x) as f64 - s).abs() <= 1e-7 * s.max(1e-30) + 1e-30,
+                "σ({x})"
+            );
             let t = xd.tanh();
-            assert!((tanh(x) as f64 - t).abs() <= 2e-7 * t.abs().max(1e-6), "tanh({x})");
+            assert!(
+                (tanh(x) as f64 - t).abs() <= 2e-7 * t.abs().max(1e-6),
+                "tanh({x})"
+            );
         }
         assert_eq!(sigmoid(-200.0), 0.0);
         assert_eq!(sigmoid(200.0), 1.0);

@@ -197,7 +197,7 @@ impl HostOp<5> for KdaRecurrence {
             }
             states.push(st);
         }
-        let saved = save.then(|| Saved {
+        let saved = save.then_some(Saved {
             q: qs,
             k: ks,
             q_norm,

@@ -317,6 +317,7 @@ pub(crate) fn prepare<B: Backend>(
 /// `q, k, g: [B, T, H, K]`, `v: [B, T, H, V]`, `beta: [B, T, H]`; `q` is L2-normalised (with
 /// `l2norm`) and scaled (by `scale`, `K^−1/2` when `None`) inside, like [`prepare`] does; `seqs`:
 /// packed `(start, len)` spans along T with `B = 1`. The caller validates the shapes.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn cpu_kda<B: Backend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
@@ -347,7 +348,7 @@ pub(crate) fn cpu_kda<B: Backend>(
             prim(k.clone()),
             prim(v.clone()),
             prim(g.clone()),
-                beta.clone().into_primitive().tensor(),
+            beta.clone().into_primitive().tensor(),
         ],
     ))
 }
