@@ -61,6 +61,15 @@ enum Balancer {
     None,
 }
 
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
+enum Filler {
+    /// Random tokens from the whole vocabulary (Zoology's default): a key can recur as filler
+    /// between its pair and its query, which a small vocabulary makes common.
+    Random,
+    /// The pad token 0, never a key or a value.
+    Pad,
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Optimiser {
     /// Per-head Muon for hidden matrices, AdamW for the rest (SPEC §8).
@@ -98,6 +107,9 @@ struct Args {
     /// MQAR key-value pairs per sequence.
     #[arg(long, default_value_t = 16)]
     pairs: usize,
+    /// MQAR: what fills the positions that are neither pairs nor queries.
+    #[arg(long, value_enum, default_value_t = Filler::Random)]
+    filler: Filler,
     /// Vocabulary size of the task (bytes: always 256).
     #[arg(long, default_value_t = 256)]
     vocab: usize,
@@ -152,9 +164,11 @@ fn dispatch(args: &Args) -> Result<(), String> {
 
 fn make_task(args: &Args) -> Result<Box<dyn Task>, String> {
     let task: Box<dyn Task> = match args.task {
-        TaskKind::Mqar => {
-            Box::new(Mqar::new(args.vocab, args.seq_len, args.pairs).map_err(|e| e.to_string())?)
-        }
+        TaskKind::Mqar => Box::new(
+            Mqar::new(args.vocab, args.seq_len, args.pairs)
+                .map_err(|e| e.to_string())?
+                .with_random_filler(args.filler == Filler::Random),
+        ),
         TaskKind::Palindrome => {
             if args.seq_len < 2 || !args.seq_len.is_multiple_of(2) {
                 return Err(format!(

@@ -15,3 +15,4 @@ mod mla;
 mod model;
 mod moe;
 mod optim;
+mod train;
