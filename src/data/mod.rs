@@ -15,7 +15,7 @@ mod palindrome;
 mod rng;
 
 pub use byte_lm::{ByteLm, BUILTIN_CORPUS};
-pub use mqar::{Mqar, MQAR_GRID, MQAR_VOCAB};
+pub use mqar::{Mqar, MqarFiller, MQAR_GRID, MQAR_VOCAB};
 pub use palindrome::Palindrome;
 pub use rng::SeededRng;
 

@@ -30,7 +30,24 @@ pub struct Mqar {
     seq_len: usize,
     num_pairs: usize,
     power_a: f64,
-    random_filler: bool,
+    filler: MqarFiller,
+}
+
+/// What fills the positions of an MQAR sequence that are neither pairs nor queries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MqarFiller {
+    /// Random tokens from the whole vocabulary (Zoology's default). A key can then recur as
+    /// filler between its pair and its query, followed by a random token that competes with its
+    /// value; with a small vocabulary that happens to a large share of the queries (about a third
+    /// at vocabulary 256, sequence 256).
+    #[default]
+    Random,
+    /// The pad token 0, never a key or a value.
+    Pad,
+    /// Random tokens from the value half of the vocabulary: as varied as random filler (the
+    /// model's hidden states, and so its routing, stay diverse), but never a key, so a query has
+    /// exactly one earlier occurrence.
+    Values,
 }
 
 impl Mqar {
@@ -80,7 +97,7 @@ impl Mqar {
             seq_len,
             num_pairs,
             power_a: 0.01,
-            random_filler: true,
+            filler: MqarFiller::Random,
         })
     }
 
@@ -107,8 +124,23 @@ impl Mqar {
 
     /// Random filler tokens (Zoology's default) when `true`, token 0 when `false`.
     pub fn with_random_filler(mut self, random_filler: bool) -> Self {
-        self.random_filler = random_filler;
+        self.filler = if random_filler {
+            MqarFiller::Random
+        } else {
+            MqarFiller::Pad
+        };
         self
+    }
+
+    /// The filler of the positions that are neither pairs nor queries.
+    pub fn with_filler(mut self, filler: MqarFiller) -> Self {
+        self.filler = filler;
+        self
+    }
+
+    /// The filler in use.
+    pub fn filler(&self) -> MqarFiller {
+        self.filler
     }
 
     /// Number of key–value pairs (and of queries) per sequence.
@@ -116,9 +148,9 @@ impl Mqar {
         self.num_pairs
     }
 
-    /// Whether filler positions hold random tokens (else token 0).
+    /// Whether filler positions hold random tokens from the whole vocabulary.
     pub fn random_filler(&self) -> bool {
-        self.random_filler
+        self.filler == MqarFiller::Random
     }
 
     /// The power-law exponent of the query gaps.
@@ -192,10 +224,15 @@ impl Task for Mqar {
             targets[pos] = v as i64;
             is_query[pos] = true;
         }
-        if self.random_filler {
+        let filler_range = match self.filler {
+            MqarFiller::Random => Some(0..self.vocab_size),
+            MqarFiller::Values => Some(half..self.vocab_size),
+            MqarFiller::Pad => None,
+        };
+        if let Some(range) = filler_range {
             for (pos, x) in inputs.iter_mut().enumerate().skip(context) {
                 if !is_query[pos] {
-                    *x = rng.below(self.vocab_size) as i64;
+                    *x = (range.start + rng.below(range.end - range.start)) as i64;
                 }
             }
         }

@@ -5,8 +5,8 @@ use std::collections::{HashMap, HashSet};
 use crate::common::*;
 use burn::tensor::Tensor;
 use kimi_burn::data::{
-    accuracy, accuracy_from_logits, masked_cross_entropy, Batch, ByteLm, Mqar, Palindrome,
-    SeededRng, Task, BUILTIN_CORPUS, IGNORE_INDEX, MQAR_GRID, MQAR_VOCAB,
+    accuracy, accuracy_from_logits, masked_cross_entropy, Batch, ByteLm, Mqar, MqarFiller,
+    Palindrome, SeededRng, Task, BUILTIN_CORPUS, IGNORE_INDEX, MQAR_GRID, MQAR_VOCAB,
 };
 use kimi_burn::Error;
 use rand::Rng;
@@ -19,7 +19,7 @@ fn rows(batch: &Batch) -> impl Iterator<Item = (&[i64], &[i64])> {
 }
 
 /// Checks one MQAR sequence from first principles; returns the positions that are scored.
-fn check_mqar_sequence(task: &Mqar, x: &[i64], y: &[i64], random_filler: bool) -> Vec<usize> {
+fn check_mqar_sequence(task: &Mqar, x: &[i64], y: &[i64]) -> Vec<usize> {
     let pairs = task.num_pairs();
     let half = (task.vocab_size() / 2) as i64;
     let mut value_of = HashMap::new();
@@ -35,8 +35,14 @@ fn check_mqar_sequence(task: &Mqar, x: &[i64], y: &[i64], random_filler: bool) -
     let mut scored = Vec::new();
     for t in 2 * pairs..x.len() {
         if y[t] == IGNORE_INDEX {
-            if !random_filler {
-                assert_eq!(x[t], 0, "filler at {t}");
+            match task.filler() {
+                MqarFiller::Pad => assert_eq!(x[t], 0, "filler at {t}"),
+                MqarFiller::Values => assert!(
+                    (half..task.vocab_size() as i64).contains(&x[t]),
+                    "filler {} at {t} outside the value range",
+                    x[t]
+                ),
+                MqarFiller::Random => {}
             }
             continue;
         }
@@ -61,6 +67,9 @@ fn mqar_sequences_have_the_zoology_structure() {
     let cases = [
         Mqar::new(64, 32, 8).unwrap().with_random_filler(false),
         Mqar::new(64, 37, 9).unwrap(),
+        Mqar::new(64, 48, 6)
+            .unwrap()
+            .with_filler(MqarFiller::Values),
         Mqar::new(MQAR_VOCAB, 64, 4).unwrap(),
         Mqar::new(300, 100, 12).unwrap().with_power_a(1.0).unwrap(),
     ];
@@ -72,7 +81,7 @@ fn mqar_sequences_have_the_zoology_structure() {
             assert!(x
                 .iter()
                 .all(|&t| (0..task.vocab_size() as i64).contains(&t)));
-            check_mqar_sequence(task, x, y, task.random_filler());
+            check_mqar_sequence(task, x, y);
         }
         assert_eq!(batch.scored(), 6 * task.num_pairs());
     }
@@ -86,7 +95,7 @@ fn mqar_queries_cluster_early_under_the_power_law() {
         let batch = task.sample_batch(50, &mut SeededRng::new(2));
         let mut sum = 0.0;
         for (x, y) in rows(&batch) {
-            for t in check_mqar_sequence(task, x, y, true) {
+            for t in check_mqar_sequence(task, x, y) {
                 sum += (t - 2 * task.num_pairs()) as f64;
             }
         }

@@ -62,7 +62,14 @@ pub(crate) trait HostOp<const N: usize>: Debug + Clone + Send + Sync + 'static {
 }
 
 /// Whether [`run`] supports the backend `B` (a CPU backend of an enabled feature).
+///
+/// The switch of the fused kernels ([`kernels_enabled`](crate::ops::fused::kernels_enabled):
+/// `KIMI_BURN_REFERENCE=1`, `set_kernels`, `with_kernels`) turns the host kernels off too, so the
+/// tensor-op reference can be run and timed on the same backend.
 pub(crate) fn is_cpu_backend<B: Backend>() -> bool {
+    if !crate::ops::fused::kernels_enabled() {
+        return false;
+    }
     let id = TypeId::of::<B>();
     #[cfg(feature = "ndarray")]
     {
