@@ -110,7 +110,7 @@ struct Args {
     #[arg(long, value_enum, default_value_t = TaskKind::Mqar)]
     task: TaskKind,
     /// Optimiser steps.
-    #[arg(long, default_value_t = 560)]
+    #[arg(long, default_value_t = 600)]
     steps: usize,
     /// Sequences per step.
     #[arg(long, default_value_t = 16)]
@@ -122,7 +122,7 @@ struct Args {
     #[arg(long, default_value_t = 16)]
     pairs: usize,
     /// MQAR: what fills the positions that are neither pairs nor queries.
-    #[arg(long, value_enum, default_value_t = Filler::Values)]
+    #[arg(long, value_enum, default_value_t = Filler::Pad)]
     filler: Filler,
     /// MQAR: the fraction of the steps trained first on the shortest sequences that hold the
     /// pairs (4·pairs tokens), with proportionally more sequences per step (the same tokens per
@@ -255,6 +255,9 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
             "--steps and --batch must be positive, got {} and {}",
             args.steps, args.batch
         ));
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        return Err(format!("--lr must be finite and positive, got {}", args.lr));
     }
     let task = make_task(args)?;
     let short = short_phase(args)?;

@@ -170,3 +170,30 @@ pub fn finite_diff(x: &[f64], eps: f64, mut f: impl FnMut(&[f64]) -> f64) -> Vec
         })
         .collect()
 }
+
+/// Runs `f` on the kernel path and asserts that `op` really ran its kernel (at least `min` times).
+pub fn on_kernel<T>(op: kimi_burn::ops::FusedOp, min: u64, f: impl FnOnce() -> T) -> T {
+    use kimi_burn::ops::{kernel_calls, last_path, with_kernels, KernelPath};
+    let before = kernel_calls(op);
+    let out = with_kernels(true, f);
+    let ran = kernel_calls(op) - before;
+    assert!(
+        ran >= min,
+        "{op:?}: expected the kernel path ({min}+ launches), it ran {ran}"
+    );
+    assert_eq!(last_path(op), Some(KernelPath::Kernel), "{op:?}");
+    out
+}
+
+/// Runs `f` on the reference path (same backend) and checks that it did.
+pub fn on_reference<T>(op: kimi_burn::ops::FusedOp, f: impl FnOnce() -> T) -> T {
+    use kimi_burn::ops::{kernel_calls, with_kernels};
+    let before = kernel_calls(op);
+    let out = with_kernels(false, f);
+    assert_eq!(
+        kernel_calls(op),
+        before,
+        "{op:?}: the reference run used the kernel"
+    );
+    out
+}

@@ -12,39 +12,16 @@ type Gpu = burn::backend::Cuda;
 type Gpu = crate::common::Gpu;
 type GpuAd = burn::backend::Autodiff<Gpu>;
 
-use crate::common::{assert_close, from_f64, host, normal_vec, randn, rng};
+use crate::common::{
+    assert_close, from_f64, host, normal_vec, on_kernel, on_reference, randn, rng,
+};
 use burn::tensor::{backend::Backend, DType, FloatDType, Tensor};
 use kimi_burn::ops::kda::{
     chunk_kda, fused_recurrent_kda, naive_recurrent_kda, rms_norm_gated, KdaOptions,
 };
-use kimi_burn::ops::{kernel_calls, last_path, with_kernels, FusedOp, KernelPath};
+use kimi_burn::ops::{last_path, with_kernels, FusedOp, KernelPath};
 use rand::rngs::StdRng;
 use rand::Rng;
-
-/// Runs `f` on the kernel path and asserts that `op` really ran its kernel (at least `min` times).
-fn on_kernel<T>(op: FusedOp, min: u64, f: impl FnOnce() -> T) -> T {
-    let before = kernel_calls(op);
-    let out = with_kernels(true, f);
-    let ran = kernel_calls(op) - before;
-    assert!(
-        ran >= min,
-        "{op:?}: expected the kernel path ({min}+ launches), it ran {ran}"
-    );
-    assert_eq!(last_path(op), Some(KernelPath::Kernel), "{op:?}");
-    out
-}
-
-/// Runs `f` on the reference path (same backend) and checks that it did.
-fn on_reference<T>(op: FusedOp, f: impl FnOnce() -> T) -> T {
-    let before = kernel_calls(op);
-    let out = with_kernels(false, f);
-    assert_eq!(
-        kernel_calls(op),
-        before,
-        "{op:?}: the reference run used the kernel"
-    );
-    out
-}
 
 /// The exact bit patterns of a float tensor (read as f32).
 fn bits<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<u32> {

@@ -12,9 +12,9 @@ type Gpu = burn::backend::Cuda;
 type Gpu = crate::common::Gpu;
 type GpuAd = burn::backend::Autodiff<Gpu>;
 
-use crate::common::{assert_close, from_f64, host, randn, rng, uniform};
+use crate::common::{assert_close, from_f64, host, on_kernel, on_reference, randn, rng, uniform};
 use burn::tensor::{backend::Backend, DType, FloatDType, Tensor};
-use kimi_burn::ops::{kernel_calls, last_path, with_kernels, FusedOp, KernelPath};
+use kimi_burn::ops::{last_path, FusedOp, KernelPath};
 use kimi_burn::ops::{situ::swiglu, situ_glu, situ_glu_weighted};
 
 const POINTS: [f64; 8] = [-30.0, -5.0, -1.219, 0.0, 0.5, 2.0, 6.0, 30.0];
@@ -47,31 +47,6 @@ fn grid() -> (Vec<f64>, Vec<f64>) {
 /// The exact bit patterns of an f32 tensor.
 fn bits<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<u32> {
     t.into_data().iter::<f32>().map(f32::to_bits).collect()
-}
-
-/// Runs `f` on the kernel path and asserts that `op` really ran its kernel (at least `min` times).
-fn on_kernel<T>(op: FusedOp, min: u64, f: impl FnOnce() -> T) -> T {
-    let before = kernel_calls(op);
-    let out = with_kernels(true, f);
-    let ran = kernel_calls(op) - before;
-    assert!(
-        ran >= min,
-        "{op:?}: expected the kernel path ({min}+ launches), it ran {ran}"
-    );
-    assert_eq!(last_path(op), Some(KernelPath::Kernel), "{op:?}");
-    out
-}
-
-/// Runs `f` on the reference path (same backend) and checks that it did.
-fn on_reference<T>(op: FusedOp, f: impl FnOnce() -> T) -> T {
-    let before = kernel_calls(op);
-    let out = with_kernels(false, f);
-    assert_eq!(
-        kernel_calls(op),
-        before,
-        "{op:?}: the reference run used the kernel"
-    );
-    out
 }
 
 mod situ {
