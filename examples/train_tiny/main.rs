@@ -203,8 +203,15 @@ fn make_task(args: &Args) -> Result<Box<dyn Task>, String> {
     Ok(task)
 }
 
-/// The short MQAR of `--short-fraction` and its batch size, when that phase has steps.
-fn short_phase(args: &Args) -> Result<Option<(Box<dyn Task>, usize, usize)>, String> {
+/// The first phase of `--short-fraction`: the short MQAR, its batch size and its steps.
+struct ShortPhase {
+    task: Box<dyn Task>,
+    batch: usize,
+    steps: usize,
+}
+
+/// The short phase, when `--short-fraction` gives it steps.
+fn short_phase(args: &Args) -> Result<Option<ShortPhase>, String> {
     if !(0.0..=1.0).contains(&args.short_fraction) {
         return Err(format!(
             "--short-fraction must lie in [0, 1], got {}",
@@ -220,7 +227,11 @@ fn short_phase(args: &Args) -> Result<Option<(Box<dyn Task>, usize, usize)>, Str
         .map_err(|e| e.to_string())?
         .with_filler(args.filler.mqar());
     let batch = (args.batch * args.seq_len).div_ceil(short_len);
-    Ok(Some((Box::new(task), batch, steps)))
+    Ok(Some(ShortPhase {
+        task: Box::new(task),
+        batch,
+        steps,
+    }))
 }
 
 fn model_config(args: &Args, vocab: usize) -> Result<KimiConfig, String> {
@@ -306,9 +317,7 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
     let mut window = Accuracy::default();
     for step in 0..args.steps {
         let batch = match &short {
-            Some((short_task, short_batch, short_steps)) if step < *short_steps => {
-                short_task.sample_batch(*short_batch, &mut rng)
-            }
+            Some(phase) if step < phase.steps => phase.task.sample_batch(phase.batch, &mut rng),
             _ => task.sample_batch(args.batch, &mut rng),
         };
         let (inputs, targets) = batch.to_tensors::<B>(&device);
