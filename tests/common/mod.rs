@@ -197,3 +197,8 @@ pub fn on_reference<T>(op: kimi_burn::ops::FusedOp, f: impl FnOnce() -> T) -> T 
     );
     out
 }
+
+/// The exact bit patterns of a float tensor (read as f32), for bit-for-bit repeatability checks.
+pub fn bits<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<u32> {
+    t.into_data().iter::<f32>().map(f32::to_bits).collect()
+}

@@ -13,7 +13,7 @@ type Gpu = crate::common::Gpu;
 type GpuAd = burn::backend::Autodiff<Gpu>;
 
 use crate::common::{
-    assert_close, from_f64, host, normal_vec, on_kernel, on_reference, randn, rng,
+    assert_close, bits, from_f64, host, normal_vec, on_kernel, on_reference, randn, rng,
 };
 use burn::tensor::{backend::Backend, DType, FloatDType, Tensor};
 use kimi_burn::ops::kda::{
@@ -22,11 +22,6 @@ use kimi_burn::ops::kda::{
 use kimi_burn::ops::{last_path, with_kernels, FusedOp, KernelPath};
 use rand::rngs::StdRng;
 use rand::Rng;
-
-/// The exact bit patterns of a float tensor (read as f32).
-fn bits<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<u32> {
-    t.into_data().iter::<f32>().map(f32::to_bits).collect()
-}
 
 /// How the log decays are drawn (SPEC §4.5).
 #[derive(Clone, Copy, Debug)]

@@ -12,7 +12,9 @@ type Gpu = burn::backend::Cuda;
 type Gpu = crate::common::Gpu;
 type GpuAd = burn::backend::Autodiff<Gpu>;
 
-use crate::common::{assert_close, from_f64, host, on_kernel, on_reference, randn, rng, uniform};
+use crate::common::{
+    assert_close, bits, from_f64, host, on_kernel, on_reference, randn, rng, uniform,
+};
 use burn::tensor::{backend::Backend, DType, FloatDType, Tensor};
 use kimi_burn::ops::{last_path, FusedOp, KernelPath};
 use kimi_burn::ops::{situ::swiglu, situ_glu, situ_glu_weighted};
@@ -42,11 +44,6 @@ fn grid() -> (Vec<f64>, Vec<f64>) {
         }
     }
     (g, v)
-}
-
-/// The exact bit patterns of an f32 tensor.
-fn bits<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<u32> {
-    t.into_data().iter::<f32>().map(f32::to_bits).collect()
 }
 
 mod situ {
