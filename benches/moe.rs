@@ -118,14 +118,108 @@ fn bench_gpu<G: burn::tensor::backend::Backend>(c: &mut Criterion, name: &str, t
     group.finish();
 }
 
+/// The routed experts alone (the part the dispatch kernels replace) at the shape of
+/// [`bench_gpu`]: `dispatch_fused` (sort on the device, grouped matmuls, gather-sum) against the
+/// reference `dispatch` (host plan, per-expert `select` + SiTU-GLU, `select_assign`), forward and
+/// forward+backward, on the same backend in the same run.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn bench_gpu_experts<G: burn::tensor::backend::Backend>(
+    c: &mut Criterion,
+    name: &str,
+    tokens: usize,
+) {
+    use burn::tensor::{Int, TensorData};
+    use kimi_burn::data::SeededRng;
+    use kimi_burn::ops::dispatch::{dispatch, dispatch_fused, DispatchPlan, StackedExperts};
+    use kimi_burn::ops::fused::FusedActivation;
+    use kimi_burn::ops::route::{select_top_k, TopKOptions};
+    type GAd<G> = Autodiff<G>;
+    let device = G::Device::default();
+    let (n, k, l, me) = (16, 4, 64, 128);
+    let mut rng = SeededRng::new(5);
+    let scores: Vec<f32> = (0..tokens * n).map(|_| rng.unit_f64() as f32).collect();
+    let opts = TopKOptions {
+        k,
+        n_group: 1,
+        topk_group: 1,
+    };
+    let selection = select_top_k(&scores, n, &vec![0.0; n], opts).unwrap();
+    let plan = DispatchPlan::new(&selection, None);
+    let indices = Tensor::<GAd<G>, 2, Int>::from_data(
+        TensorData::new(
+            selection
+                .indices
+                .iter()
+                .map(|&i| i as i64)
+                .collect::<Vec<_>>(),
+            [tokens, k],
+        ),
+        &device,
+    );
+    let experts: Vec<_> = (0..n)
+        .map(|_| SituGluConfig::new(l, me).init::<GAd<G>>(&device))
+        .collect();
+    let h = Tensor::<GAd<G>, 2>::random([tokens, l], Distribution::Normal(0.0, 1.0), &device)
+        .require_grad();
+    let weights =
+        Tensor::<GAd<G>, 2>::random([tokens, k], Distribution::Uniform(0.1, 0.5), &device)
+            .require_grad();
+    let activation = match experts[0].activation {
+        kimi_burn::nn::GluActivation::Situ { beta1, beta2 } => {
+            FusedActivation::Situ { beta1, beta2 }
+        }
+        kimi_burn::nn::GluActivation::SwiGlu => FusedActivation::SwiGlu,
+    };
+    let stacked = || StackedExperts {
+        w1: Tensor::stack::<3>(experts.iter().map(|e| e.w1.weight.val()).collect(), 0),
+        w3: Tensor::stack::<3>(experts.iter().map(|e| e.w3.weight.val()).collect(), 0),
+        w2: Tensor::stack::<3>(experts.iter().map(|e| e.w2.weight.val()).collect(), 0),
+        activation,
+    };
+    let fused = |h: Tensor<GAd<G>, 2>| {
+        dispatch_fused(&h, &indices, &weights, None, &stacked()).expect("kernel path")
+    };
+    let reference = |h: Tensor<GAd<G>, 2>| {
+        dispatch(h, weights.clone(), &plan, l, |e, rows| {
+            experts[e].forward(rows)
+        })
+    };
+    let mut group = c.benchmark_group(format!("{name}_experts_n16_k4_l64_me128_{tokens}tok"));
+    group.sample_size(10);
+    type Run<'a, G> = &'a dyn Fn(Tensor<GAd<G>, 2>) -> Tensor<GAd<G>, 2>;
+    let paths: [(&str, Run<G>); 2] = [("kernel", &fused), ("reference", &reference)];
+    for (path, run) in paths {
+        let x = h.clone().inner();
+        group.bench_function(format!("forward_{path}"), |b| {
+            b.iter(|| {
+                // The forward alone, without an autodiff graph.
+                let y = run(Tensor::from_inner(x.clone()));
+                let y = y.inner();
+                G::sync(&device).unwrap();
+                y
+            })
+        });
+        group.bench_function(format!("forward_backward_{path}"), |b| {
+            b.iter(|| {
+                let grads = run(h.clone()).sum().backward();
+                G::sync(&device).unwrap();
+                grads
+            })
+        });
+    }
+    group.finish();
+}
+
 #[cfg(feature = "wgpu")]
 fn bench_wgpu(c: &mut Criterion) {
     bench_gpu::<burn::backend::Wgpu>(c, "wgpu", 512);
+    bench_gpu_experts::<burn::backend::Wgpu>(c, "wgpu", 512);
 }
 
 #[cfg(feature = "cuda")]
 fn bench_cuda(c: &mut Criterion) {
     bench_gpu::<burn::backend::Cuda>(c, "cuda", 4096);
+    bench_gpu_experts::<burn::backend::Cuda>(c, "cuda", 4096);
 }
 
 #[cfg(not(any(feature = "wgpu", feature = "cuda")))]

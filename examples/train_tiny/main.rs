@@ -72,14 +72,19 @@ enum Filler {
     Random,
     /// The pad token 0, never a key or a value (most tokens then look alike to the router).
     Pad,
+    /// Random tokens from --filler-tokens reserved tokens that are never keys or values: a query
+    /// has one earlier occurrence, filler is told apart by token identity, and the few distinct
+    /// filler tokens keep the routing varied enough to balance.
+    Reserved,
 }
 
 impl Filler {
-    fn mqar(self) -> MqarFiller {
+    fn mqar(self, reserved_tokens: usize) -> MqarFiller {
         match self {
             Self::Values => MqarFiller::Values,
             Self::Random => MqarFiller::Random,
             Self::Pad => MqarFiller::Pad,
+            Self::Reserved => MqarFiller::Reserved(reserved_tokens),
         }
     }
 }
@@ -124,6 +129,9 @@ struct Args {
     /// MQAR: what fills the positions that are neither pairs nor queries.
     #[arg(long, value_enum, default_value_t = Filler::Pad)]
     filler: Filler,
+    /// MQAR: how many reserved tokens `--filler reserved` draws from (keys then start there).
+    #[arg(long, default_value_t = 16)]
+    filler_tokens: usize,
     /// MQAR: the fraction of the steps trained first on the shortest sequences that hold the
     /// pairs (4·pairs tokens), with proportionally more sequences per step (the same tokens per
     /// step, four times the scored queries per token at 256/16). The test set keeps --seq-len.
@@ -187,7 +195,8 @@ fn make_task(args: &Args) -> Result<Box<dyn Task>, String> {
         TaskKind::Mqar => Box::new(
             Mqar::new(args.vocab, args.seq_len, args.pairs)
                 .map_err(|e| e.to_string())?
-                .with_filler(args.filler.mqar()),
+                .with_filler(args.filler.mqar(args.filler_tokens))
+                .map_err(|e| e.to_string())?,
         ),
         TaskKind::Palindrome => {
             if args.seq_len < 2 || !args.seq_len.is_multiple_of(2) {
@@ -225,7 +234,8 @@ fn short_phase(args: &Args) -> Result<Option<ShortPhase>, String> {
     let short_len = 4 * args.pairs;
     let task = Mqar::new(args.vocab, short_len, args.pairs)
         .map_err(|e| e.to_string())?
-        .with_filler(args.filler.mqar());
+        .with_filler(args.filler.mqar(args.filler_tokens))
+        .map_err(|e| e.to_string())?;
     let batch = (args.batch * args.seq_len).div_ceil(short_len);
     Ok(Some(ShortPhase {
         task: Box::new(task),

@@ -172,7 +172,7 @@ pub fn moe_place<I: Int>(
     }
 }
 
-/// Loads element `(row, col)` of a row-major `[rows, cols]` matrix as f32, or 0 outside `bounds`.
+/// Loads element `index` of `m` as f32, or 0 when not `inside`.
 #[cube]
 fn load_f32<F: Float>(m: &Array<F>, index: usize, inside: bool) -> f32 {
     let mut v = 0.0f32;
@@ -180,6 +180,54 @@ fn load_f32<F: Float>(m: &Array<F>, index: usize, inside: bool) -> f32 {
         v = f32::cast_from(m[index]);
     }
     v
+}
+
+/// Four f32 lanes: the grouped matmuls keep their shared tiles and accumulators in these, so one
+/// shared-memory read feeds four multiply-adds.
+pub type V4 = Vector<f32, Const<4>>;
+
+/// Loads `m[base + j·stride]` for the lanes `j < 4` with `j < count` as an f32 [`V4`]; lanes at
+/// or past `count` (and all lanes when `count` is 0) are 0.
+#[cube]
+fn load_v4<F: Float>(m: &Array<F>, base: usize, stride: usize, count: usize) -> V4 {
+    let mut v = V4::new(0.0f32);
+    #[unroll]
+    for j in 0..4usize {
+        if j < count {
+            v[j] = f32::cast_from(m[base + j * stride]);
+        }
+    }
+    v
+}
+
+/// `acc[i] += a[i] · b` for the four rows `i` of a unit's 4×4 micro-tile.
+#[cube]
+fn fma_4x4(acc: &mut Array<V4>, a: V4, b: V4) {
+    #[unroll]
+    for i in 0..4usize {
+        acc[i] += V4::new(a[i]) * b;
+    }
+}
+
+/// A fresh 4×4 micro-tile of zeros.
+#[cube]
+fn zero_4x4() -> Array<V4> {
+    let mut acc = Array::<V4>::new(4usize);
+    #[unroll]
+    for i in 0..4usize {
+        acc[i] = V4::new(0.0f32);
+    }
+    acc
+}
+
+/// How many of the 4 lanes starting at `start` lie below `end`.
+#[cube]
+fn lanes_below(start: usize, end: usize) -> usize {
+    let mut n = 0usize;
+    if start < end {
+        n = usize::min(end - start, 4usize);
+    }
+    n
 }
 
 /// Grouped matmul over the expert segments, one launch for all experts:
@@ -190,9 +238,12 @@ fn load_f32<F: Float>(m: &Array<F>, index: usize, inside: bool) -> f32 {
 ///
 /// with `row(pos) = rows[pos]` when `gather` (rows gathered on load, e.g. the token of each
 /// sorted pair) else `pos`, and `w[e]` stored `[kdim, cols]`, or `[cols, kdim]` when `transposed`.
-/// `accumulate` adds to `out` instead of overwriting it. f32 accumulation, tiles in shared
-/// memory. Grid: `x` = tiles (at least `ceil(pairs / TILE) + n` in all; spare cubes exit;
-/// launches past the grid limit continue at `tile_base`), `y` = `ceil(cols / TILE)`; cube
+/// `accumulate` adds to `out` instead of overwriting it. f32 accumulation. Each cube computes a
+/// `TILE × TILE` output tile from `TILE_K`-deep slices in shared memory, stored as [`V4`]s
+/// (`a` as four consecutive rows at one depth, `w` as four consecutive columns), and each unit a
+/// 4×4 micro-tile of consecutive rows and columns: per depth step two shared reads feed sixteen
+/// multiply-adds. Grid: `x` = tiles (at least `ceil(pairs / TILE) + n` in all; spare cubes
+/// exit; launches past the grid limit continue at `tile_base`), `y` = `ceil(cols / TILE)`; cube
 /// `GMM_CUBE × GMM_CUBE`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
@@ -228,62 +279,63 @@ pub fn grouped_matmul<F: Float>(
         }
     }
     let e = lo;
-    let t = TILE as usize;
+    let q = (TILE / 4) as usize;
     let tk = TILE_K as usize;
     let row0 = (offsets[e] + (tile - tile_offsets[e]) * TILE) as usize;
     let row_end = offsets[e + 1] as usize;
-    let col0 = CUBE_POS_Y as usize * t;
+    let col0 = CUBE_POS_Y as usize * TILE as usize;
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
-    let unit = ty * GMM_CUBE as usize + tx;
-    let units = (GMM_CUBE * GMM_CUBE) as usize;
     let w_base = e * kdim * cols;
 
-    let mut sa = SharedMemory::<f32>::new((TILE * TILE_K) as usize);
-    let mut sb = SharedMemory::<f32>::new((TILE_K * TILE) as usize);
-    let mut acc = Array::<f32>::new(16usize);
+    // sa[kk·q + r4]: rows 4·r4..4·r4+4 at depth kk; sb[kk·q + c4]: columns 4·c4..4·c4+4.
+    let mut sa = SharedMemory::<V4>::new(TILE_K as usize * (TILE / 4) as usize);
+    let mut sb = SharedMemory::<V4>::new(TILE_K as usize * (TILE / 4) as usize);
+    let mut acc = zero_4x4();
+
+    // This unit's loads: the four rows 4·ty.. at depth tx, the four columns 4·tx.. at depth ty.
+    let mut arows = Array::<usize>::new(4usize);
+    let a_lanes = lanes_below(row0 + 4 * ty, row_end);
     #[unroll]
-    for q in 0..16usize {
-        acc[q] = 0.0f32;
+    for j in 0..4usize {
+        let pos = row0 + 4 * ty + j;
+        let mut r = pos;
+        if comptime!(gather) {
+            if j < a_lanes {
+                r = rows[pos] as usize;
+            }
+        }
+        arows[j] = r;
     }
+    let c_lanes = lanes_below(col0 + 4 * tx, cols);
 
     let mut k0 = 0usize;
     while k0 < kdim {
         #[unroll]
-        for q in 0..(TILE * TILE_K / (GMM_CUBE * GMM_CUBE)) as usize {
-            let idx = q * units + unit;
-            // A slice [TILE rows][TILE_K]
-            let r = idx / tk;
-            let kk = idx % tk;
-            let pos = row0 + r;
-            let inside_a = pos < row_end && k0 + kk < kdim;
-            let mut arow = pos;
-            if comptime!(gather) {
-                if inside_a {
-                    arow = rows[pos] as usize;
-                }
+        for s in 0..(TILE_K / GMM_CUBE) as usize {
+            let ka = k0 + s * GMM_CUBE as usize + tx;
+            let mut av = V4::new(0.0f32);
+            #[unroll]
+            for j in 0..4usize {
+                av[j] = load_f32::<F>(a, arows[j] * kdim + ka, j < a_lanes && ka < kdim);
             }
-            sa[idx] = load_f32::<F>(a, arow * kdim + k0 + kk, inside_a);
-            // W slice [TILE_K][TILE cols]
-            let kb = idx / t;
-            let c = idx % t;
-            let inside_b = k0 + kb < kdim && col0 + c < cols;
-            let mut wi = w_base + (k0 + kb) * cols + col0 + c;
+            sa[(s * GMM_CUBE as usize + tx) * q + ty] = av;
+            let kb = k0 + s * GMM_CUBE as usize + ty;
+            let mut count = 0usize;
+            if kb < kdim {
+                count = c_lanes;
+            }
+            let mut base = w_base + kb * cols + col0 + 4 * tx;
+            let mut stride = 1usize;
             if comptime!(transposed) {
-                wi = w_base + (col0 + c) * kdim + k0 + kb;
+                base = w_base + (col0 + 4 * tx) * kdim + kb;
+                stride = kdim;
             }
-            sb[idx] = load_f32::<F>(w, wi, inside_b);
+            sb[(s * GMM_CUBE as usize + ty) * q + tx] = load_v4::<F>(w, base, stride, count);
         }
         sync_cube();
         for kk in 0..tk {
-            #[unroll]
-            for i in 0..4usize {
-                let av = sa[(ty + i * GMM_CUBE as usize) * tk + kk];
-                #[unroll]
-                for j in 0..4usize {
-                    acc[i * 4 + j] += av * sb[kk * t + tx + j * GMM_CUBE as usize];
-                }
-            }
+            fma_4x4(&mut acc, sa[kk * q + ty], sb[kk * q + tx]);
         }
         sync_cube();
         k0 += tk;
@@ -291,17 +343,17 @@ pub fn grouped_matmul<F: Float>(
 
     #[unroll]
     for i in 0..4usize {
-        let pos = row0 + ty + i * GMM_CUBE as usize;
+        let pos = row0 + 4 * ty + i;
+        let v = acc[i];
         #[unroll]
         for j in 0..4usize {
-            let c = col0 + tx + j * GMM_CUBE as usize;
-            if pos < row_end && c < cols {
-                let o = pos * cols + c;
-                let mut v = acc[i * 4 + j];
+            if i < a_lanes && j < c_lanes {
+                let o = pos * cols + col0 + 4 * tx + j;
+                let mut x = v[j];
                 if comptime!(accumulate) {
-                    v += f32::cast_from(out[o]);
+                    x += f32::cast_from(out[o]);
                 }
-                out[o] = F::cast_from(v);
+                out[o] = F::cast_from(x);
             }
         }
     }
@@ -314,7 +366,9 @@ pub fn grouped_matmul<F: Float>(
 /// ```
 ///
 /// `a: [*, adim]`, `b: [*, bdim]`, `out: [n, adim, bdim]`; `arow(pos) = rows[pos]` when
-/// `gather_a` else `pos`, likewise `brow`. Experts with an empty segment get zeros. Grid:
+/// `gather_a` else `pos`, likewise `brow`. Experts with an empty segment get zeros. Both shared
+/// slices hold `TILE_K` pairs × `TILE` features as [`V4`]s of four consecutive features (one
+/// contiguous load from a row of `a` or `b`); each unit owns a 4×4 micro-tile. Grid:
 /// `(ceil(adim / TILE), ceil(bdim / TILE), n)`; cube `GMM_CUBE × GMM_CUBE`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
@@ -331,74 +385,65 @@ pub fn grouped_matmul_wgrad<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let e = CUBE_POS_Z as usize;
-    let t = TILE as usize;
+    let q = (TILE / 4) as usize;
     let tk = TILE_K as usize;
-    let r0 = CUBE_POS_X as usize * t;
-    let c0 = CUBE_POS_Y as usize * t;
+    let r0 = CUBE_POS_X as usize * TILE as usize;
+    let c0 = CUBE_POS_Y as usize * TILE as usize;
     let start = offsets[e] as usize;
     let end = offsets[e + 1] as usize;
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
-    let unit = ty * GMM_CUBE as usize + tx;
-    let units = (GMM_CUBE * GMM_CUBE) as usize;
+    let a_lanes = lanes_below(r0 + 4 * tx, adim);
+    let b_lanes = lanes_below(c0 + 4 * tx, bdim);
 
-    let mut sa = SharedMemory::<f32>::new((TILE_K * TILE) as usize);
-    let mut sb = SharedMemory::<f32>::new((TILE_K * TILE) as usize);
-    let mut acc = Array::<f32>::new(16usize);
-    #[unroll]
-    for q in 0..16usize {
-        acc[q] = 0.0f32;
-    }
+    let mut sa = SharedMemory::<V4>::new(TILE_K as usize * (TILE / 4) as usize);
+    let mut sb = SharedMemory::<V4>::new(TILE_K as usize * (TILE / 4) as usize);
+    let mut acc = zero_4x4();
 
     let mut p0 = start;
     while p0 < end {
         #[unroll]
-        for q in 0..(TILE * TILE_K / (GMM_CUBE * GMM_CUBE)) as usize {
-            // Both slices are [TILE_K pairs][TILE features].
-            let idx = q * units + unit;
-            let kk = idx / t;
-            let f = idx % t;
+        for s in 0..(TILE_K / GMM_CUBE) as usize {
+            // Unit (tx, ty) loads features 4·tx.. of pair p0 + ty (+ s·GMM_CUBE).
+            let kk = s * GMM_CUBE as usize + ty;
             let pos = p0 + kk;
-            let inside_a = pos < end && r0 + f < adim;
+            let inside = pos < end;
             let mut arow = pos;
-            if comptime!(gather_a) {
-                if inside_a {
+            let mut brow = pos;
+            if inside {
+                if comptime!(gather_a) {
                     arow = rows[pos] as usize;
                 }
-            }
-            sa[idx] = load_f32::<F>(a, arow * adim + r0 + f, inside_a);
-            let inside_b = pos < end && c0 + f < bdim;
-            let mut brow = pos;
-            if comptime!(gather_b) {
-                if inside_b {
+                if comptime!(gather_b) {
                     brow = rows[pos] as usize;
                 }
             }
-            sb[idx] = load_f32::<F>(b, brow * bdim + c0 + f, inside_b);
+            let mut na = 0usize;
+            let mut nb = 0usize;
+            if inside {
+                na = a_lanes;
+                nb = b_lanes;
+            }
+            sa[kk * q + tx] = load_v4::<F>(a, arow * adim + r0 + 4 * tx, 1usize, na);
+            sb[kk * q + tx] = load_v4::<F>(b, brow * bdim + c0 + 4 * tx, 1usize, nb);
         }
         sync_cube();
         for kk in 0..tk {
-            #[unroll]
-            for i in 0..4usize {
-                let av = sa[kk * t + ty + i * GMM_CUBE as usize];
-                #[unroll]
-                for j in 0..4usize {
-                    acc[i * 4 + j] += av * sb[kk * t + tx + j * GMM_CUBE as usize];
-                }
-            }
+            fma_4x4(&mut acc, sa[kk * q + ty], sb[kk * q + tx]);
         }
         sync_cube();
         p0 += tk;
     }
 
+    let out_lanes = lanes_below(r0 + 4 * ty, adim);
     #[unroll]
     for i in 0..4usize {
-        let r = r0 + ty + i * GMM_CUBE as usize;
+        let r = r0 + 4 * ty + i;
+        let v = acc[i];
         #[unroll]
         for j in 0..4usize {
-            let c = c0 + tx + j * GMM_CUBE as usize;
-            if r < adim && c < bdim {
-                out[e * adim * bdim + r * bdim + c] = F::cast_from(acc[i * 4 + j]);
+            if i < out_lanes && j < b_lanes {
+                out[e * adim * bdim + r * bdim + c0 + 4 * tx + j] = F::cast_from(v[j]);
             }
         }
     }

@@ -15,12 +15,13 @@ pub const MQAR_VOCAB: usize = 8192;
 /// Layout of one sequence of length `T` with `P` pairs (Zoology's `multiquery_ar`):
 ///
 /// - positions `0..2P`: `k₁ v₁ k₂ v₂ … k_P v_P`, keys drawn without replacement from
-///   `[1, V/2)`, values from `[V/2, V)` (disjoint halves; token 0 is the filler);
+///   `[1, V/2)` (`[n, V/2)` with [`MqarFiller::Reserved`]`(n)`), values from `[V/2, V)`
+///   (disjoint halves; token 0 is the filler);
 /// - positions `2P..T`: filler, except that each key is queried once at position `2P + 2g`, where
 ///   the gaps `g ∈ [0, (T − 2P)/2)` are drawn without replacement with probability `∝ (g+1)^(a−1)`
 ///   (`a = power_a`, 0.01 by default, so queries cluster early in the query region);
 /// - filler positions hold uniform random tokens from `[0, V)` (Zoology's `random_non_queries`),
-///   or 0 when random filler is switched off;
+///   or 0 when random filler is switched off, or what another [`MqarFiller`] says;
 /// - `targets[2P + 2g]` is the queried key's value; every other target is
 ///   [`IGNORE_INDEX`](super::IGNORE_INDEX). In next-token terms the model, having just read the
 ///   query key, must emit its value.
@@ -42,12 +43,28 @@ pub enum MqarFiller {
     /// at vocabulary 256, sequence 256).
     #[default]
     Random,
-    /// The pad token 0, never a key or a value.
+    /// The pad token 0, never a key or a value. The same as `Reserved(1)`.
     Pad,
     /// Random tokens from the value half of the vocabulary: as varied as random filler (the
     /// model's hidden states, and so its routing, stay diverse), but never a key, so a query has
     /// exactly one earlier occurrence.
     Values,
+    /// Uniform random tokens from `n` reserved filler tokens `[0, n)` that are never keys or
+    /// values (keys come from `[n, V/2)`). Like [`Pad`](Self::Pad) a query has exactly one earlier
+    /// occurrence and the model can tell filler from pairs by token identity alone; unlike it, a
+    /// few distinct filler tokens keep the hidden states, and so the MoE routing, varied enough
+    /// to balance.
+    Reserved(usize),
+}
+
+impl MqarFiller {
+    /// The first token a key may take: keys never collide with filler-only tokens.
+    fn first_key(self) -> usize {
+        match self {
+            Self::Reserved(n) => n.max(1),
+            _ => 1,
+        }
+    }
 }
 
 impl Mqar {
@@ -70,18 +87,7 @@ impl Mqar {
                 ));
             }
         }
-        let keys = (vocab_size / 2).saturating_sub(1);
-        if keys < num_pairs {
-            return Err(Error::config(
-                "mqar.vocab_size",
-                format!(
-                    "vocab_size {vocab_size} leaves {keys} distinct keys in [1, {}), fewer than \
-                     num_pairs {num_pairs}; need vocab_size ≥ {}",
-                    vocab_size / 2,
-                    2 * (num_pairs + 1)
-                ),
-            ));
-        }
+        check_keys(vocab_size, num_pairs, 1)?;
         if seq_len < 4 * num_pairs {
             return Err(Error::config(
                 "mqar.seq_len",
@@ -133,9 +139,21 @@ impl Mqar {
     }
 
     /// The filler of the positions that are neither pairs nor queries.
-    pub fn with_filler(mut self, filler: MqarFiller) -> Self {
+    ///
+    /// Errors for [`MqarFiller::Reserved`]`(0)`, and when the reserved tokens leave fewer distinct
+    /// keys in `[n, V/2)` than pairs.
+    pub fn with_filler(mut self, filler: MqarFiller) -> Result<Self> {
+        if let MqarFiller::Reserved(n) = filler {
+            if n == 0 {
+                return Err(Error::config(
+                    "mqar.filler",
+                    "Reserved(n) needs at least one filler token, got n = 0",
+                ));
+            }
+            check_keys(self.vocab_size, self.num_pairs, n)?;
+        }
         self.filler = filler;
-        self
+        Ok(self)
     }
 
     /// The filler in use.
@@ -158,9 +176,10 @@ impl Mqar {
         self.power_a
     }
 
-    /// The token range keys are drawn from, `[1, V/2)`.
+    /// The token range keys are drawn from, `[1, V/2)` (`[n, V/2)` with
+    /// [`MqarFiller::Reserved`]`(n)`).
     pub fn key_range(&self) -> std::ops::Range<i64> {
-        1..(self.vocab_size / 2) as i64
+        self.filler.first_key() as i64..(self.vocab_size / 2) as i64
     }
 
     /// The token range values are drawn from, `[V/2, V)`.
@@ -194,6 +213,23 @@ impl Mqar {
     }
 }
 
+/// Errors unless `[first_key, V/2)` holds at least `num_pairs` distinct keys.
+fn check_keys(vocab_size: usize, num_pairs: usize, first_key: usize) -> Result<()> {
+    let keys = (vocab_size / 2).saturating_sub(first_key);
+    if keys < num_pairs {
+        return Err(Error::config(
+            "mqar.vocab_size",
+            format!(
+                "vocab_size {vocab_size} leaves {keys} distinct keys in [{first_key}, {}), fewer \
+                 than num_pairs {num_pairs}; need vocab_size ≥ {}",
+                vocab_size / 2,
+                2 * (num_pairs + first_key)
+            ),
+        ));
+    }
+    Ok(())
+}
+
 impl Task for Mqar {
     fn vocab_size(&self) -> usize {
         self.vocab_size
@@ -206,7 +242,7 @@ impl Task for Mqar {
     fn fill_sequence(&self, rng: &mut SeededRng, inputs: &mut [i64], targets: &mut [i64]) {
         let pairs = self.num_pairs;
         let half = self.vocab_size / 2;
-        let keys = rng.distinct(1, half, pairs);
+        let keys = rng.distinct(self.filler.first_key(), half, pairs);
         let values = rng.distinct(half, self.vocab_size, pairs);
         let context = 2 * pairs;
         let gaps = self.sample_gaps(rng, (self.seq_len - context) / 2, pairs);
@@ -227,7 +263,8 @@ impl Task for Mqar {
         let filler_range = match self.filler {
             MqarFiller::Random => Some(0..self.vocab_size),
             MqarFiller::Values => Some(half..self.vocab_size),
-            MqarFiller::Pad => None,
+            MqarFiller::Reserved(n) if n > 1 => Some(0..n),
+            MqarFiller::Pad | MqarFiller::Reserved(_) => None,
         };
         if let Some(range) = filler_range {
             for (pos, x) in inputs.iter_mut().enumerate().skip(context) {

@@ -25,7 +25,12 @@ fn check_mqar_sequence(task: &Mqar, x: &[i64], y: &[i64]) -> Vec<usize> {
     let mut value_of = HashMap::new();
     for i in 0..pairs {
         let (k, v) = (x[2 * i], x[2 * i + 1]);
-        assert!((1..half).contains(&k), "key {k} outside [1, {half})");
+        assert!(
+            task.key_range().contains(&k),
+            "key {k} outside {:?}",
+            task.key_range()
+        );
+        assert!(k >= 1 && k < half, "key {k} outside [1, {half})");
         assert!((half..task.vocab_size() as i64).contains(&v), "value {v}");
         assert!(value_of.insert(k, v).is_none(), "key {k} repeated");
         assert_eq!(y[2 * i], IGNORE_INDEX);
@@ -40,6 +45,11 @@ fn check_mqar_sequence(task: &Mqar, x: &[i64], y: &[i64]) -> Vec<usize> {
                 MqarFiller::Values => assert!(
                     (half..task.vocab_size() as i64).contains(&x[t]),
                     "filler {} at {t} outside the value range",
+                    x[t]
+                ),
+                MqarFiller::Reserved(n) => assert!(
+                    (0..n as i64).contains(&x[t]),
+                    "filler {} at {t} outside the {n} reserved tokens",
                     x[t]
                 ),
                 MqarFiller::Random => {}
@@ -69,7 +79,12 @@ fn mqar_sequences_have_the_zoology_structure() {
         Mqar::new(64, 37, 9).unwrap(),
         Mqar::new(64, 48, 6)
             .unwrap()
-            .with_filler(MqarFiller::Values),
+            .with_filler(MqarFiller::Values)
+            .unwrap(),
+        Mqar::new(64, 60, 8)
+            .unwrap()
+            .with_filler(MqarFiller::Reserved(6))
+            .unwrap(),
         Mqar::new(MQAR_VOCAB, 64, 4).unwrap(),
         Mqar::new(300, 100, 12).unwrap().with_power_a(1.0).unwrap(),
     ];
@@ -85,6 +100,30 @@ fn mqar_sequences_have_the_zoology_structure() {
         }
         assert_eq!(batch.scored(), 6 * task.num_pairs());
     }
+}
+
+#[test]
+fn reserved_filler_uses_every_reserved_token_and_no_key() {
+    let task = Mqar::new(256, 256, 16)
+        .unwrap()
+        .with_filler(MqarFiller::Reserved(8))
+        .unwrap();
+    assert_eq!(task.key_range(), 8..128);
+    let batch = task.sample_batch(4, &mut SeededRng::new(3));
+    let mut counts = [0usize; 8];
+    for (x, y) in rows(&batch) {
+        check_mqar_sequence(&task, x, y);
+        for (t, &tok) in x.iter().enumerate().skip(32) {
+            if y[t] == IGNORE_INDEX {
+                counts[tok as usize] += 1;
+            }
+        }
+    }
+    // 4 × (224 − 16) filler positions over 8 tokens: about 104 each.
+    assert!(
+        counts.iter().all(|&c| c > 60 && c < 150),
+        "filler counts {counts:?}"
+    );
 }
 
 #[test]
@@ -166,6 +205,22 @@ fn impossible_settings_are_errors_naming_the_values() {
         Mqar::new(64, 64, 4).unwrap().with_power_a(0.0),
         &["power_a", "got 0"],
     );
+    config_error(
+        Mqar::new(64, 64, 4)
+            .unwrap()
+            .with_filler(MqarFiller::Reserved(0)),
+        &["filler", "n = 0"],
+    );
+    config_error(
+        Mqar::new(64, 64, 8)
+            .unwrap()
+            .with_filler(MqarFiller::Reserved(25)),
+        &["7 distinct keys in [25, 32)", "num_pairs 8", "66"],
+    );
+    assert!(Mqar::new(64, 64, 8)
+        .unwrap()
+        .with_filler(MqarFiller::Reserved(24))
+        .is_ok());
     config_error(Palindrome::new(2, 8), &["vocab_size", "got 2"]);
     config_error(Palindrome::new(10, 0), &["length", "got 0"]);
     config_error(ByteLm::new(&b"abc"[..], 3), &["at least 4 bytes", "got 3"]);
