@@ -78,6 +78,15 @@ enum Filler {
     Reserved,
 }
 
+/// `--filler-tokens`, or its default: 3/8 of the vocabulary, leaving at least `pairs` keys.
+fn reserved_tokens(args: &Args) -> usize {
+    args.filler_tokens.unwrap_or_else(|| {
+        (3 * args.vocab / 8)
+            .min((args.vocab / 2).saturating_sub(args.pairs))
+            .max(1)
+    })
+}
+
 impl Filler {
     fn mqar(self, reserved_tokens: usize) -> MqarFiller {
         match self {
@@ -130,8 +139,10 @@ struct Args {
     #[arg(long, value_enum, default_value_t = Filler::Pad)]
     filler: Filler,
     /// MQAR: how many reserved tokens `--filler reserved` draws from (keys then start there).
-    #[arg(long, default_value_t = 16)]
-    filler_tokens: usize,
+    /// Default: 3/8 of the vocabulary (96 of 256: 32 keys remain), at most what leaves --pairs
+    /// keys.
+    #[arg(long)]
+    filler_tokens: Option<usize>,
     /// MQAR: the fraction of the steps trained first on the shortest sequences that hold the
     /// pairs (4·pairs tokens), with proportionally more sequences per step (the same tokens per
     /// step, four times the scored queries per token at 256/16). The test set keeps --seq-len.
@@ -147,6 +158,9 @@ struct Args {
     /// Load balancer of the MoE layers.
     #[arg(long, value_enum, default_value_t = Balancer::Qb)]
     balancer: Balancer,
+    /// QB histogram bins (SPEC §3 default: 1000).
+    #[arg(long, default_value_t = 1000)]
+    qb_bins: usize,
     /// Optimiser.
     #[arg(long, value_enum, default_value_t = Optimiser::Muon)]
     optimiser: Optimiser,
@@ -195,7 +209,7 @@ fn make_task(args: &Args) -> Result<Box<dyn Task>, String> {
         TaskKind::Mqar => Box::new(
             Mqar::new(args.vocab, args.seq_len, args.pairs)
                 .map_err(|e| e.to_string())?
-                .with_filler(args.filler.mqar(args.filler_tokens))
+                .with_filler(args.filler.mqar(reserved_tokens(args)))
                 .map_err(|e| e.to_string())?,
         ),
         TaskKind::Palindrome => {
@@ -234,7 +248,7 @@ fn short_phase(args: &Args) -> Result<Option<ShortPhase>, String> {
     let short_len = 4 * args.pairs;
     let task = Mqar::new(args.vocab, short_len, args.pairs)
         .map_err(|e| e.to_string())?
-        .with_filler(args.filler.mqar(args.filler_tokens))
+        .with_filler(args.filler.mqar(reserved_tokens(args)))
         .map_err(|e| e.to_string())?;
     let batch = (args.batch * args.seq_len).div_ceil(short_len);
     Ok(Some(ShortPhase {
@@ -253,7 +267,7 @@ fn model_config(args: &Args, vocab: usize) -> Result<KimiConfig, String> {
         Pattern::Mla => (0..c.num_hidden_layers).collect(),
     };
     c.moe.balancer = match args.balancer {
-        Balancer::Qb => BalancerKind::quantile(),
+        Balancer::Qb => BalancerKind::Quantile { bins: args.qb_bins },
         Balancer::Sign => BalancerKind::Sign { gamma: 1e-3 },
         Balancer::None => BalancerKind::None,
     };
@@ -308,6 +322,16 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
         args.balancer,
         args.optimiser
     );
+    if args.task == TaskKind::Mqar {
+        let filler = match args.filler {
+            Filler::Reserved => format!("reserved filler ({} tokens)", reserved_tokens(args)),
+            other => format!("{other:?} filler").to_lowercase(),
+        };
+        println!(
+            "MQAR: vocabulary {}, {} tokens, {} pairs, {filler}; batch {}, {} steps, lr {}",
+            args.vocab, args.seq_len, args.pairs, args.batch, args.steps, args.lr
+        );
+    }
     let bar = ProgressBar::new(args.steps as u64);
     bar.set_style(
         ProgressStyle::with_template(

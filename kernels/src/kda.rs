@@ -273,10 +273,10 @@ pub fn init_state(src: &Array<f32>, out: &mut Array<f32>, len: usize, #[comptime
 }
 
 /// Value columns per cube of [`kda_chunk_state`]: its shared state tile `[k, vt]` and `Vn` tile
-/// `[chunk, vt]` (f32) stay within 24 KiB.
+/// `[chunk, vt]` (f32) stay within 16 KiB.
 pub fn chunk_state_columns(k: usize, chunk: usize) -> usize {
     let mut vt = 32;
-    while vt > 4 && (k + chunk) * vt * 4 > 24 * 1024 {
+    while vt > 4 && (k + chunk) * vt * 4 > 16 * 1024 {
         vt /= 2;
     }
     vt

@@ -344,7 +344,7 @@ mod chunked {
     /// (tensor ops, same backend) on the SPEC §4.5 grid: T ∈ {1, 63, 64, 65, 160}, K and V in
     /// {32, 60, 64, 128}, every gate law (−1000 gates, safe gate), random initial state.
     #[test]
-    #[ignore = "issue #7: the chunked kernels are not dispatched yet (wrong for K >= 127 from the third chunk on)"]
+    #[ignore = "issue #7: the chunked kernels are not dispatched yet (K = 128, T = 160: the final state is wrong)"]
     fn matches_naive_and_reference_on_the_spec_grid() {
         let device = Default::default();
         let cases = [
@@ -375,7 +375,7 @@ mod chunked {
     /// Packed sequences of lengths 1, 15, 63, 64, 65, 130 against per-sequence naive runs (SPEC
     /// §4.4), per-sequence initial and final states.
     #[test]
-    #[ignore = "issue #7: the chunked kernels are not dispatched yet (wrong for K >= 127 from the third chunk on)"]
+    #[ignore = "issue #7: the chunked kernels are not dispatched yet (K = 128, T = 160: the final state is wrong)"]
     fn packed_sequences() {
         let device = Default::default();
         let lens = [1usize, 15, 63, 64, 65, 130];
@@ -400,7 +400,7 @@ mod chunked {
 
     /// Same input twice: bit-identical output and state.
     #[test]
-    #[ignore = "issue #7: the chunked kernels are not dispatched yet (wrong for K >= 127 from the third chunk on)"]
+    #[ignore = "issue #7: the chunked kernels are not dispatched yet (K = 128, T = 160: the final state is wrong)"]
     fn repeatable_bit_for_bit() {
         let device = Default::default();
         let x = Inputs::<Gpu>::new(
@@ -419,7 +419,7 @@ mod chunked {
 
     /// Tracked inputs take the reference path (no fused backward yet) and get gradients.
     #[test]
-    #[ignore = "issue #7: the chunked kernels are not dispatched yet (wrong for K >= 127 from the third chunk on)"]
+    #[ignore = "issue #7: the chunked kernels are not dispatched yet (K = 128, T = 160: the final state is wrong)"]
     fn tracked_inputs_take_the_reference_path() {
         let device = Default::default();
         let x = Inputs::<GpuAd>::new(&mut rng(11), [1, 20, 1, 32, 32], 1, Gates::Safe, &device);
@@ -441,7 +441,7 @@ mod chunked {
 
     /// f16 / bf16 q, k, v against the f32 naive recurrence of the rounded inputs (5e-3).
     #[test]
-    #[ignore = "issue #7: the chunked kernels are not dispatched yet (wrong for K >= 127 from the third chunk on)"]
+    #[ignore = "issue #7: the chunked kernels are not dispatched yet (K = 128, T = 160: the final state is wrong)"]
     fn half_storage() {
         let device = Default::default();
         let x = Inputs::<Gpu>::new(&mut rng(12), [1, 70, 2, 32, 32], 1, Gates::Safe, &device);

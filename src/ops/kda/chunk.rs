@@ -79,8 +79,9 @@ pub(crate) fn chunk_kda_inner<B: Backend>(
         ));
     }
     let p = prepare(q, k, v, g, beta, opts, check_gates)?;
-    // The chunked kernels (`KdaKernels::kda_chunk_forward`) are not dispatched yet: they fail the
-    // SPEC §4.5 grid for K ≥ 127 from the third chunk on (issue #7, under investigation).
+    // The chunked kernels (`KdaKernels::kda_chunk_forward`) are not dispatched yet: on the SPEC
+    // §4.5 grid their output is right but the final state is wrong at K = 128, T = 160 (three
+    // chunks; issue #7, under investigation).
     fused::record(FusedOp::KdaChunk, KernelPath::Reference);
     Ok(run(p, c))
 }
