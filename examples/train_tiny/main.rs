@@ -124,7 +124,7 @@ struct Args {
     #[arg(long, value_enum, default_value_t = TaskKind::Mqar)]
     task: TaskKind,
     /// Optimiser steps.
-    #[arg(long, default_value_t = 600)]
+    #[arg(long, default_value_t = 560)]
     steps: usize,
     /// Sequences per step.
     #[arg(long, default_value_t = 16)]
@@ -136,7 +136,7 @@ struct Args {
     #[arg(long, default_value_t = 16)]
     pairs: usize,
     /// MQAR: what fills the positions that are neither pairs nor queries.
-    #[arg(long, value_enum, default_value_t = Filler::Pad)]
+    #[arg(long, value_enum, default_value_t = Filler::Reserved)]
     filler: Filler,
     /// MQAR: how many reserved tokens `--filler reserved` draws from (keys then start there).
     /// Default: 3/8 of the vocabulary (96 of 256: 32 keys remain), at most what leaves --pairs

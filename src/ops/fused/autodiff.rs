@@ -12,7 +12,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 
 use super::{
     record, FusedActivation, FusedOp, HistogramSpec, KernelPath, MoeExpertsGrads, MoeExpertsInput,
-    MoeKernels,
+    MoeKernels, MoeSaved,
 };
 
 /// SiTU-GLU without a routing weight: parents `[gate, up]`.
@@ -85,6 +85,7 @@ struct MoeState<B: MoeKernels> {
     nodes: [NodeId; 5],
     indices: IntTensor<B>,
     valid: Option<IntTensor<B>>,
+    saved: Option<MoeSaved<B>>,
 }
 
 impl<B: MoeKernels> Backward<B, 5> for MoeBackward {
@@ -111,7 +112,7 @@ impl<B: MoeKernels> Backward<B, 5> for MoeBackward {
             w2,
             activation: self.0,
         };
-        let g = B::moe_experts_backward(input, grad);
+        let g = B::moe_experts_backward(input, grad, ops.state.saved);
         record(FusedOp::MoeExpertsBackward, KernelPath::Kernel);
         let [n_input, n_weights, n_w1, n_w3, n_w2] = ops.parents;
         for (node, grad) in [
@@ -248,12 +249,14 @@ impl<B: MoeKernels, C: CheckpointStrategy> MoeKernels for Autodiff<B, C> {
         match prep {
             OpsKind::Tracked(mut prep) => {
                 let nodes = floats.map(|t| prep.checkpoint(t));
+                let (out, saved) = B::moe_experts_saving(inner);
                 let state = MoeState {
                     nodes,
                     indices: input.indices,
                     valid: input.valid,
+                    saved,
                 };
-                prep.finish(state, B::moe_experts(inner))
+                prep.finish(state, out)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::moe_experts(inner)),
         }
@@ -262,7 +265,12 @@ impl<B: MoeKernels, C: CheckpointStrategy> MoeKernels for Autodiff<B, C> {
     fn moe_experts_backward(
         input: MoeExpertsInput<Self>,
         grad: FloatTensor<Self>,
+        saved: Option<MoeSaved<Self>>,
     ) -> MoeExpertsGrads<Self> {
+        let saved = saved.map(|s| MoeSaved::<B> {
+            gate: Self::inner(s.gate),
+            up: Self::inner(s.up),
+        });
         let inner = MoeExpertsInput::<B> {
             input: Self::inner(input.input),
             indices: input.indices,
@@ -273,7 +281,7 @@ impl<B: MoeKernels, C: CheckpointStrategy> MoeKernels for Autodiff<B, C> {
             w2: Self::inner(input.w2),
             activation: input.activation,
         };
-        let g = B::moe_experts_backward(inner, Self::inner(grad));
+        let g = B::moe_experts_backward(inner, Self::inner(grad), saved);
         MoeExpertsGrads {
             input: Self::from_inner(g.input),
             weights: Self::from_inner(g.weights),

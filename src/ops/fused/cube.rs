@@ -11,7 +11,9 @@ use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, tensor_vector_size_parallel, CubeCount, CubeDim};
 use kimi_burn_kernels::{moe as kmoe, qb_histogram as kqb, situ as ksitu};
 
-use super::{FusedActivation, HistogramSpec, MoeExpertsGrads, MoeExpertsInput, MoeKernels};
+use super::{
+    FusedActivation, HistogramSpec, MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved,
+};
 
 type T<R> = CubeTensor<R>;
 
@@ -551,30 +553,42 @@ fn moe_input_cast<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
     }
 }
 
-fn moe_forward<R: CubeRuntime>(input: MoeExpertsInput<CubeBackendOf<R>>) -> T<R> {
+/// The routed experts' forward; also returns the gate and up projections (sorted pairs).
+fn moe_forward<R: CubeRuntime>(input: MoeExpertsInput<CubeBackendOf<R>>) -> (T<R>, T<R>, T<R>) {
     let ex = experts(&input);
     let plan = plan(input.indices, input.valid, input.weights, ex.n);
     let g = grouped_matmul(&ex.h, &ex.w1, &plan, true, false, None, ex.width, ex.hidden);
     let u = grouped_matmul(&ex.h, &ex.w3, &plan, true, false, None, ex.width, ex.hidden);
-    let act = situ_forward(g, u, Some(plan.sorted_weight.clone()), input.activation);
+    let act = situ_forward(
+        g.clone(),
+        u.clone(),
+        Some(plan.sorted_weight.clone()),
+        input.activation,
+    );
     let y = grouped_matmul(&act, &ex.w2, &plan, false, false, None, ex.hidden, ex.width);
-    combine(&y, &plan, ex.width)
+    (combine(&y, &plan, ex.width), g, u)
 }
 
 fn moe_backward<R: CubeRuntime>(
     input: MoeExpertsInput<CubeBackendOf<R>>,
     grad: T<R>,
+    saved: Option<(T<R>, T<R>)>,
 ) -> MoeExpertsGrads<CubeBackendOf<R>> {
     let ex = experts(&input);
     let weights_dtype = input.weights.dtype;
     let w_dtype = input.w1.dtype;
     let grad = contiguous_as(grad, ex.h.dtype);
-    // The plan and the gate/up projections are recomputed rather than kept from the forward:
-    // holding them would cost 2·pairs·m_e activations per layer until the backward.
+    // The plan is recomputed (a few small launches); the gate/up projections come from the
+    // forward when it kept them (autodiff does), and are recomputed otherwise.
     let plan = plan(input.indices, input.valid, input.weights, ex.n);
     let (n, l, me) = (ex.n, ex.width, ex.hidden);
-    let g = grouped_matmul(&ex.h, &ex.w1, &plan, true, false, None, l, me);
-    let u = grouped_matmul(&ex.h, &ex.w3, &plan, true, false, None, l, me);
+    let (g, u) = match saved {
+        Some((g, u)) => (contiguous_as(g, ex.h.dtype), contiguous_as(u, ex.h.dtype)),
+        None => (
+            grouped_matmul(&ex.h, &ex.w1, &plan, true, false, None, l, me),
+            grouped_matmul(&ex.h, &ex.w3, &plan, true, false, None, l, me),
+        ),
+    };
     // dAct = dY·W2[e]ᵀ, with the rows of dY gathered from the token gradients.
     let d_act = grouped_matmul(&grad, &ex.w2, &plan, true, true, None, l, me);
     let act = situ_forward(
@@ -653,11 +667,21 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> MoeKernels
     }
 
     fn moe_experts(input: MoeExpertsInput<Self>) -> T<R> {
-        moe_forward(moe_input_cast(&input))
+        moe_forward(moe_input_cast(&input)).0
     }
 
-    fn moe_experts_backward(input: MoeExpertsInput<Self>, grad: T<R>) -> MoeExpertsGrads<Self> {
-        let g = moe_backward(moe_input_cast(&input), grad);
+    fn moe_experts_saving(input: MoeExpertsInput<Self>) -> (T<R>, Option<MoeSaved<Self>>) {
+        let (out, gate, up) = moe_forward(moe_input_cast(&input));
+        (out, Some(MoeSaved { gate, up }))
+    }
+
+    fn moe_experts_backward(
+        input: MoeExpertsInput<Self>,
+        grad: T<R>,
+        saved: Option<MoeSaved<Self>>,
+    ) -> MoeExpertsGrads<Self> {
+        let saved = saved.map(|s| (s.gate, s.up));
+        let g = moe_backward(moe_input_cast(&input), grad, saved);
         MoeExpertsGrads {
             input: g.input,
             weights: g.weights,

@@ -108,6 +108,18 @@ pub struct MoeExpertsInput<B: Backend> {
     pub activation: FusedActivation,
 }
 
+/// What the forward of the routed experts keeps for its backward
+/// ([`MoeKernels::moe_experts_saving`]): the gate and up projections of every dispatched pair, in
+/// the expert-sorted order of the dispatch (`[pairs, m_e]` each). Keeping them costs what the
+/// reference path's autodiff keeps anyway and saves the backward two of its grouped matmuls.
+#[derive(Debug, Clone)]
+pub struct MoeSaved<B: Backend> {
+    /// `h·W1[e]` per sorted pair.
+    pub gate: FloatTensor<B>,
+    /// `h·W3[e]` per sorted pair.
+    pub up: FloatTensor<B>,
+}
+
 /// The gradients of [`MoeKernels::moe_experts`] with respect to its float inputs.
 #[derive(Debug, Clone)]
 pub struct MoeExpertsGrads<B: Backend> {
@@ -174,11 +186,22 @@ pub trait MoeKernels: Backend {
     /// masked tokens). Differentiable in `input`, `weights`, `w1`, `w3`, `w2` on autodiff backends.
     fn moe_experts(input: MoeExpertsInput<Self>) -> FloatTensor<Self>;
 
+    /// [`moe_experts`](Self::moe_experts), also handing back what the backward can reuse instead
+    /// of recomputing it (the autodiff wiring keeps it until the backward). The default keeps
+    /// nothing.
+    fn moe_experts_saving(
+        input: MoeExpertsInput<Self>,
+    ) -> (FloatTensor<Self>, Option<MoeSaved<Self>>) {
+        (Self::moe_experts(input), None)
+    }
+
     /// The fused backward of [`moe_experts`](Self::moe_experts) for the output gradient
-    /// `grad: [m, ℓ]`. Not differentiable itself.
+    /// `grad: [m, ℓ]`, reusing `saved` from [`moe_experts_saving`](Self::moe_experts_saving)
+    /// when given (recomputing it otherwise). Not differentiable itself.
     fn moe_experts_backward(
         input: MoeExpertsInput<Self>,
         grad: FloatTensor<Self>,
+        saved: Option<MoeSaved<Self>>,
     ) -> MoeExpertsGrads<Self>;
 }
 

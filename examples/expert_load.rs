@@ -1,0 +1,115 @@
+//! Routes held-out MQAR batches through a checkpoint written by `train_tiny` and prints the
+//! per-batch expert load of every MoE layer, with the balance biases frozen (inference), for a
+//! few batch sizes: how much of a training run's max violation is batch-to-batch noise.
+//!
+//! ```text
+//! cargo run --release --example expert_load -- runs/train_tiny
+//! cargo run --release --example expert_load -- runs/e1 --vocab 512 --filler-tokens 192
+//! ```
+
+use std::path::PathBuf;
+
+use burn::backend::NdArray;
+use clap::Parser;
+use kimi_burn::data::{Mqar, MqarFiller, SeededRng, Task};
+use kimi_burn::model::KimiForCausalLM;
+use kimi_burn::nn::MoeStats;
+use kimi_burn::KimiConfig;
+
+/// Expert load of a trained checkpoint on held-out MQAR batches.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// A `train_tiny` output folder (`config.json` and `model.safetensors`).
+    run: PathBuf,
+    /// MQAR vocabulary (must match the run).
+    #[arg(long, default_value_t = 256)]
+    vocab: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 256)]
+    seq_len: usize,
+    /// Key-value pairs per sequence.
+    #[arg(long, default_value_t = 16)]
+    pairs: usize,
+    /// Reserved filler tokens (as `train_tiny --filler reserved --filler-tokens`).
+    #[arg(long, default_value_t = 96)]
+    filler_tokens: usize,
+    /// Held-out sequences per batch size.
+    #[arg(long, default_value_t = 256)]
+    sequences: usize,
+    /// Batch sizes to measure.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![16usize, 64])]
+    batches: Vec<usize>,
+    /// Data seed (the run's test set uses another stream).
+    #[arg(long, default_value_t = 77)]
+    seed: u64,
+}
+
+fn main() {
+    if let Err(msg) = run(&Args::parse()) {
+        eprintln!("error: {msg}");
+        std::process::exit(2);
+    }
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    type B = NdArray<f32>;
+    let device = Default::default();
+    let config =
+        KimiConfig::from_hf_config(args.run.join("config.json")).map_err(|e| e.to_string())?;
+    let model = KimiForCausalLM::<B>::from_safetensors(
+        &config,
+        args.run.join("model.safetensors"),
+        &device,
+    )
+    .map_err(|e| e.to_string())?;
+    let task = Mqar::new(args.vocab, args.seq_len, args.pairs)
+        .and_then(|t| t.with_filler(MqarFiller::Reserved(args.filler_tokens)))
+        .map_err(|e| e.to_string())?;
+    if task.vocab_size() > config.vocab_size {
+        return Err(format!(
+            "--vocab {} exceeds the model's vocabulary {}",
+            args.vocab, config.vocab_size
+        ));
+    }
+    let mut rng = SeededRng::new(args.seed);
+    println!(
+        "MoE layer, batch: per-batch max violation mean / max; all batches pooled; loads pooled"
+    );
+    for &batch in &args.batches {
+        if batch == 0 || batch > args.sequences {
+            return Err(format!(
+                "batch sizes must lie in 1..={}, got {batch}",
+                args.sequences
+            ));
+        }
+        let mut per_batch: Vec<Vec<f32>> = Vec::new();
+        let mut pooled: Vec<Vec<u64>> = Vec::new();
+        for _ in 0..args.sequences / batch {
+            let data = task.sample_batch(batch, &mut rng);
+            let (ids, _) = data.to_tensors::<B>(&device);
+            let out = model.forward_with_stats(ids).map_err(|e| e.to_string())?;
+            per_batch.resize(out.moe_stats.len(), Vec::new());
+            pooled.resize(out.moe_stats.len(), Vec::new());
+            for (l, stats) in out.moe_stats.iter().enumerate() {
+                per_batch[l].push(stats.max_violation);
+                let loads = &mut pooled[l];
+                loads.resize(stats.tokens_per_expert.len(), 0);
+                loads
+                    .iter_mut()
+                    .zip(&stats.tokens_per_expert)
+                    .for_each(|(a, b)| *a += b);
+            }
+        }
+        for (l, (v, loads)) in per_batch.iter().zip(&pooled).enumerate() {
+            let mean = v.iter().sum::<f32>() / v.len() as f32;
+            let max = v.iter().copied().fold(0.0f32, f32::max);
+            let all = MoeStats::from_loads(loads.clone());
+            println!(
+                "moe{l}, batch {batch}: {mean:.3} / {max:.3}; pooled {:.3}; {loads:?}",
+                all.max_violation
+            );
+        }
+    }
+    Ok(())
+}
