@@ -124,7 +124,7 @@ struct Args {
     #[arg(long, value_enum, default_value_t = TaskKind::Mqar)]
     task: TaskKind,
     /// Optimiser steps.
-    #[arg(long, default_value_t = 560)]
+    #[arg(long, default_value_t = 600)]
     steps: usize,
     /// Sequences per step.
     #[arg(long, default_value_t = 16)]
