@@ -128,10 +128,15 @@ pub fn write_plots(dir: &Path, rows: &[Row], labels: bool) -> Result<(), String>
     for (l, (v, d)) in names.iter().enumerate() {
         let c = COLORS[l % COLORS.len()];
         series.push((v.as_str(), c, pts(&|r| r.load[l].0)));
+        series.push((d.as_str(), lighter(c), pts(&|r| r.load[l].1 as f64)));
+    }
+    if layers > 0 {
+        // The balance target of the training-run check: max violation below 0.3.
+        let last = rows.last().map_or(1.0, |r| r.step as f64);
         series.push((
-            d.as_str(),
-            c.mix(0.5).to_rgba().into_rgb(),
-            pts(&|r| r.load[l].1 as f64),
+            "max violation 0.3",
+            BLACK,
+            vec![(0.0, MAX_VIOLATION_TARGET), (last, MAX_VIOLATION_TARGET)],
         ));
     }
     chart(
@@ -143,12 +148,11 @@ pub fn write_plots(dir: &Path, rows: &[Row], labels: bool) -> Result<(), String>
     )
 }
 
-trait IntoRgb {
-    fn into_rgb(self) -> RGBColor;
-}
+/// The reference line drawn on the expert-load plot.
+const MAX_VIOLATION_TARGET: f64 = 0.3;
 
-impl IntoRgb for RGBAColor {
-    fn into_rgb(self) -> RGBColor {
-        RGBColor(self.0, self.1, self.2)
-    }
+/// `c` halfway to white: the dead-expert line of a layer next to its violation line.
+fn lighter(c: RGBColor) -> RGBColor {
+    let half = |x: u8| ((x as u16 + 255) / 2) as u8;
+    RGBColor(half(c.0), half(c.1), half(c.2))
 }
