@@ -164,12 +164,7 @@ fn bench_gpu_experts<G: burn::tensor::backend::Backend>(
     let weights =
         Tensor::<GAd<G>, 2>::random([tokens, k], Distribution::Uniform(0.1, 0.5), &device)
             .require_grad();
-    let activation = match experts[0].activation {
-        kimi_burn::nn::GluActivation::Situ { beta1, beta2 } => {
-            FusedActivation::Situ { beta1, beta2 }
-        }
-        kimi_burn::nn::GluActivation::SwiGlu => FusedActivation::SwiGlu,
-    };
+    let activation = FusedActivation::from(experts[0].activation);
     let stacked = || StackedExperts {
         w1: Tensor::stack::<3>(experts.iter().map(|e| e.w1.weight.val()).collect(), 0),
         w3: Tensor::stack::<3>(experts.iter().map(|e| e.w3.weight.val()).collect(), 0),

@@ -158,9 +158,9 @@ struct Args {
     /// Load balancer of the MoE layers.
     #[arg(long, value_enum, default_value_t = Balancer::Qb)]
     balancer: Balancer,
-    /// QB histogram bins (SPEC §3 default: 1000).
-    #[arg(long, default_value_t = 1000)]
-    qb_bins: usize,
+    /// QB histogram bins (default 1000, SPEC §3).
+    #[arg(long)]
+    qb_bins: Option<usize>,
     /// Optimiser.
     #[arg(long, value_enum, default_value_t = Optimiser::Muon)]
     optimiser: Optimiser,
@@ -267,7 +267,9 @@ fn model_config(args: &Args, vocab: usize) -> Result<KimiConfig, String> {
         Pattern::Mla => (0..c.num_hidden_layers).collect(),
     };
     c.moe.balancer = match args.balancer {
-        Balancer::Qb => BalancerKind::Quantile { bins: args.qb_bins },
+        Balancer::Qb => BalancerKind::Quantile {
+            bins: args.qb_bins.unwrap_or(1000),
+        },
         Balancer::Sign => BalancerKind::Sign { gamma: 1e-3 },
         Balancer::None => BalancerKind::None,
     };
@@ -293,6 +295,17 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
     }
     if !(args.lr.is_finite() && args.lr > 0.0) {
         return Err(format!("--lr must be finite and positive, got {}", args.lr));
+    }
+    if args.filler_tokens.is_some()
+        && (args.task != TaskKind::Mqar || args.filler != Filler::Reserved)
+    {
+        return Err("--filler-tokens only applies to --task mqar with --filler reserved".into());
+    }
+    if let (Some(bins), false) = (args.qb_bins, matches!(args.balancer, Balancer::Qb)) {
+        return Err(format!(
+            "--qb-bins {bins} only applies to --balancer qb, got --balancer {:?}",
+            args.balancer
+        ));
     }
     let task = make_task(args)?;
     let short = short_phase(args)?;

@@ -329,10 +329,7 @@ impl<B: Backend> LatentMoe<B> {
         if !uniform || !fused_available::<B>() {
             return None;
         }
-        let activation = match first.activation {
-            GluActivation::Situ { beta1, beta2 } => FusedActivation::Situ { beta1, beta2 },
-            GluActivation::SwiGlu => FusedActivation::SwiGlu,
-        };
+        let activation = FusedActivation::from(first.activation);
         let stack = |f: fn(&SituGlu<B>) -> &Linear<B>| {
             Tensor::stack::<3>(self.experts.iter().map(|e| f(e).weight.val()).collect(), 0)
         };

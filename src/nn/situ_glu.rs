@@ -23,6 +23,16 @@ pub enum GluActivation {
     SwiGlu,
 }
 
+/// The same activation as the fused kernels name it.
+impl From<GluActivation> for crate::ops::fused::FusedActivation {
+    fn from(a: GluActivation) -> Self {
+        match a {
+            GluActivation::Situ { beta1, beta2 } => Self::Situ { beta1, beta2 },
+            GluActivation::SwiGlu => Self::SwiGlu,
+        }
+    }
+}
+
 impl Default for GluActivation {
     fn default() -> Self {
         Self::situ()

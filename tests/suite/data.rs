@@ -25,12 +25,16 @@ fn check_mqar_sequence(task: &Mqar, x: &[i64], y: &[i64]) -> Vec<usize> {
     let mut value_of = HashMap::new();
     for i in 0..pairs {
         let (k, v) = (x[2 * i], x[2 * i + 1]);
+        // Keys never take a filler-only token: [n, V/2) with n reserved tokens, else [1, V/2).
+        let first = match task.filler() {
+            MqarFiller::Reserved(n) => n as i64,
+            _ => 1,
+        };
         assert!(
-            task.key_range().contains(&k),
-            "key {k} outside {:?}",
-            task.key_range()
+            (first..half).contains(&k),
+            "key {k} outside [{first}, {half})"
         );
-        assert!(k >= 1 && k < half, "key {k} outside [1, {half})");
+        assert_eq!(task.key_range(), first..half);
         assert!((half..task.vocab_size() as i64).contains(&v), "value {v}");
         assert!(value_of.insert(k, v).is_none(), "key {k} repeated");
         assert_eq!(y[2 * i], IGNORE_INDEX);
