@@ -20,6 +20,33 @@ pub fn recurrent_columns(k: usize) -> usize {
     }
 }
 
+/// Loop iterations one unit of a sequential KDA kernel may run per launch.
+///
+/// Mesa's software rasteriser (llvmpipe, and lavapipe, its Vulkan driver) stops every loop of a
+/// shader invocation once the invocation has run 65 535 loop iterations in total, silently: the
+/// kernel carries on with wrong values. The sequential kernels ([`kda_recurrent`],
+/// [`kda_chunk_state`]) keep their state in global memory between launches, so the host splits
+/// long inputs into windows of tokens or chunks that stay well under that limit (half of it).
+/// On GPUs this only adds a launch per window (a few per 10⁴ tokens for the chunked kernel).
+pub const LOOP_BUDGET: usize = 32_768;
+
+/// Tokens per launch of [`kda_recurrent`] (see [`LOOP_BUDGET`]): each token runs two loops over
+/// `kdim` and one strided load loop.
+pub fn recurrent_window(kdim: usize, vt: usize) -> usize {
+    let per_token = 2 * kdim + kdim.div_ceil(vt) + 2;
+    (LOOP_BUDGET / per_token).max(1)
+}
+
+/// Chunks per launch of [`kda_chunk_state`] (see [`LOOP_BUDGET`]) for chunks of `chunk` tokens
+/// and a state tile `[kdim, vt]`.
+pub fn chunk_state_window(kdim: usize, vt: usize, chunk: usize) -> usize {
+    let cube = STATE_CUBE as usize;
+    let v_rounds = (chunk * vt).div_ceil(cube);
+    let s_rounds = (kdim * vt).div_ceil(cube);
+    let per_chunk = v_rounds * (2 * kdim + chunk + 2) + s_rounds * (chunk + 1) + 1;
+    (LOOP_BUDGET / per_chunk).max(1)
+}
+
 /// The KDA recurrence (SPEC §4.1), state in f32 and on chip, per sequence, head and tile of
 /// value columns:
 ///
@@ -32,7 +59,9 @@ pub fn recurrent_columns(k: usize) -> usize {
 /// updated in place), `out: [tokens, heads, vdim]`.
 ///
 /// Grid `(ceil(vdim / vt), N·heads)`, cubes of `vt` units; unit `u` owns state column
-/// `vt·CUBE_POS_X + u` and the cube shares `q_t`, `k_t`, `exp(g_t)`.
+/// `vt·CUBE_POS_X + u` and the cube shares `q_t`, `k_t`, `exp(g_t)`. One launch covers the
+/// tokens `[window_lo, window_lo + window_len)` of every sequence (counted from its start; see
+/// [`recurrent_window`]); the host launches successive windows.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 pub fn kda_recurrent(
@@ -46,6 +75,8 @@ pub fn kda_recurrent(
     out: &mut Array<f32>,
     heads: usize,
     vdim: usize,
+    window_lo: usize,
+    window_len: usize,
     #[comptime] kdim: usize,
     #[comptime] vt: usize,
 ) {
@@ -67,8 +98,9 @@ pub fn kda_recurrent(
         }
         s[d * vt + u] = x;
     }
-    let start = seq_start[n] as usize;
-    let end = seq_start[n + 1] as usize;
+    let seq_end = seq_start[n + 1] as usize;
+    let start = usize::min(seq_start[n] as usize + window_lo, seq_end);
+    let end = usize::min(start + window_len, seq_end);
     for tok in start..end {
         let row = tok * heads + h;
         // The previous step's reads of sq, sk, sd are done before they are overwritten.
@@ -522,17 +554,23 @@ pub fn kda_chunk_solve(
     }
 }
 
+/// Units per cube of [`kda_chunk_state`].
+pub const STATE_CUBE: u32 = 256;
+
 /// Chunked KDA, step 4 (SPEC §4.3): the sequential pass over the chunks of each sequence, one
-/// cube per (value tile, sequence·head), unit `c` owning state column `vt·CUBE_POS_X + c` in
-/// shared memory (f32) and its column of `Vn`:
+/// cube of [`STATE_CUBE`] units per (value tile, sequence·head) holding the state tile `[kdim, vt]`
+/// (f32) and the tile of `Vn` in shared memory. Per chunk, three phases separated by barriers,
+/// each spreading its entries over the cube:
 ///
 /// ```text
 /// Vn = U − W S;   O = (q ⊙ exp(G)) S + A_qk Vn;   S ← Diag(exp(G_last)) S + (K ⊙ exp(G_last − G))ᵀ Vn
 /// ```
 ///
-/// A unit reads and writes only its own column, so no synchronisation is needed. `seq_chunk:
-/// [N + 1]` gives each sequence's chunk range; `state: [N, heads, kdim, vdim]` holds `S_0` on entry
-/// and `S_T` on exit; `out: [tokens, heads, vdim]`.
+/// Every entry has one writer, so reruns are bit-identical. Columns past `vdim` in the last
+/// tile compute zeros and are not written. `seq_chunk: [N + 1]` gives each sequence's chunk
+/// range; one launch covers its chunks `[window_lo, window_lo + window_len)` (see
+/// [`chunk_state_window`]); `state: [N, heads, kdim, vdim]` holds `S_0` on entry and `S_T` on exit;
+/// `out: [tokens, heads, vdim]`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 pub fn kda_chunk_state(
@@ -549,59 +587,100 @@ pub fn kda_chunk_state(
     out: &mut Array<f32>,
     heads: usize,
     vdim: usize,
+    window_lo: usize,
+    window_len: usize,
     #[comptime] kdim: usize,
     #[comptime] vt: usize,
     #[comptime] chunk: usize,
 ) {
-    let c = UNIT_POS as usize;
-    let col = CUBE_POS_X as usize * vt + c;
+    let unit = UNIT_POS as usize;
+    let col0 = CUBE_POS_X as usize * vt;
     let nh = CUBE_POS_Y as usize;
     let n = nh / heads;
     let h = nh % heads;
-    if col >= vdim {
-        terminate!();
-    }
+    let cube = STATE_CUBE as usize;
+    // Loops over a comptime count of strided entries (`while` loops around these bodies have
+    // miscompiled on lavapipe).
+    let s_rounds = comptime!((kdim * vt).div_ceil(STATE_CUBE as usize));
+    let v_rounds = comptime!((chunk * vt).div_ceil(STATE_CUBE as usize));
     let mut s = SharedMemory::<f32>::new(kdim * vt);
     let mut vn = SharedMemory::<f32>::new(chunk * vt);
     let s_base = nh * kdim * vdim;
-    for d in 0..kdim {
-        s[d * vt + c] = state[s_base + d * vdim + col];
+    for r in 0..s_rounds {
+        let e = r * cube + unit;
+        if e < kdim * vt {
+            let col = col0 + e % vt;
+            let mut x = 0.0f32;
+            if col < vdim {
+                x = state[s_base + (e / vt) * vdim + col];
+            }
+            s[e] = x;
+        }
     }
-    let first = seq_chunk[n] as usize;
-    let last = seq_chunk[n + 1] as usize;
+    sync_cube();
+    let seq_last = seq_chunk[n + 1] as usize;
+    let first = usize::min(seq_chunk[n] as usize + window_lo, seq_last);
+    let last = usize::min(first + window_len, seq_last);
     for ch in first..last {
         let ch_h = ch * heads + h;
         let tok0 = chunk_tok[ch] as usize;
         let len = chunk_len[ch] as usize;
-        for i in 0..len {
-            let mut x = u[(ch_h * chunk + i) * vdim + col];
-            let w_row = (ch_h * chunk + i) * kdim;
-            for d in 0..kdim {
-                x -= w[w_row + d] * s[d * vt + c];
+        for r in 0..v_rounds {
+            let e = r * cube + unit;
+            let i = e / vt;
+            let c = e % vt;
+            if i < len {
+                let col = col0 + c;
+                let mut x = 0.0f32;
+                if col < vdim {
+                    x = u[(ch_h * chunk + i) * vdim + col];
+                }
+                let w_row = (ch_h * chunk + i) * kdim;
+                for d in 0..kdim {
+                    x -= w[w_row + d] * s[d * vt + c];
+                }
+                vn[e] = x;
             }
-            vn[i * vt + c] = x;
         }
-        for i in 0..len {
-            let row = (tok0 + i) * heads + h;
-            let mut o = 0.0f32;
-            for d in 0..kdim {
-                o += qe[row * kdim + d] * s[d * vt + c];
+        sync_cube();
+        for r in 0..v_rounds {
+            let e = r * cube + unit;
+            let i = e / vt;
+            let c = e % vt;
+            let col = col0 + c;
+            if i < len && col < vdim {
+                let row = (tok0 + i) * heads + h;
+                let mut o = 0.0f32;
+                for d in 0..kdim {
+                    o += qe[row * kdim + d] * s[d * vt + c];
+                }
+                let a_row = (ch_h * chunk + i) * chunk;
+                for j in 0..i + 1 {
+                    o += a_qk[a_row + j] * vn[j * vt + c];
+                }
+                out[row * vdim + col] = o;
             }
-            let a_row = (ch_h * chunk + i) * chunk;
-            for j in 0..i + 1 {
-                o += a_qk[a_row + j] * vn[j * vt + c];
-            }
-            out[row * vdim + col] = o;
         }
-        for d in 0..kdim {
-            let mut x = decay[ch_h * kdim + d] * s[d * vt + c];
-            for i in 0..len {
-                x += ke[((tok0 + i) * heads + h) * kdim + d] * vn[i * vt + c];
+        sync_cube();
+        for r in 0..s_rounds {
+            let e = r * cube + unit;
+            if e < kdim * vt {
+                let d = e / vt;
+                let c = e % vt;
+                let mut x = decay[ch_h * kdim + d] * s[e];
+                for i in 0..len {
+                    x += ke[((tok0 + i) * heads + h) * kdim + d] * vn[i * vt + c];
+                }
+                s[e] = x;
             }
-            s[d * vt + c] = x;
         }
+        sync_cube();
     }
-    for d in 0..kdim {
-        state[s_base + d * vdim + col] = s[d * vt + c];
+    for r in 0..s_rounds {
+        let e = r * cube + unit;
+        let col = col0 + e % vt;
+        if e < kdim * vt && col < vdim {
+            state[s_base + (e / vt) * vdim + col] = s[e];
+        }
     }
 }

@@ -1,6 +1,6 @@
 //! The KDA CubeCL kernels against the reference ops on the same backend (SPEC §0 tolerances,
-//! SPEC §4.5 grid): the recurrent decode kernel and the gated output norm. The `chunked` tests
-//! are the contract of the chunked forward kernels, ignored until `chunk_kda` dispatches them.
+//! SPEC §4.5 grid): the recurrent decode kernel, the chunked forward kernels and the gated output
+//! norm.
 //!
 //! Every check asserts that the kernel path actually ran ([`kernel_calls`]), so a GPU test cannot
 //! pass on the reference path by accident. Shapes stay small: lavapipe is a CPU.
@@ -140,6 +140,21 @@ fn run<B: Backend>(op: Op<B>, x: &Inputs<B>, opts: KdaOptions<B>) -> (Tensor<B, 
 mod recurrent {
     use super::*;
 
+    /// A sequence long enough that one unit would run past the software rasteriser's
+    /// per-invocation loop limit (65 535 iterations: ~250 tokens at K = 128) in a single launch:
+    /// the host must split it into windows of tokens.
+    #[test]
+    fn long_sequence_in_windows() {
+        let device = Default::default();
+        let x = Inputs::<Gpu>::new(&mut rng(14), [1, 600, 2, 128, 32], 1, Gates::Safe, &device);
+        let (o_ref, s_ref) = naive_cpu(&x, x.opts());
+        let (o, s) = on_kernel(FusedOp::KdaRecurrent, 1, || {
+            run(fused_recurrent_kda, &x, x.opts())
+        });
+        assert_close("long o", &host(o_ref), &host(o), 1e-5);
+        assert_close("long S_T", &host(s_ref), &host(s), 1e-5);
+    }
+
     /// The recurrent kernel against the naive recurrence: T not a multiple of anything, K and V
     /// in {32, 60, 64, 128}, every gate law of SPEC §4.5, random initial state.
     #[test]
@@ -185,8 +200,8 @@ mod recurrent {
         assert_close("packed S_T", &host(s_ref), &host(s), 1e-5);
     }
 
-    /// Prefill by the chunked op, then decode token by token with the recurrent kernel, equals one
-    /// chunked pass over the whole sequence (SPEC §4.4).
+    /// Prefill by the chunked kernels, then decode token by token with the recurrent kernel,
+    /// equals one pass of the naive recurrence over the whole sequence (SPEC §4.4).
     #[test]
     fn prefill_then_decode_equals_one_pass() {
         let device = Default::default();
@@ -198,16 +213,18 @@ mod recurrent {
             Gates::Safe,
             &device,
         );
-        let whole = run(chunk_kda, &x, x.opts());
+        let whole = naive_cpu(&x, x.opts());
         let part = |t: &Tensor<Gpu, 4>, a: usize, n: usize| t.clone().narrow(1, a, n);
-        let (o1, mut s) = chunk_kda(
-            part(&x.q, 0, t1),
-            part(&x.k, 0, t1),
-            part(&x.v, 0, t1),
-            part(&x.g, 0, t1),
-            x.beta.clone().narrow(1, 0, t1),
-            x.opts(),
-        );
+        let (o1, mut s) = on_kernel(FusedOp::KdaChunk, 1, || {
+            chunk_kda(
+                part(&x.q, 0, t1),
+                part(&x.k, 0, t1),
+                part(&x.v, 0, t1),
+                part(&x.g, 0, t1),
+                x.beta.clone().narrow(1, 0, t1),
+                x.opts(),
+            )
+        });
         let mut outs = vec![o1];
         for t in t1..t1 + t2 {
             let opts = KdaOptions::default()
@@ -340,11 +357,23 @@ mod recurrent {
 mod chunked {
     use super::*;
 
+    /// A sequence long enough that one unit of the sequential state pass would run past the
+    /// software rasteriser's per-invocation loop limit (65 535 iterations: ~2300 tokens at
+    /// K = 128) in a single launch: the host must split it into windows.
+    #[test]
+    fn long_sequence_in_windows() {
+        let device = Default::default();
+        let x = Inputs::<Gpu>::new(&mut rng(13), [1, 2600, 1, 128, 32], 1, Gates::Safe, &device);
+        let (o_ref, s_ref) = on_reference(FusedOp::KdaChunk, || run(chunk_kda, &x, x.opts()));
+        let (o, s) = on_kernel(FusedOp::KdaChunk, 1, || run(chunk_kda, &x, x.opts()));
+        assert_close("long o", &host(o_ref), &host(o), 1e-5);
+        assert_close("long S_T", &host(s_ref), &host(s), 1e-5);
+    }
+
     /// The chunked kernels against the naive recurrence and against the reference `chunk_kda`
     /// (tensor ops, same backend) on the SPEC §4.5 grid: T ∈ {1, 63, 64, 65, 160}, K and V in
     /// {32, 60, 64, 128}, every gate law (−1000 gates, safe gate), random initial state.
     #[test]
-    #[ignore = "issue #7: the chunked kernels are not dispatched yet (K = 128, T = 160: the final state is wrong)"]
     fn matches_naive_and_reference_on_the_spec_grid() {
         let device = Default::default();
         let cases = [
@@ -375,7 +404,6 @@ mod chunked {
     /// Packed sequences of lengths 1, 15, 63, 64, 65, 130 against per-sequence naive runs (SPEC
     /// §4.4), per-sequence initial and final states.
     #[test]
-    #[ignore = "issue #7: the chunked kernels are not dispatched yet (K = 128, T = 160: the final state is wrong)"]
     fn packed_sequences() {
         let device = Default::default();
         let lens = [1usize, 15, 63, 64, 65, 130];
@@ -400,7 +428,6 @@ mod chunked {
 
     /// Same input twice: bit-identical output and state.
     #[test]
-    #[ignore = "issue #7: the chunked kernels are not dispatched yet (K = 128, T = 160: the final state is wrong)"]
     fn repeatable_bit_for_bit() {
         let device = Default::default();
         let x = Inputs::<Gpu>::new(
@@ -419,7 +446,6 @@ mod chunked {
 
     /// Tracked inputs take the reference path (no fused backward yet) and get gradients.
     #[test]
-    #[ignore = "issue #7: the chunked kernels are not dispatched yet (K = 128, T = 160: the final state is wrong)"]
     fn tracked_inputs_take_the_reference_path() {
         let device = Default::default();
         let x = Inputs::<GpuAd>::new(&mut rng(11), [1, 20, 1, 32, 32], 1, Gates::Safe, &device);
@@ -441,7 +467,6 @@ mod chunked {
 
     /// f16 / bf16 q, k, v against the f32 naive recurrence of the rounded inputs (5e-3).
     #[test]
-    #[ignore = "issue #7: the chunked kernels are not dispatched yet (K = 128, T = 160: the final state is wrong)"]
     fn half_storage() {
         let device = Default::default();
         let x = Inputs::<Gpu>::new(&mut rng(12), [1, 70, 2, 32, 32], 1, Gates::Safe, &device);

@@ -108,24 +108,35 @@ fn recurrent<R: CubeRuntime>(input: KdaKernelInput<CubeBackend<R, f32, i32, u32>
     let out = empty(&q, [b, t, h, vd], DType::F32);
     let vt = kkda::recurrent_columns(kd);
     let starts = u32_buffer(&q, &starts_u32(&input.seq_starts));
+    let longest = input
+        .seq_starts
+        .windows(2)
+        .map(|w| w[1] - w[0])
+        .max()
+        .unwrap_or(0);
+    let window = kkda::recurrent_window(kd, vt);
     if n * h * vd > 0 {
-        kkda::kda_recurrent::launch::<R>(
-            &q.client,
-            CubeCount::Static(vd.div_ceil(vt) as u32, (n * h) as u32, 1),
-            CubeDim::new_1d(vt as u32),
-            q.clone().into_array_arg(),
-            k.into_array_arg(),
-            v.into_array_arg(),
-            g.into_array_arg(),
-            beta.into_array_arg(),
-            starts.into_array_arg(),
-            state.clone().into_array_arg(),
-            out.clone().into_array_arg(),
-            h,
-            vd,
-            kd,
-            vt,
-        );
+        for lo in (0..longest).step_by(window) {
+            kkda::kda_recurrent::launch::<R>(
+                &q.client,
+                CubeCount::Static(vd.div_ceil(vt) as u32, (n * h) as u32, 1),
+                CubeDim::new_1d(vt as u32),
+                q.clone().into_array_arg(),
+                k.clone().into_array_arg(),
+                v.clone().into_array_arg(),
+                g.clone().into_array_arg(),
+                beta.clone().into_array_arg(),
+                starts.clone().into_array_arg(),
+                state.clone().into_array_arg(),
+                out.clone().into_array_arg(),
+                h,
+                vd,
+                lo,
+                window,
+                kd,
+                vt,
+            );
+        }
     }
     (out, state)
 }
@@ -267,27 +278,38 @@ fn chunk_forward<R: CubeRuntime>(
         chunk,
     );
     let vt = kkda::recurrent_columns(kd).min(kkda::chunk_state_columns(kd, chunk));
-    kkda::kda_chunk_state::launch::<R>(
-        &client,
-        CubeCount::Static(vd.div_ceil(vt) as u32, (n * h) as u32, 1),
-        CubeDim::new_1d(vt as u32),
-        qe.into_array_arg(),
-        ke.into_array_arg(),
-        decay.into_array_arg(),
-        w.into_array_arg(),
-        u.into_array_arg(),
-        a_qk.into_array_arg(),
-        tok.into_array_arg(),
-        len.into_array_arg(),
-        seq_chunk.into_array_arg(),
-        state.clone().into_array_arg(),
-        out.clone().into_array_arg(),
-        h,
-        vd,
-        kd,
-        vt,
-        chunk,
-    );
+    let longest = table
+        .seq_chunk
+        .windows(2)
+        .map(|w| (w[1] - w[0]) as usize)
+        .max()
+        .unwrap_or(0);
+    let window = kkda::chunk_state_window(kd, vt, chunk);
+    for lo in (0..longest).step_by(window) {
+        kkda::kda_chunk_state::launch::<R>(
+            &client,
+            CubeCount::Static(vd.div_ceil(vt) as u32, (n * h) as u32, 1),
+            CubeDim::new_1d(kkda::STATE_CUBE),
+            qe.clone().into_array_arg(),
+            ke.clone().into_array_arg(),
+            decay.clone().into_array_arg(),
+            w.clone().into_array_arg(),
+            u.clone().into_array_arg(),
+            a_qk.clone().into_array_arg(),
+            tok.clone().into_array_arg(),
+            len.clone().into_array_arg(),
+            seq_chunk.clone().into_array_arg(),
+            state.clone().into_array_arg(),
+            out.clone().into_array_arg(),
+            h,
+            vd,
+            lo,
+            window,
+            kd,
+            vt,
+            chunk,
+        );
+    }
     (out, state)
 }
 

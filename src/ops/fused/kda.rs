@@ -47,9 +47,8 @@ pub trait KdaKernels: Backend {
     /// triangular solve for `W` and `U`, the sequential state pass tiled over `V`), whatever `T`.
     /// Returns `o: [B, T, H, V]` f32 and `S_T: [N, H, K, V]` f32.
     ///
-    /// Like the recurrent kernel, forward only. **Not dispatched by
-    /// [`chunk_kda`](crate::ops::kda::chunk_kda) yet**: it matches the reference for `K ≤ 96` but
-    /// not for `K ≥ 127` from the third chunk of a sequence on (issue #7, under investigation).
+    /// Like the recurrent kernel, forward only: [`chunk_kda`](crate::ops::kda::chunk_kda) runs it
+    /// for inputs that autodiff does not track (inference, prefill).
     fn kda_chunk_forward(
         input: KdaKernelInput<Self>,
         chunk: usize,
@@ -138,8 +137,7 @@ impl<B: Backend> KernelOp<B> for RecurrentOp<B> {
 pub(crate) enum KdaForm {
     /// [`KdaKernels::kda_recurrent_forward`].
     Recurrent,
-    /// [`KdaKernels::kda_chunk_forward`] with this chunk size (not dispatched yet).
-    #[allow(dead_code)]
+    /// [`KdaKernels::kda_chunk_forward`] with this chunk size.
     Chunk(usize),
 }
 

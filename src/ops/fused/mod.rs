@@ -228,8 +228,8 @@ pub enum FusedOp {
     MoeExpertsBackward,
     /// [`fused_recurrent_kda`](crate::ops::kda::fused_recurrent_kda) (the recurrent KDA kernel).
     KdaRecurrent,
-    /// [`chunk_kda`](crate::ops::kda::chunk_kda) forward (always the reference path for now: the
-    /// chunked kernels are not dispatched yet).
+    /// [`chunk_kda`](crate::ops::kda::chunk_kda) forward (the chunked kernels; inputs tracked by
+    /// autodiff take the reference path).
     KdaChunk,
     /// [`rms_norm_gated`](crate::ops::kda::rms_norm_gated) forward.
     RmsNormGated,

@@ -4,9 +4,9 @@
 use burn::tensor::{backend::Backend, Tensor};
 
 use super::intra::{intra_chunk, Intra};
-use super::{gather_tokens, prepare, unbind, KdaOptions, Prepared, CHUNK_SIZES};
+use super::{gather_tokens, kernel_forward, prepare, unbind, KdaOptions, Prepared, CHUNK_SIZES};
 use crate::error::{Error, Result};
-use crate::ops::fused::{self, FusedOp, KernelPath};
+use crate::ops::fused::{self, FusedOp, KdaForm, KernelPath};
 use crate::ops::precision::restore;
 
 /// Chunked KDA (SPEC §4.3) for training and prefill; equal to
@@ -33,6 +33,11 @@ use crate::ops::precision::restore;
 /// block is one matrix product of factors ≤ 1; `(I + A_kk)^{-1}` is assembled by the same
 /// recursion. Works in f32 (f64 for f64 inputs); the output comes back in the dtype of `q`, the
 /// final state `[N, H, K, V]` in f32. Differentiable with Burn's autodiff.
+///
+/// On the CubeCL backends (see [`fused`](crate::ops::fused)) calls whose inputs autodiff does
+/// not track (inference, prefill) run the chunked kernels: four launches (gate sums, within-chunk
+/// matrices, the triangular solve, the sequential state pass over value tiles), whatever `T`.
+/// Tracked inputs take the tensor ops above.
 ///
 /// # Panics
 /// On invalid input; see [`try_chunk_kda`].
@@ -79,11 +84,16 @@ pub(crate) fn chunk_kda_inner<B: Backend>(
         ));
     }
     let p = prepare(q, k, v, g, beta, opts, check_gates)?;
-    // The chunked kernels (`KdaKernels::kda_chunk_forward`) are not dispatched yet: on the SPEC
-    // §4.5 grid their output is right but the final state is wrong at K = 128, T = 160 (three
-    // chunks; issue #7, under investigation).
-    fused::record(FusedOp::KdaChunk, KernelPath::Reference);
-    Ok(run(p, c))
+    Ok(match kernel_forward(p, KdaForm::Chunk(c)) {
+        Ok(out) => {
+            fused::record(FusedOp::KdaChunk, KernelPath::Kernel);
+            out
+        }
+        Err(p) => {
+            fused::record(FusedOp::KdaChunk, KernelPath::Reference);
+            run(p, c)
+        }
+    })
 }
 
 /// Where the chunks of each sequence lie in the chunk axis.
