@@ -4,8 +4,8 @@
 //! * [`situ`]: fused SiTU-GLU forward and backward (SPEC §1), with an optional per-row routing
 //!   weight folded in.
 //! * [`qb_histogram`]: top-k routing and the Quantile Balancing histogram in one pass (SPEC §2, §3).
-//! * [`kda`]: Kimi Delta Attention (SPEC §4): the recurrent decode kernel and the gated output
-//!   norm forward and backward.
+//! * [`kda`]: Kimi Delta Attention (SPEC §4): the recurrent decode kernel, the chunked forward and
+//!   backward, and the gated output norm forward and backward.
 //! * [`moe`]: dropless dispatch: a stable device-side sort of the routed pairs by expert, a grouped
 //!   matmul over the expert segments (one launch for all experts) and the un-permute (SPEC §2).
 //!

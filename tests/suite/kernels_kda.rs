@@ -13,13 +13,13 @@ type Gpu = crate::common::Gpu;
 type GpuAd = burn::backend::Autodiff<Gpu>;
 
 use crate::common::{
-    assert_close, bits, from_f64, host, normal_vec, on_kernel, on_reference, randn, rng,
+    assert_close, bits, from_f64, host, normal_vec, on_kernel, on_reference, randn, rel_err, rng,
 };
 use burn::tensor::{backend::Backend, DType, FloatDType, Tensor};
 use kimi_burn::ops::kda::{
     chunk_kda, fused_recurrent_kda, naive_recurrent_kda, rms_norm_gated, KdaOptions,
 };
-use kimi_burn::ops::{last_path, with_kernels, FusedOp, KernelPath};
+use kimi_burn::ops::{kernel_calls, last_path, with_kernels, FusedOp, KernelPath};
 use rand::rngs::StdRng;
 use rand::Rng;
 
@@ -444,25 +444,168 @@ mod chunked {
         assert_eq!(go(), go());
     }
 
-    /// Tracked inputs take the reference path (no fused backward yet) and get gradients.
-    #[test]
-    fn tracked_inputs_take_the_reference_path() {
-        let device = Default::default();
-        let x = Inputs::<GpuAd>::new(&mut rng(11), [1, 20, 1, 32, 32], 1, Gates::Safe, &device);
-        let k = x.k.clone().require_grad();
-        let (o, _) = with_kernels(true, || {
+    /// `dq, dk, dv, dg, dβ, dS_0` of `Σ o ⊙ R_o + Σ S_T ⊙ R_s` (random weights) with the kernels
+    /// on or off. With them on, the fused backward must have run.
+    fn grads(
+        x: &Inputs<GpuAd>,
+        opts: impl Fn() -> KdaOptions<GpuAd>,
+        kernel: bool,
+    ) -> Vec<Vec<f64>> {
+        let device = x.q.device();
+        let mut r = rng(99);
+        let leaves = [
+            x.q.clone().require_grad(),
+            x.k.clone().require_grad(),
+            x.v.clone().require_grad(),
+            x.g.clone().require_grad(),
+        ];
+        let beta = x.beta.clone().require_grad();
+        let h0 = x.h0.clone().require_grad();
+        let before = kernel_calls(FusedOp::KdaChunkBackward);
+        let (o, s) = with_kernels(kernel, || {
             chunk_kda(
-                x.q.clone(),
-                k.clone(),
-                x.v.clone(),
-                x.g.clone(),
-                x.beta.clone(),
-                x.opts(),
+                leaves[0].clone(),
+                leaves[1].clone(),
+                leaves[2].clone(),
+                leaves[3].clone(),
+                beta.clone(),
+                opts().with_initial_state(h0.clone()),
             )
         });
-        assert_eq!(last_path(FusedOp::KdaChunk), Some(KernelPath::Reference));
-        assert!(k.grad(&o.sum().backward()).is_some());
-        on_kernel(FusedOp::KdaChunk, 1, || run(chunk_kda, &x, x.opts()));
+        let s = s.expect("final state requested");
+        let w_o: Tensor<GpuAd, 4> = randn(&mut r, o.dims(), 1.0, &device);
+        let w_s: Tensor<GpuAd, 4> = randn(&mut r, s.dims(), 1.0, &device);
+        let loss = o.mul(w_o).sum().add(s.mul(w_s).sum());
+        let g = with_kernels(kernel, || loss.backward());
+        let ran = kernel_calls(FusedOp::KdaChunkBackward) - before;
+        assert_eq!(
+            ran > 0,
+            kernel,
+            "fused backward ran {ran} times, kernels {kernel}"
+        );
+        let mut out: Vec<Vec<f64>> = leaves
+            .iter()
+            .map(|t| host(t.grad(&g).expect("gradient")))
+            .collect();
+        out.push(host(beta.grad(&g).expect("dβ")));
+        out.push(host(h0.grad(&g).expect("dS_0")));
+        out
+    }
+
+    const GRAD_NAMES: [&str; 6] = ["dq", "dk", "dv", "dg", "dβ", "dS_0"];
+
+    /// The fused backward against the autodiff of the reference `chunk_kda` (tensor ops, same
+    /// backend) on the SPEC §4.5 grid, with the in-op L2 norm of q and k in the graph.
+    #[test]
+    fn gradients_match_reference_on_the_spec_grid() {
+        let device = Default::default();
+        let cases = [
+            ([1, 1, 2, 32, 32], Gates::LogSigmoid(1.0), 64),
+            ([2, 63, 1, 60, 32], Gates::LogSigmoid(0.1), 64),
+            ([1, 64, 2, 32, 60], Gates::LogSigmoid(10.0), 64),
+            ([1, 65, 1, 64, 64], Gates::Extreme(0.1), 64),
+            ([1, 160, 1, 128, 32], Gates::Safe, 64),
+            ([1, 100, 1, 32, 128], Gates::Extreme(0.3), 64),
+            ([2, 45, 1, 32, 32], Gates::LogSigmoid(1.0), 16),
+            ([1, 77, 2, 60, 60], Gates::Safe, 32),
+        ];
+        for (i, (dims, gates, chunk)) in cases.into_iter().enumerate() {
+            let x = Inputs::<GpuAd>::new(&mut rng(300 + i as u64), dims, dims[0], gates, &device);
+            let opts = || x.opts().with_chunk_size(chunk);
+            let reference = grads(&x, opts, false);
+            let kernel = grads(&x, opts, true);
+            for ((name, r), k) in GRAD_NAMES.iter().zip(&reference).zip(&kernel) {
+                eprintln!("{dims:?} {gates:?} C={chunk} {name}: {:.2e}", rel_err(r, k));
+                assert_close(&format!("{name}, {dims:?} {gates:?} C={chunk}"), r, k, 1e-5);
+            }
+        }
+    }
+
+    /// The fused backward on packed sequences against the reference autodiff.
+    #[test]
+    fn packed_gradients() {
+        let device = Default::default();
+        let lens = [1usize, 15, 63, 64, 65, 130];
+        let mut cu = vec![0];
+        for l in lens {
+            cu.push(cu.last().unwrap() + l);
+        }
+        let total = *cu.last().unwrap();
+        let x = Inputs::<GpuAd>::new(
+            &mut rng(15),
+            [1, total, 1, 32, 32],
+            lens.len(),
+            Gates::Extreme(0.05),
+            &device,
+        );
+        let opts = || x.opts().with_cu_seqlens(cu.clone());
+        let reference = grads(&x, opts, false);
+        let kernel = grads(&x, opts, true);
+        for ((name, r), k) in GRAD_NAMES.iter().zip(&reference).zip(&kernel) {
+            assert_close(&format!("packed {name}"), r, k, 1e-5);
+        }
+        assert!(
+            kernel == grads(&x, opts, true),
+            "backward not bit-for-bit repeatable"
+        );
+    }
+
+    /// Past the software rasteriser's loop limit in one launch (see `long_sequence_in_windows`),
+    /// the reverse state pass must run in windows too.
+    #[test]
+    fn long_sequence_gradients() {
+        let device = Default::default();
+        let x = Inputs::<GpuAd>::new(&mut rng(16), [1, 2600, 1, 128, 16], 1, Gates::Safe, &device);
+        let reference = grads(&x, || x.opts(), false);
+        let kernel = grads(&x, || x.opts(), true);
+        for ((name, r), k) in GRAD_NAMES.iter().zip(&reference).zip(&kernel) {
+            assert_close(&format!("long {name}"), r, k, 1e-5);
+        }
+    }
+
+    /// No initial state and no use of `S_T`: the backward still runs, and `q`, `k`, … get the
+    /// reference gradients of `Σ o ⊙ R`.
+    #[test]
+    fn gradients_without_initial_state() {
+        let device = Default::default();
+        let x = Inputs::<GpuAd>::new(
+            &mut rng(17),
+            [2, 70, 2, 32, 48],
+            2,
+            Gates::Extreme(0.1),
+            &device,
+        );
+        let run = |kernel: bool| {
+            let leaves = [
+                x.q.clone().require_grad(),
+                x.k.clone().require_grad(),
+                x.v.clone().require_grad(),
+                x.g.clone().require_grad(),
+            ];
+            let beta = x.beta.clone().require_grad();
+            let (o, s) = with_kernels(kernel, || {
+                chunk_kda(
+                    leaves[0].clone(),
+                    leaves[1].clone(),
+                    leaves[2].clone(),
+                    leaves[3].clone(),
+                    beta.clone(),
+                    KdaOptions::default().with_qk_l2norm(true),
+                )
+            });
+            assert!(s.is_none());
+            let w: Tensor<GpuAd, 4> = randn(&mut rng(18), o.dims(), 1.0, &device);
+            let g = with_kernels(kernel, || o.mul(w).sum().backward());
+            let mut out: Vec<Vec<f64>> = leaves.iter().map(|t| host(t.grad(&g).unwrap())).collect();
+            out.push(host(beta.grad(&g).unwrap()));
+            out
+        };
+        let before = kernel_calls(FusedOp::KdaChunkBackward);
+        let kernel = run(true);
+        assert!(kernel_calls(FusedOp::KdaChunkBackward) > before);
+        for ((name, r), k) in GRAD_NAMES.iter().zip(&run(false)).zip(&kernel) {
+            assert_close(&format!("no S_0 {name}"), r, k, 1e-5);
+        }
     }
 
     /// f16 / bf16 q, k, v against the f32 naive recurrence of the rounded inputs (5e-3).

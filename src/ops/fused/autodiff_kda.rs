@@ -1,5 +1,6 @@
-//! [`KdaKernels`] for `Autodiff<B>`: the gated norm runs `B`'s forward kernel and registers a
-//! backward that calls `B`'s fused backward kernel; the recurrent kernel runs untracked only.
+//! [`KdaKernels`] for `Autodiff<B>`: the gated norm and the chunked KDA forward run `B`'s forward
+//! kernels and register backwards that call `B`'s fused backward kernels; the recurrent kernel
+//! runs untracked only.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -8,9 +9,83 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::{Shape, Slice, TensorMetadata};
 
-use super::{record, FusedOp, KdaKernelInput, KdaKernels, KernelPath};
+use super::{
+    record, FusedOp, KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels, KernelPath,
+};
+
+/// The chunked KDA forward: parents `[q, k, v, g, β, S_0]` (the last a stand-in for `q` when
+/// there is no initial state); its one output is `o` and `S_T` flattened and concatenated.
+#[derive(Debug)]
+struct ChunkBackward {
+    chunk: usize,
+}
+
+#[derive(Debug, Clone)]
+struct ChunkState<B: KdaKernels> {
+    nodes: [NodeId; 5],
+    h0: Option<NodeId>,
+    seq_starts: Vec<usize>,
+    saved: KdaChunkSaved<B>,
+    o_shape: Shape,
+    s_shape: Shape,
+}
+
+/// `[start, end)` of a flat tensor.
+fn range<B: KdaKernels>(t: FloatTensor<B>, start: usize, end: usize) -> FloatTensor<B> {
+    B::float_slice(t, &[Slice::from(start..end)])
+}
+
+impl<B: KdaKernels> Backward<B, 6> for ChunkBackward {
+    type State = ChunkState<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 6>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let state = ops.state;
+        let [q, k, v, g, beta] = state
+            .nodes
+            .map(|id| checkpointer.retrieve_node_output::<FloatTensor<B>>(id));
+        let h0 = state
+            .h0
+            .map(|id| checkpointer.retrieve_node_output::<FloatTensor<B>>(id));
+        let o_len = state.o_shape.num_elements();
+        let s_len = state.s_shape.num_elements();
+        let grad_o = B::float_reshape(range::<B>(grad.clone(), 0, o_len), state.o_shape);
+        let grad_s = B::float_reshape(range::<B>(grad, o_len, o_len + s_len), state.s_shape);
+        let input = KdaKernelInput::<B> {
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state: h0,
+            seq_starts: state.seq_starts,
+        };
+        let d = B::kda_chunk_backward(input, self.chunk, state.saved, grad_o, Some(grad_s));
+        record(FusedOp::KdaChunkBackward, KernelPath::Kernel);
+        let [n_q, n_k, n_v, n_g, n_beta, n_h0] = ops.parents;
+        let n_h0 = if state.h0.is_some() { n_h0 } else { None };
+        for (node, grad) in [
+            (n_q, d.q),
+            (n_k, d.k),
+            (n_v, d.v),
+            (n_g, d.g),
+            (n_beta, d.beta),
+            (n_h0, d.initial_state),
+        ] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
 
 /// The gated norm: parents `[o, z, weight]`, state the three inputs; carries `eps`.
 #[derive(Debug)]
@@ -40,21 +115,28 @@ impl<B: KdaKernels> Backward<B, 3> for NormGatedBackward {
     }
 }
 
+/// The inner backend's primitives of `input` (the autodiff graph is not recorded).
+fn inner_input<B: KdaKernels, C: CheckpointStrategy>(
+    input: KdaKernelInput<Autodiff<B, C>>,
+) -> KdaKernelInput<B> {
+    type A<B, C> = Autodiff<B, C>;
+    KdaKernelInput::<B> {
+        q: A::<B, C>::inner(input.q),
+        k: A::<B, C>::inner(input.k),
+        v: A::<B, C>::inner(input.v),
+        g: A::<B, C>::inner(input.g),
+        beta: A::<B, C>::inner(input.beta),
+        initial_state: input.initial_state.map(A::<B, C>::inner),
+        seq_starts: input.seq_starts,
+    }
+}
+
 impl<B: KdaKernels, C: CheckpointStrategy> KdaKernels for Autodiff<B, C> {
     fn kda_recurrent_forward(
         input: KdaKernelInput<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         // Callers check `kda_tracked` first: no graph to record.
-        let inner = KdaKernelInput::<B> {
-            q: Self::inner(input.q),
-            k: Self::inner(input.k),
-            v: Self::inner(input.v),
-            g: Self::inner(input.g),
-            beta: Self::inner(input.beta),
-            initial_state: input.initial_state.map(Self::inner),
-            seq_starts: input.seq_starts,
-        };
-        let (o, s) = B::kda_recurrent_forward(inner);
+        let (o, s) = B::kda_recurrent_forward(inner_input(input));
         (Self::from_inner(o), Self::from_inner(s))
     }
 
@@ -62,17 +144,107 @@ impl<B: KdaKernels, C: CheckpointStrategy> KdaKernels for Autodiff<B, C> {
         input: KdaKernelInput<Self>,
         chunk: usize,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let inner = KdaKernelInput::<B> {
-            q: Self::inner(input.q),
-            k: Self::inner(input.k),
-            v: Self::inner(input.v),
-            g: Self::inner(input.g),
-            beta: Self::inner(input.beta),
-            initial_state: input.initial_state.map(Self::inner),
-            seq_starts: input.seq_starts,
+        let h0_node = input
+            .initial_state
+            .as_ref()
+            .unwrap_or(&input.q)
+            .node
+            .clone();
+        let prep = ChunkBackward { chunk }
+            .prepare::<C>([
+                input.q.node.clone(),
+                input.k.node.clone(),
+                input.v.node.clone(),
+                input.g.node.clone(),
+                input.beta.node.clone(),
+                h0_node,
+            ])
+            .compute_bound()
+            .stateful();
+        let mut prep = match prep {
+            OpsKind::Tracked(prep) => prep,
+            OpsKind::UnTracked(_) => {
+                let (o, s) = B::kda_chunk_forward(inner_input(input), chunk);
+                return (Self::from_inner(o), Self::from_inner(s));
+            }
         };
-        let (o, s) = B::kda_chunk_forward(inner, chunk);
-        (Self::from_inner(o), Self::from_inner(s))
+        let nodes = [
+            prep.checkpoint(&input.q),
+            prep.checkpoint(&input.k),
+            prep.checkpoint(&input.v),
+            prep.checkpoint(&input.g),
+            prep.checkpoint(&input.beta),
+        ];
+        let h0 = input.initial_state.as_ref().map(|s| prep.checkpoint(s));
+        let seq_starts = input.seq_starts.clone();
+        let (o, s, saved) = B::kda_chunk_forward_saving(inner_input(input), chunk);
+        let (o_shape, s_shape) = (o.shape(), s.shape());
+        let (o_len, s_len) = (o_shape.num_elements(), s_shape.num_elements());
+        let packed = B::float_cat(
+            vec![
+                B::float_reshape(o, Shape::new([o_len])),
+                B::float_reshape(s, Shape::new([s_len])),
+            ],
+            0,
+        );
+        let state = ChunkState {
+            nodes,
+            h0,
+            seq_starts,
+            saved,
+            o_shape: o_shape.clone(),
+            s_shape: s_shape.clone(),
+        };
+        let packed = prep.finish(state, packed);
+        let o = Self::float_reshape(
+            Self::float_slice(packed.clone(), &[Slice::from(0..o_len)]),
+            o_shape,
+        );
+        let s = Self::float_reshape(
+            Self::float_slice(packed, &[Slice::from(o_len..o_len + s_len)]),
+            s_shape,
+        );
+        (o, s)
+    }
+
+    fn kda_chunk_forward_saving(
+        input: KdaKernelInput<Self>,
+        chunk: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, KdaChunkSaved<Self>) {
+        let (o, s, saved) = B::kda_chunk_forward_saving(inner_input(input), chunk);
+        let saved = KdaChunkSaved {
+            states: Self::from_inner(saved.states),
+            vn: Self::from_inner(saved.vn),
+        };
+        (Self::from_inner(o), Self::from_inner(s), saved)
+    }
+
+    fn kda_chunk_backward(
+        input: KdaKernelInput<Self>,
+        chunk: usize,
+        saved: KdaChunkSaved<Self>,
+        grad_o: FloatTensor<Self>,
+        grad_state: Option<FloatTensor<Self>>,
+    ) -> KdaChunkGrads<Self> {
+        let saved = KdaChunkSaved {
+            states: Self::inner(saved.states),
+            vn: Self::inner(saved.vn),
+        };
+        let d = B::kda_chunk_backward(
+            inner_input(input),
+            chunk,
+            saved,
+            Self::inner(grad_o),
+            grad_state.map(Self::inner),
+        );
+        KdaChunkGrads {
+            q: Self::from_inner(d.q),
+            k: Self::from_inner(d.k),
+            v: Self::from_inner(d.v),
+            g: Self::from_inner(d.g),
+            beta: Self::from_inner(d.beta),
+            initial_state: Self::from_inner(d.initial_state),
+        }
     }
 
     fn rms_norm_gated_forward(

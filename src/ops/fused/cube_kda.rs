@@ -11,12 +11,13 @@ use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
 use kimi_burn_kernels::kda as kkda;
 
-use super::{KdaKernelInput, KdaKernels};
+use super::cube_kda_chunk as chunk;
+use super::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
 
 type T<R> = CubeTensor<R>;
 
 /// A contiguous uninitialised tensor on `like`'s device (the kernels index flat arrays).
-fn empty<R: CubeRuntime>(like: &T<R>, shape: impl Into<Shape>, dtype: DType) -> T<R> {
+pub(super) fn empty<R: CubeRuntime>(like: &T<R>, shape: impl Into<Shape>, dtype: DType) -> T<R> {
     empty_device_contiguous_dtype(
         like.client.clone(),
         like.device.clone(),
@@ -25,12 +26,12 @@ fn empty<R: CubeRuntime>(like: &T<R>, shape: impl Into<Shape>, dtype: DType) -> 
     )
 }
 
-fn f32_contiguous<R: CubeRuntime>(t: T<R>) -> T<R> {
+pub(super) fn f32_contiguous<R: CubeRuntime>(t: T<R>) -> T<R> {
     into_contiguous(cast(t, DType::F32))
 }
 
 /// A u32 buffer holding `values` (at least one element).
-fn u32_buffer<R: CubeRuntime>(like: &T<R>, values: &[u32]) -> T<R> {
+pub(super) fn u32_buffer<R: CubeRuntime>(like: &T<R>, values: &[u32]) -> T<R> {
     let data = if values.is_empty() {
         vec![0]
     } else {
@@ -56,7 +57,11 @@ fn starts_u32(starts: &[usize]) -> Vec<u32> {
 /// `S_0` copied into a fresh contiguous f32 buffer the kernels may update in place, or zeros.
 /// (A copy even when `S_0` is already f32 and contiguous: `cast` and `into_contiguous` may hand
 /// back the caller's own buffer.)
-fn state_buffer<R: CubeRuntime>(like: &T<R>, h0: Option<T<R>>, shape: [usize; 4]) -> T<R> {
+pub(super) fn state_buffer<R: CubeRuntime>(
+    like: &T<R>,
+    h0: Option<T<R>>,
+    shape: [usize; 4],
+) -> T<R> {
     let out = empty(like, shape, DType::F32);
     let len = shape.iter().product::<usize>();
     if len == 0 {
@@ -89,7 +94,7 @@ fn state_buffer<R: CubeRuntime>(like: &T<R>, h0: Option<T<R>>, shape: [usize; 4]
     out
 }
 
-fn dims4<R: CubeRuntime>(t: &T<R>) -> [usize; 4] {
+pub(super) fn dims4<R: CubeRuntime>(t: &T<R>) -> [usize; 4] {
     let s = t.shape();
     assert_eq!(s.num_dims(), 4, "KDA kernels take [B, T, H, X] tensors");
     [s[0], s[1], s[2], s[3]]
@@ -141,178 +146,6 @@ fn recurrent<R: CubeRuntime>(input: KdaKernelInput<CubeBackend<R, f32, i32, u32>
     (out, state)
 }
 
-/// Where each chunk lies: first token and length per chunk, first chunk per sequence. Chunks
-/// never cross a sequence boundary.
-struct ChunkTable {
-    tok: Vec<u32>,
-    len: Vec<u32>,
-    seq_chunk: Vec<u32>,
-}
-
-fn chunk_table(seq_starts: &[usize], chunk: usize) -> ChunkTable {
-    let mut table = ChunkTable {
-        tok: Vec::new(),
-        len: Vec::new(),
-        seq_chunk: vec![0],
-    };
-    for w in seq_starts.windows(2) {
-        let mut t = w[0];
-        while t < w[1] {
-            let l = chunk.min(w[1] - t);
-            table.tok.push(t as u32);
-            table.len.push(l as u32);
-            t += l;
-        }
-        table.seq_chunk.push(table.tok.len() as u32);
-    }
-    table
-}
-
-fn chunk_forward<R: CubeRuntime>(
-    input: KdaKernelInput<CubeBackend<R, f32, i32, u32>>,
-    chunk: usize,
-) -> (T<R>, T<R>) {
-    assert!(
-        chunk.is_multiple_of(kkda::SUB) && chunk * chunk >= kkda::INTRA_CUBE as usize,
-        "KDA chunk kernels: chunk size {chunk} must be 16, 32 or 64"
-    );
-    let q = f32_contiguous(input.q);
-    let k = f32_contiguous(input.k);
-    let v = f32_contiguous(input.v);
-    let g = f32_contiguous(input.g);
-    let beta = f32_contiguous(input.beta);
-    let [b, t, h, kd] = dims4(&q);
-    let vd = dims4(&v)[3];
-    let n = input.seq_starts.len() - 1;
-    let state = state_buffer(&q, input.initial_state, [n, h, kd, vd]);
-    let out = empty(&q, [b, t, h, vd], DType::F32);
-    let table = chunk_table(&input.seq_starts, chunk);
-    let chunks = table.tok.len();
-    if chunks * h * vd == 0 {
-        return (out, state);
-    }
-    let client = q.client.clone();
-    let tok = u32_buffer(&q, &table.tok);
-    let len = u32_buffer(&q, &table.len);
-    let seq_chunk = u32_buffer(&q, &table.seq_chunk);
-    let tokens = b * t;
-    let like = q.clone();
-    let scratch = |shape: Vec<usize>| empty(&like, shape, DType::F32);
-    let qe = scratch(vec![tokens, h, kd]);
-    let we = scratch(vec![tokens, h, kd]);
-    let ke = scratch(vec![tokens, h, kd]);
-    let qp = scratch(vec![tokens, h, kd]);
-    let kp = scratch(vec![tokens, h, kd]);
-    let ks = scratch(vec![tokens, h, kd]);
-    let decay = scratch(vec![chunks, h, kd]);
-    let sub_decay = scratch(vec![chunks, h, chunk / kkda::SUB, kd]);
-    let units = chunks * h * kd;
-    let dim = CubeDim::new(&client, units);
-    kkda::kda_chunk_gates::launch::<R>(
-        &client,
-        calculate_cube_count_elemwise(&client, units, dim),
-        dim,
-        q.clone().into_array_arg(),
-        k.clone().into_array_arg(),
-        g.clone().into_array_arg(),
-        tok.clone().into_array_arg(),
-        len.clone().into_array_arg(),
-        qe.clone().into_array_arg(),
-        we.clone().into_array_arg(),
-        ke.clone().into_array_arg(),
-        qp.clone().into_array_arg(),
-        kp.clone().into_array_arg(),
-        ks.clone().into_array_arg(),
-        decay.clone().into_array_arg(),
-        sub_decay.clone().into_array_arg(),
-        chunks,
-        h,
-        kd,
-        chunk,
-    );
-    let a_qk = scratch(vec![chunks, h, chunk, chunk]);
-    let a_kk = scratch(vec![chunks, h, chunk, chunk]);
-    kkda::kda_chunk_intra::launch::<R>(
-        &client,
-        per_row(&q, chunks * h),
-        CubeDim::new_1d(kkda::INTRA_CUBE),
-        q.into_array_arg(),
-        k.into_array_arg(),
-        g.into_array_arg(),
-        beta.clone().into_array_arg(),
-        qp.into_array_arg(),
-        kp.into_array_arg(),
-        ks.into_array_arg(),
-        sub_decay.into_array_arg(),
-        tok.clone().into_array_arg(),
-        len.clone().into_array_arg(),
-        a_qk.clone().into_array_arg(),
-        a_kk.clone().into_array_arg(),
-        chunks,
-        h,
-        kd,
-        chunk,
-    );
-    let w = scratch(vec![chunks, h, chunk, kd]);
-    let u = scratch(vec![chunks, h, chunk, vd]);
-    kkda::kda_chunk_solve::launch::<R>(
-        &client,
-        CubeCount::Static(
-            (kd + vd).div_ceil(kkda::SOLVE_CUBE as usize) as u32,
-            (chunks * h) as u32,
-            1,
-        ),
-        CubeDim::new_1d(kkda::SOLVE_CUBE),
-        we.into_array_arg(),
-        v.into_array_arg(),
-        beta.into_array_arg(),
-        a_kk.into_array_arg(),
-        tok.clone().into_array_arg(),
-        len.clone().into_array_arg(),
-        w.clone().into_array_arg(),
-        u.clone().into_array_arg(),
-        chunks,
-        h,
-        kd,
-        vd,
-        chunk,
-    );
-    let vt = kkda::recurrent_columns(kd).min(kkda::chunk_state_columns(kd, chunk));
-    let longest = table
-        .seq_chunk
-        .windows(2)
-        .map(|w| (w[1] - w[0]) as usize)
-        .max()
-        .unwrap_or(0);
-    let window = kkda::chunk_state_window(kd, vt, chunk);
-    for lo in (0..longest).step_by(window) {
-        kkda::kda_chunk_state::launch::<R>(
-            &client,
-            CubeCount::Static(vd.div_ceil(vt) as u32, (n * h) as u32, 1),
-            CubeDim::new_1d(kkda::STATE_CUBE),
-            qe.clone().into_array_arg(),
-            ke.clone().into_array_arg(),
-            decay.clone().into_array_arg(),
-            w.clone().into_array_arg(),
-            u.clone().into_array_arg(),
-            a_qk.clone().into_array_arg(),
-            tok.clone().into_array_arg(),
-            len.clone().into_array_arg(),
-            seq_chunk.clone().into_array_arg(),
-            state.clone().into_array_arg(),
-            out.clone().into_array_arg(),
-            h,
-            vd,
-            lo,
-            window,
-            kd,
-            vt,
-            chunk,
-        );
-    }
-    (out, state)
-}
-
 fn dims2<R: CubeRuntime>(t: &T<R>) -> [usize; 2] {
     let s = t.shape();
     assert_eq!(
@@ -324,7 +157,7 @@ fn dims2<R: CubeRuntime>(t: &T<R>) -> [usize; 2] {
 }
 
 /// `rows` cubes spread over the grid's dimensions (the kernels read the linear `CUBE_POS`).
-fn per_row<R: CubeRuntime>(t: &T<R>, rows: usize) -> CubeCount {
+pub(super) fn per_row<R: CubeRuntime>(t: &T<R>, rows: usize) -> CubeCount {
     cubecl::server::CubeCountSelection::new(&t.client, rows as u32).cube_count()
 }
 
@@ -408,7 +241,7 @@ fn norm_backward<R: CubeRuntime>(
 
 /// Only used to name `KdaKernelInput`'s backend; the primitives are the same `CubeTensor<R>`
 /// whatever the element parameters.
-fn input_cast<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+pub(super) fn input_cast<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     input: KdaKernelInput<CubeBackend<R, F, I, BT>>,
 ) -> KdaKernelInput<CubeBackend<R, f32, i32, u32>> {
     KdaKernelInput {
@@ -430,7 +263,41 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KdaKernels
     }
 
     fn kda_chunk_forward(input: KdaKernelInput<Self>, chunk: usize) -> (T<R>, T<R>) {
-        chunk_forward(input_cast(input), chunk)
+        let (o, s, _) = chunk::forward(input_cast(input), chunk, false);
+        (o, s)
+    }
+
+    fn kda_chunk_forward_saving(
+        input: KdaKernelInput<Self>,
+        chunk: usize,
+    ) -> (T<R>, T<R>, KdaChunkSaved<Self>) {
+        let (o, s, saved) = chunk::forward(input_cast(input), chunk, true);
+        let (states, vn) = saved.expect("asked to save");
+        (o, s, KdaChunkSaved { states, vn })
+    }
+
+    fn kda_chunk_backward(
+        input: KdaKernelInput<Self>,
+        chunk: usize,
+        saved: KdaChunkSaved<Self>,
+        grad_o: T<R>,
+        grad_state: Option<T<R>>,
+    ) -> KdaChunkGrads<Self> {
+        let g = chunk::backward(
+            input_cast(input),
+            chunk,
+            (saved.states, saved.vn),
+            grad_o,
+            grad_state,
+        );
+        KdaChunkGrads {
+            q: g[0].clone(),
+            k: g[1].clone(),
+            v: g[2].clone(),
+            g: g[3].clone(),
+            beta: g[4].clone(),
+            initial_state: g[5].clone(),
+        }
     }
 
     fn rms_norm_gated_forward(o: T<R>, z: T<R>, weight: T<R>, eps: f64) -> T<R> {

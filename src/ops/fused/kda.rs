@@ -28,6 +28,32 @@ pub struct KdaKernelInput<B: Backend> {
     pub seq_starts: Vec<usize>,
 }
 
+/// What [`KdaKernels::kda_chunk_forward_saving`] keeps for the backward (f32).
+#[derive(Debug, Clone)]
+pub struct KdaChunkSaved<B: Backend> {
+    /// The state entering every chunk, `[chunks, H, K, V]`.
+    pub states: FloatTensor<B>,
+    /// `Vn = U − W S` of every chunk, `[chunks, H, C, V]`.
+    pub vn: FloatTensor<B>,
+}
+
+/// The gradients of the chunked KDA forward with respect to its inputs (f32, their shapes).
+#[derive(Debug, Clone)]
+pub struct KdaChunkGrads<B: Backend> {
+    /// `dq: [B, T, H, K]`.
+    pub q: FloatTensor<B>,
+    /// `dk: [B, T, H, K]`.
+    pub k: FloatTensor<B>,
+    /// `dv: [B, T, H, V]`.
+    pub v: FloatTensor<B>,
+    /// `dg: [B, T, H, K]`.
+    pub g: FloatTensor<B>,
+    /// `dβ: [B, T, H]`.
+    pub beta: FloatTensor<B>,
+    /// `dS_0: [N, H, K, V]`.
+    pub initial_state: FloatTensor<B>,
+}
+
 /// Backend extension with the KDA kernels (SPEC §4). Implemented for every CubeCL backend
 /// (`CubeBackend<R, F, I, BT>`, features `wgpu` / `cuda`) and for `Autodiff<B>` over one.
 ///
@@ -43,16 +69,34 @@ pub trait KdaKernels: Backend {
         -> (FloatTensor<Self>, FloatTensor<Self>);
 
     /// Chunked KDA (SPEC §4.3) with chunks of `chunk` tokens (16, 32 or 64; 16-row sub-chunks)
-    /// that never cross a sequence: four launches (gate sums, within-chunk matrices, the
-    /// triangular solve for `W` and `U`, the sequential state pass tiled over `V`), whatever `T`.
-    /// Returns `o: [B, T, H, V]` f32 and `S_T: [N, H, K, V]` f32.
+    /// that never cross a sequence: gate sums, within-chunk matrices, the triangular solve for `W`
+    /// and `U`, the sequential state pass tiled over `V` (in windows of chunks), and the output of
+    /// all chunks in parallel. Returns `o: [B, T, H, V]` f32 and `S_T: [N, H, K, V]` f32.
     ///
-    /// Like the recurrent kernel, forward only: [`chunk_kda`](crate::ops::kda::chunk_kda) runs it
-    /// for inputs that autodiff does not track (inference, prefill).
+    /// On `Autodiff<B>` it is differentiable: tracked inputs record the fused backward
+    /// ([`kda_chunk_backward`](Self::kda_chunk_backward)).
     fn kda_chunk_forward(
         input: KdaKernelInput<Self>,
         chunk: usize,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// [`kda_chunk_forward`](Self::kda_chunk_forward), also returning what the backward needs:
+    /// the state entering every chunk and `Vn` (`[chunks, H, K, V]` and `[chunks, H, C, V]`, f32).
+    fn kda_chunk_forward_saving(
+        input: KdaKernelInput<Self>,
+        chunk: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, KdaChunkSaved<Self>);
+
+    /// The fused backward of the chunked forward for the gradients of `o` and (optionally) `S_T`:
+    /// recomputes the within-chunk work, runs the state pass in reverse from the saved states,
+    /// and returns `dq, dk, dv, dg, dβ, dS_0` in f32. Not differentiable itself.
+    fn kda_chunk_backward(
+        input: KdaKernelInput<Self>,
+        chunk: usize,
+        saved: KdaChunkSaved<Self>,
+        grad_o: FloatTensor<Self>,
+        grad_state: Option<FloatTensor<Self>>,
+    ) -> KdaChunkGrads<Self>;
 
     /// The gated output norm `y = o / sqrt(mean(o²) + eps) · weight ⊙ σ(z)` (SPEC §4.2) over the
     /// last dim: `o, z: [rows, V]` (same dtype), `weight: [V]`. Returns `[rows, V]` in `o`'s
@@ -94,7 +138,7 @@ fn tensor<K: Backend, B: Backend, const D: usize>(t: FloatTensor<K>) -> Tensor<B
 }
 
 /// [`KdaKernels::kda_recurrent_forward`] or [`KdaKernels::kda_chunk_forward`] on `Tensor`s;
-/// hands itself back when an input is tracked by autodiff.
+/// the recurrent form hands itself back when an input is tracked by autodiff.
 pub(crate) struct RecurrentOp<B: Backend> {
     pub q: Tensor<B, 4>,
     pub k: Tensor<B, 4>,
@@ -121,7 +165,8 @@ impl<B: Backend> KernelOp<B> for RecurrentOp<B> {
         };
         let mut all = vec![&input.q, &input.k, &input.v, &input.g, &input.beta];
         all.extend(input.initial_state.as_ref());
-        if K::kda_tracked(&all) {
+        // Only the chunked kernels have a backward.
+        if self.form == KdaForm::Recurrent && K::kda_tracked(&all) {
             return Err(self);
         }
         let (o, s) = match self.form {

@@ -47,10 +47,12 @@ mod autodiff_kda;
 mod cube;
 #[cfg(feature = "cubecl-kernels")]
 mod cube_kda;
+#[cfg(feature = "cubecl-kernels")]
+mod cube_kda_chunk;
 mod kda;
 
+pub use kda::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
 pub(crate) use kda::{KdaForm, NormGatedOp, RecurrentOp};
-pub use kda::{KdaKernelInput, KdaKernels};
 
 /// The gated activation a fused kernel evaluates (SPEC §1), all in f32.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -228,16 +230,17 @@ pub enum FusedOp {
     MoeExpertsBackward,
     /// [`fused_recurrent_kda`](crate::ops::kda::fused_recurrent_kda) (the recurrent KDA kernel).
     KdaRecurrent,
-    /// [`chunk_kda`](crate::ops::kda::chunk_kda) forward (the chunked kernels; inputs tracked by
-    /// autodiff take the reference path).
+    /// [`chunk_kda`](crate::ops::kda::chunk_kda) forward (the chunked kernels).
     KdaChunk,
+    /// Its backward (autodiff).
+    KdaChunkBackward,
     /// [`rms_norm_gated`](crate::ops::kda::rms_norm_gated) forward.
     RmsNormGated,
     /// Its backward (autodiff).
     RmsNormGatedBackward,
 }
 
-const N_OPS: usize = 10;
+const N_OPS: usize = 11;
 
 impl FusedOp {
     fn slot(self) -> usize {

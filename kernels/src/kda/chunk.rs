@@ -1,0 +1,439 @@
+//! Chunked KDA forward (SPEC §4.3): gate sums, within-chunk matrices, the triangular solve, the
+//! sequential state pass and the parallel output. Layouts as in the [parent module](super);
+//! chunks never cross a sequence (`chunk_tok`, `chunk_len: [chunks]` give each chunk's first
+//! token and length).
+
+use cubecl::prelude::*;
+
+use super::LOOP_BUDGET;
+
+/// Chunks per launch of [`kda_chunk_state`] and [`kda_chunk_state_backward`] (see [`LOOP_BUDGET`]) for chunks of `chunk` tokens
+/// and a state tile `[kdim, vt]`.
+pub fn chunk_state_window(kdim: usize, vt: usize, chunk: usize) -> usize {
+    let cube = STATE_CUBE as usize;
+    let v_rounds = (chunk * vt).div_ceil(cube);
+    let s_rounds = (kdim * vt).div_ceil(cube);
+    // The backward's pass has the larger loops: `kdim + chunk` per `Vn` entry and `2·chunk` per
+    // state entry.
+    let per_chunk = v_rounds * (kdim + chunk + 2) + s_rounds * (2 * chunk + 2) + 2;
+    (LOOP_BUDGET / per_chunk).max(1)
+}
+
+/// Value columns per cube of [`kda_chunk_state`]: its shared state tile `[k, vt]` and `Vn` tile
+/// `[chunk, vt]` (f32) stay within 16 KiB.
+pub fn chunk_state_columns(k: usize, chunk: usize) -> usize {
+    let mut vt = 32;
+    while vt > 4 && (k + chunk) * vt * 4 > 16 * 1024 {
+        vt /= 2;
+    }
+    vt
+}
+
+/// Rows of a sub-chunk: the anchoring block of the chunked kernels (SPEC §4.3).
+pub const SUB: usize = 16;
+/// Units per cube of [`kda_chunk_intra`].
+pub const INTRA_CUBE: u32 = 256;
+/// Units per cube of [`kda_chunk_solve`].
+pub const SOLVE_CUBE: u32 = 64;
+
+/// Chunked KDA, step 0 (SPEC §4.3): the gate sums of every chunk, one unit per (chunk, head,
+/// key channel `d`), walking the chunk's rows forward then backward.
+///
+/// Every exponent formed here is a direct sum of gates over a range, hence ≤ 0 and accurate (no
+/// difference of two cumulative sums, which loses the small gates next to a −1000 one):
+///
+/// ```text
+/// qe = q ⊙ exp(G)            we = k ⊙ exp(G)             (G: inclusive sum from the chunk start)
+/// ke = k ⊙ exp(G_last − G)   decay = exp(G_last)
+/// qp = q ⊙ exp(P), kp = k ⊙ exp(P)   (P: inclusive sum from the start of the row's sub-chunk)
+/// ks = k ⊙ exp(X)                    (X: sum over the rest of the row's sub-chunk, row excluded)
+/// sub_decay[b] = exp(sum of sub-chunk b)
+/// ```
+///
+/// Token-major arrays are `[tokens, heads, kdim]`; `decay: [chunks, heads, kdim]`,
+/// `sub_decay: [chunks, heads, chunk / SUB, kdim]`. `chunk_tok`, `chunk_len: [chunks]` give each
+/// chunk's first token and length (≤ `chunk`).
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn kda_chunk_gates(
+    q: &Array<f32>,
+    k: &Array<f32>,
+    g: &Array<f32>,
+    chunk_tok: &Array<u32>,
+    chunk_len: &Array<u32>,
+    qe: &mut Array<f32>,
+    we: &mut Array<f32>,
+    ke: &mut Array<f32>,
+    qp: &mut Array<f32>,
+    kp: &mut Array<f32>,
+    ks: &mut Array<f32>,
+    decay: &mut Array<f32>,
+    sub_decay: &mut Array<f32>,
+    chunks: usize,
+    heads: usize,
+    kdim: usize,
+    #[comptime] chunk: usize,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos >= chunks * heads * kdim {
+        terminate!();
+    }
+    let d = pos % kdim;
+    let ch_h = pos / kdim;
+    let h = ch_h % heads;
+    let ch = ch_h / heads;
+    let tok0 = chunk_tok[ch] as usize;
+    let len = chunk_len[ch] as usize;
+    let subs = chunk / SUB;
+    let mut total = 0.0f32;
+    let mut part = 0.0f32;
+    for i in 0..len {
+        let idx = ((tok0 + i) * heads + h) * kdim + d;
+        if i % SUB == 0 {
+            part = 0.0f32;
+        }
+        let gi = g[idx];
+        total += gi;
+        part += gi;
+        let qi = q[idx];
+        let ki = k[idx];
+        let e = f32::exp(total);
+        qe[idx] = qi * e;
+        we[idx] = ki * e;
+        let p = f32::exp(part);
+        qp[idx] = qi * p;
+        kp[idx] = ki * p;
+        if i % SUB == SUB - 1 || i + 1 == len {
+            sub_decay[(ch_h * subs + i / SUB) * kdim + d] = p;
+        }
+    }
+    decay[ch_h * kdim + d] = f32::exp(total);
+    let mut rest = 0.0f32;
+    let mut rest_sub = 0.0f32;
+    for r in 0..len {
+        let i = len - 1 - r;
+        let idx = ((tok0 + i) * heads + h) * kdim + d;
+        if i % SUB == SUB - 1 || i + 1 == len {
+            rest_sub = 0.0f32;
+        }
+        let ki = k[idx];
+        ke[idx] = ki * f32::exp(rest);
+        ks[idx] = ki * f32::exp(rest_sub);
+        let gi = g[idx];
+        rest += gi;
+        rest_sub += gi;
+    }
+}
+
+/// Chunked KDA, steps 1 and 4a (SPEC §4.3): the within-chunk matrices, one cube of
+/// [`INTRA_CUBE`] units per (chunk, head), each unit a fixed set of entries `(i, j)`:
+///
+/// ```text
+/// A_qk[i,j] = Σ_d q_i k_j exp(G_i − G_j)          (j ≤ i)
+/// A_kk[i,j] = β_i Σ_d k_i k_j exp(G_i − G_j)      (j < i)
+/// ```
+///
+/// Pairs in different sub-chunks `bj < bi` use the anchored factors of [`kda_chunk_gates`]:
+/// `exp(G_i − G_j) = exp(P_i) · Π_{bj<b<bi} exp(sum of b) · exp(X_j)`, a product of factors ≤ 1.
+/// Pairs inside one sub-chunk sum their (at most 15) gates directly. `a_qk`, `a_kk:
+/// [chunks, heads, chunk, chunk]`, zero above the diagonal and past the chunk's length.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn kda_chunk_intra(
+    q: &Array<f32>,
+    k: &Array<f32>,
+    g: &Array<f32>,
+    beta: &Array<f32>,
+    qp: &Array<f32>,
+    kp: &Array<f32>,
+    ks: &Array<f32>,
+    sub_decay: &Array<f32>,
+    chunk_tok: &Array<u32>,
+    chunk_len: &Array<u32>,
+    a_qk: &mut Array<f32>,
+    a_kk: &mut Array<f32>,
+    chunks: usize,
+    heads: usize,
+    kdim: usize,
+    #[comptime] chunk: usize,
+) {
+    let ch_h = CUBE_POS;
+    if ch_h >= chunks * heads {
+        terminate!();
+    }
+    let h = ch_h % heads;
+    let ch = ch_h / heads;
+    let tok0 = chunk_tok[ch] as usize;
+    let len = chunk_len[ch] as usize;
+    let subs = chunk / SUB;
+    let base = ch_h * chunk * chunk;
+    let per_unit = comptime!(chunk * chunk / INTRA_CUBE as usize);
+    for r in 0..per_unit {
+        let e = r * INTRA_CUBE as usize + UNIT_POS as usize;
+        let i = e / chunk;
+        let j = e % chunk;
+        let mut aqk = 0.0f32;
+        let mut akk = 0.0f32;
+        if j <= i && i < len {
+            let row_i = (tok0 + i) * heads + h;
+            let row_j = (tok0 + j) * heads + h;
+            let bi = i / SUB;
+            let bj = j / SUB;
+            if bi == bj {
+                for d in 0..kdim {
+                    let mut s = 0.0f32;
+                    for u in j + 1..i + 1 {
+                        s += g[((tok0 + u) * heads + h) * kdim + d];
+                    }
+                    let kj = k[row_j * kdim + d] * f32::exp(s);
+                    aqk += q[row_i * kdim + d] * kj;
+                    akk += k[row_i * kdim + d] * kj;
+                }
+            } else {
+                for d in 0..kdim {
+                    let mut m = ks[row_j * kdim + d];
+                    for b in bj + 1..bi {
+                        m *= sub_decay[(ch_h * subs + b) * kdim + d];
+                    }
+                    aqk += qp[row_i * kdim + d] * m;
+                    akk += kp[row_i * kdim + d] * m;
+                }
+            }
+            if j < i {
+                akk *= beta[row_i];
+            } else {
+                akk = 0.0f32;
+            }
+        }
+        a_qk[base + i * chunk + j] = aqk;
+        a_kk[base + i * chunk + j] = akk;
+    }
+}
+
+/// Chunked KDA, steps 2 and 3 (SPEC §4.3): `W = T̃ (exp(G) ⊙ K)` and `U = T̃ V` with
+/// `T̃ = (I + A_kk)^{-1} Diag(β)`, by forward substitution on the unit lower-triangular system
+/// `(I + A_kk) X = Diag(β) Y`, grid `(ceil((kdim + vdim) / SOLVE_CUBE), chunks·heads)` of
+/// [`SOLVE_CUBE`] units, each unit solving one column of `Y = [we | V]` (no synchronisation: a
+/// column depends only on itself).
+///
+/// `w: [chunks, heads, chunk, kdim]`, `u: [chunks, heads, chunk, vdim]`; rows past the chunk's
+/// length are not written.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn kda_chunk_solve(
+    we: &Array<f32>,
+    v: &Array<f32>,
+    beta: &Array<f32>,
+    a_kk: &Array<f32>,
+    chunk_tok: &Array<u32>,
+    chunk_len: &Array<u32>,
+    w: &mut Array<f32>,
+    u: &mut Array<f32>,
+    chunks: usize,
+    heads: usize,
+    kdim: usize,
+    vdim: usize,
+    #[comptime] chunk: usize,
+) {
+    // One column per unit and no loop over column blocks: a unit looping over several blocks ran
+    // past lavapipe's per-invocation loop limit (see `LOOP_BUDGET`) from the third block on.
+    let ch_h = CUBE_POS_Y as usize;
+    let col = CUBE_POS_X as usize * SOLVE_CUBE as usize + UNIT_POS as usize;
+    if ch_h >= chunks * heads || col >= kdim + vdim {
+        terminate!();
+    }
+    let h = ch_h % heads;
+    let ch = ch_h / heads;
+    let tok0 = chunk_tok[ch] as usize;
+    let len = chunk_len[ch] as usize;
+    let a_base = ch_h * chunk * chunk;
+    if col < kdim {
+        for i in 0..len {
+            let row = (tok0 + i) * heads + h;
+            let mut x = beta[row] * we[row * kdim + col];
+            for j in 0..i {
+                x -= a_kk[a_base + i * chunk + j] * w[(ch_h * chunk + j) * kdim + col];
+            }
+            w[(ch_h * chunk + i) * kdim + col] = x;
+        }
+    } else {
+        let c = col - kdim;
+        for i in 0..len {
+            let row = (tok0 + i) * heads + h;
+            let mut x = beta[row] * v[row * vdim + c];
+            for j in 0..i {
+                x -= a_kk[a_base + i * chunk + j] * u[(ch_h * chunk + j) * vdim + c];
+            }
+            u[(ch_h * chunk + i) * vdim + c] = x;
+        }
+    }
+}
+
+/// Units per cube of [`kda_chunk_state`] and [`kda_chunk_state_backward`].
+pub const STATE_CUBE: u32 = 256;
+
+/// Chunked KDA, step 4 (SPEC §4.3): the sequential pass over the chunks of each sequence, one
+/// cube of [`STATE_CUBE`] units per (value tile, sequence·head) holding the state tile `[kdim, vt]`
+/// (f32) and the tile of `Vn` in shared memory. Per chunk, two phases separated by barriers, each
+/// spreading its entries over the cube:
+///
+/// ```text
+/// Vn = U − W S;   S ← Diag(exp(G_last)) S + (K ⊙ exp(G_last − G))ᵀ Vn
+/// ```
+///
+/// It stores the state entering every chunk (`states: [chunks, heads, kdim, vdim]`) and `Vn`
+/// (`vn: [chunks, heads, chunk, vdim]`), from which [`kda_chunk_output`] forms the output of all
+/// chunks in parallel and the backward recomputes nothing sequential. Every entry has one writer,
+/// so reruns are bit-identical; columns past `vdim` in the last tile compute zeros and are not
+/// written. `seq_chunk: [N + 1]` gives each sequence's chunk range; one launch covers its chunks
+/// `[window_lo, window_lo + window_len)` (see [`chunk_state_window`]); `state: [N, heads, kdim,
+/// vdim]` holds `S_0` on entry to the first window and `S_T` on exit from the last.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn kda_chunk_state(
+    ke: &Array<f32>,
+    decay: &Array<f32>,
+    w: &Array<f32>,
+    u: &Array<f32>,
+    chunk_tok: &Array<u32>,
+    chunk_len: &Array<u32>,
+    seq_chunk: &Array<u32>,
+    state: &mut Array<f32>,
+    states: &mut Array<f32>,
+    vn_out: &mut Array<f32>,
+    heads: usize,
+    vdim: usize,
+    window_lo: usize,
+    window_len: usize,
+    #[comptime] kdim: usize,
+    #[comptime] vt: usize,
+    #[comptime] chunk: usize,
+) {
+    let unit = UNIT_POS as usize;
+    let col0 = CUBE_POS_X as usize * vt;
+    let nh = CUBE_POS_Y as usize;
+    let n = nh / heads;
+    let h = nh % heads;
+    let cube = STATE_CUBE as usize;
+    // Each phase walks a comptime count of strided entries; a unit's loop iterations per chunk
+    // stay small (see `chunk_state_window`).
+    let s_rounds = comptime!((kdim * vt).div_ceil(STATE_CUBE as usize));
+    let v_rounds = comptime!((chunk * vt).div_ceil(STATE_CUBE as usize));
+    let mut s = SharedMemory::<f32>::new(kdim * vt);
+    let mut vn = SharedMemory::<f32>::new(chunk * vt);
+    let s_base = nh * kdim * vdim;
+    for r in 0..s_rounds {
+        let e = r * cube + unit;
+        if e < kdim * vt {
+            let col = col0 + e % vt;
+            let mut x = 0.0f32;
+            if col < vdim {
+                x = state[s_base + (e / vt) * vdim + col];
+            }
+            s[e] = x;
+        }
+    }
+    sync_cube();
+    let seq_last = seq_chunk[n + 1] as usize;
+    let first = usize::min(seq_chunk[n] as usize + window_lo, seq_last);
+    let last = usize::min(first + window_len, seq_last);
+    for ch in first..last {
+        let ch_h = ch * heads + h;
+        let tok0 = chunk_tok[ch] as usize;
+        let len = chunk_len[ch] as usize;
+        for r in 0..v_rounds {
+            let e = r * cube + unit;
+            let i = e / vt;
+            let c = e % vt;
+            if i < len {
+                let col = col0 + c;
+                let mut x = 0.0f32;
+                if col < vdim {
+                    x = u[(ch_h * chunk + i) * vdim + col];
+                }
+                let w_row = (ch_h * chunk + i) * kdim;
+                for d in 0..kdim {
+                    x -= w[w_row + d] * s[d * vt + c];
+                }
+                vn[e] = x;
+                if col < vdim {
+                    vn_out[(ch_h * chunk + i) * vdim + col] = x;
+                }
+            }
+        }
+        sync_cube();
+        for r in 0..s_rounds {
+            let e = r * cube + unit;
+            if e < kdim * vt {
+                let d = e / vt;
+                let c = e % vt;
+                let col = col0 + c;
+                let old = s[e];
+                if col < vdim {
+                    states[(ch_h * kdim + d) * vdim + col] = old;
+                }
+                let mut x = decay[ch_h * kdim + d] * old;
+                for i in 0..len {
+                    x += ke[((tok0 + i) * heads + h) * kdim + d] * vn[i * vt + c];
+                }
+                s[e] = x;
+            }
+        }
+        sync_cube();
+    }
+    for r in 0..s_rounds {
+        let e = r * cube + unit;
+        let col = col0 + e % vt;
+        if e < kdim * vt && col < vdim {
+            state[s_base + (e / vt) * vdim + col] = s[e];
+        }
+    }
+}
+
+/// Chunked KDA, step 5 (SPEC §4.3): the output of every chunk at once from the states stored by
+/// [`kda_chunk_state`], one unit per (chunk·head, row `i`, value column):
+///
+/// ```text
+/// O = (q ⊙ exp(G)) S + A_qk Vn
+/// ```
+///
+/// `out: [tokens, heads, vdim]`; rows past a chunk's length exit.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn kda_chunk_output(
+    qe: &Array<f32>,
+    a_qk: &Array<f32>,
+    states: &Array<f32>,
+    vn: &Array<f32>,
+    chunk_tok: &Array<u32>,
+    chunk_len: &Array<u32>,
+    out: &mut Array<f32>,
+    chunks: usize,
+    heads: usize,
+    vdim: usize,
+    #[comptime] kdim: usize,
+    #[comptime] chunk: usize,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos >= chunks * heads * chunk * vdim {
+        terminate!();
+    }
+    let col = pos % vdim;
+    let i = (pos / vdim) % chunk;
+    let ch_h = pos / (vdim * chunk);
+    let h = ch_h % heads;
+    let ch = ch_h / heads;
+    if i >= chunk_len[ch] as usize {
+        terminate!();
+    }
+    let row = (chunk_tok[ch] as usize + i) * heads + h;
+    let mut o = 0.0f32;
+    for d in 0..kdim {
+        o += qe[row * kdim + d] * states[(ch_h * kdim + d) * vdim + col];
+    }
+    let a_row = (ch_h * chunk + i) * chunk;
+    for j in 0..i + 1 {
+        o += a_qk[a_row + j] * vn[(ch_h * chunk + j) * vdim + col];
+    }
+    out[row * vdim + col] = o;
+}

@@ -1,0 +1,588 @@
+//! Chunked KDA backward (SPEC §4.3). The forward's per-chunk states `S_c` and `Vn` are kept;
+//! the gate sums, within-chunk matrices and `W`, `U` are recomputed by the forward kernels. Then:
+//!
+//! ```text
+//! state pass (reverse):  dVn = A_qkᵀ dO + (K ⊙ exp(G_last − G)) dS'
+//!                        dS  = Diag(exp(G_last)) dS' + (q ⊙ exp(G))ᵀ dO − Wᵀ dVn
+//! per chunk:             d(q ⊙ exp(G)) = dO Sᵀ,  dW = −dVn Sᵀ,  d(K ⊙ exp(G_last − G)) = Vn dS'ᵀ,
+//!                        d exp(G_last) = rowsum(S ⊙ dS'),  dA_qk = dO Vnᵀ (j ≤ i)
+//! solve:                 Z = (I + A_kk)⁻ᵀ [dW | dVn],  dA_kk = −Z [W | U]ᵀ (j < i),
+//!                        d(exp(G) ⊙ K) = β ⊙ Z_w,  dV = β ⊙ Z_u,  dβ ∋ rowsum(Z ⊙ [exp(G) ⊙ K | V])
+//! ```
+//!
+//! and the within-chunk matrices are differentiated through their `exp(G_i − G_j)` factors
+//! ([`kda_chunk_intra_backward`]), which gives per-position gradients `dG` of the cumulative gate
+//! sums; `dg` is their reverse cumulative sum ([`kda_chunk_gates_backward`]). `S'` is the state
+//! after a chunk and `dS'` its gradient. Layouts as in the [parent module](super).
+
+use cubecl::prelude::*;
+
+use super::chunk::{SOLVE_CUBE, STATE_CUBE, SUB};
+
+/// The reverse sequential pass, one cube of [`STATE_CUBE`] units per (value tile,
+/// sequence·head), `dS` tile `[kdim, vt]` and the tile of `dVn` in shared memory. It stores `dVn`
+/// (`d_vn: [chunks, heads, chunk, vdim]`) and the gradient of the state after every chunk
+/// (`d_after: [chunks, heads, kdim, vdim]`). One launch covers the chunks of each sequence whose
+/// index counted from its end lies in `[window_lo, window_lo + window_len)` (see
+/// [`chunk_state_window`](super::chunk_state_window)); `d_state: [N, heads, kdim, vdim]` holds
+/// `dS_T` on entry to the first window and `dS_0` on exit from the last.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn kda_chunk_state_backward(
+    qe: &Array<f32>,
+    ke: &Array<f32>,
+    decay: &Array<f32>,
+    w: &Array<f32>,
+    a_qk: &Array<f32>,
+    d_out: &Array<f32>,
+    chunk_tok: &Array<u32>,
+    chunk_len: &Array<u32>,
+    seq_chunk: &Array<u32>,
+    d_state: &mut Array<f32>,
+    d_after: &mut Array<f32>,
+    d_vn: &mut Array<f32>,
+    heads: usize,
+    vdim: usize,
+    window_lo: usize,
+    window_len: usize,
+    #[comptime] kdim: usize,
+    #[comptime] vt: usize,
+    #[comptime] chunk: usize,
+) {
+    let unit = UNIT_POS as usize;
+    let col0 = CUBE_POS_X as usize * vt;
+    let nh = CUBE_POS_Y as usize;
+    let n = nh / heads;
+    let h = nh % heads;
+    let cube = STATE_CUBE as usize;
+    let s_rounds = comptime!((kdim * vt).div_ceil(STATE_CUBE as usize));
+    let v_rounds = comptime!((chunk * vt).div_ceil(STATE_CUBE as usize));
+    let mut ds = SharedMemory::<f32>::new(kdim * vt);
+    let mut dvn = SharedMemory::<f32>::new(chunk * vt);
+    let s_base = nh * kdim * vdim;
+    for r in 0..s_rounds {
+        let e = r * cube + unit;
+        if e < kdim * vt {
+            let col = col0 + e % vt;
+            let mut x = 0.0f32;
+            if col < vdim {
+                x = d_state[s_base + (e / vt) * vdim + col];
+            }
+            ds[e] = x;
+        }
+    }
+    sync_cube();
+    let first = seq_chunk[n] as usize;
+    let count = seq_chunk[n + 1] as usize - first;
+    let r0 = usize::min(window_lo, count);
+    let r1 = usize::min(window_lo + window_len, count);
+    for back in r0..r1 {
+        let ch = first + count - 1 - back;
+        let ch_h = ch * heads + h;
+        let tok0 = chunk_tok[ch] as usize;
+        let len = chunk_len[ch] as usize;
+        for r in 0..v_rounds {
+            let e = r * cube + unit;
+            let i = e / vt;
+            let c = e % vt;
+            if i < len {
+                let col = col0 + c;
+                let row = (tok0 + i) * heads + h;
+                let mut x = 0.0f32;
+                for d in 0..kdim {
+                    x += ke[row * kdim + d] * ds[d * vt + c];
+                }
+                if col < vdim {
+                    for j in i..len {
+                        let row_j = (tok0 + j) * heads + h;
+                        x += a_qk[(ch_h * chunk + j) * chunk + i] * d_out[row_j * vdim + col];
+                    }
+                    d_vn[(ch_h * chunk + i) * vdim + col] = x;
+                }
+                dvn[e] = x;
+            }
+        }
+        sync_cube();
+        for r in 0..s_rounds {
+            let e = r * cube + unit;
+            if e < kdim * vt {
+                let d = e / vt;
+                let c = e % vt;
+                let col = col0 + c;
+                let old = ds[e];
+                let mut x = decay[ch_h * kdim + d] * old;
+                if col < vdim {
+                    d_after[(ch_h * kdim + d) * vdim + col] = old;
+                    for i in 0..len {
+                        let row = (tok0 + i) * heads + h;
+                        x += qe[row * kdim + d] * d_out[row * vdim + col];
+                    }
+                }
+                for i in 0..len {
+                    x -= w[(ch_h * chunk + i) * kdim + d] * dvn[i * vt + c];
+                }
+                ds[e] = x;
+            }
+        }
+        sync_cube();
+    }
+    for r in 0..s_rounds {
+        let e = r * cube + unit;
+        let col = col0 + e % vt;
+        if e < kdim * vt && col < vdim {
+            d_state[s_base + (e / vt) * vdim + col] = ds[e];
+        }
+    }
+}
+
+/// The per-chunk products with the states, one unit per (chunk·head, row `i`, key channel `d`):
+///
+/// ```text
+/// dqe[i,d] = Σ_v dO[i,v] S[d,v]     dw[i,d] = −Σ_v dVn[i,v] S[d,v]     dke[i,d] = Σ_v Vn[i,v] dS'[d,v]
+/// ddecay[d] = Σ_v S[d,v] dS'[d,v]   (units of row 0)
+/// ```
+///
+/// `dqe`, `dke: [tokens, heads, kdim]`, `dw: [chunks, heads, chunk, kdim]`, `ddecay: [chunks,
+/// heads, kdim]`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn kda_chunk_state_products(
+    d_out: &Array<f32>,
+    states: &Array<f32>,
+    d_after: &Array<f32>,
+    vn: &Array<f32>,
+    d_vn: &Array<f32>,
+    chunk_tok: &Array<u32>,
+    chunk_len: &Array<u32>,
+    dqe: &mut Array<f32>,
+    dw: &mut Array<f32>,
+    dke: &mut Array<f32>,
+    ddecay: &mut Array<f32>,
+    chunks: usize,
+    heads: usize,
+    vdim: usize,
+    #[comptime] kdim: usize,
+    #[comptime] chunk: usize,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos >= chunks * heads * chunk * kdim {
+        terminate!();
+    }
+    let d = pos % kdim;
+    let i = (pos / kdim) % chunk;
+    let ch_h = pos / (kdim * chunk);
+    let h = ch_h % heads;
+    let ch = ch_h / heads;
+    if i >= chunk_len[ch] as usize {
+        terminate!();
+    }
+    let row = (chunk_tok[ch] as usize + i) * heads + h;
+    let s_row = (ch_h * kdim + d) * vdim;
+    let c_row = (ch_h * chunk + i) * vdim;
+    let mut a = 0.0f32;
+    let mut b = 0.0f32;
+    let mut c = 0.0f32;
+    for v in 0..vdim {
+        let s = states[s_row + v];
+        a += d_out[row * vdim + v] * s;
+        b -= d_vn[c_row + v] * s;
+        c += vn[c_row + v] * d_after[s_row + v];
+    }
+    dqe[row * kdim + d] = a;
+    dw[(ch_h * chunk + i) * kdim + d] = b;
+    dke[row * kdim + d] = c;
+    if i == 0 {
+        let mut x = 0.0f32;
+        for v in 0..vdim {
+            x += states[s_row + v] * d_after[s_row + v];
+        }
+        ddecay[ch_h * kdim + d] = x;
+    }
+}
+
+/// `dA_qk[i,j] = Σ_v dO[i,v] Vn[j,v]` for `j ≤ i` (zero elsewhere), one unit per (chunk·head,
+/// `i`, `j`); `d_aqk: [chunks, heads, chunk, chunk]`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn kda_chunk_aqk_backward(
+    d_out: &Array<f32>,
+    vn: &Array<f32>,
+    chunk_tok: &Array<u32>,
+    chunk_len: &Array<u32>,
+    d_aqk: &mut Array<f32>,
+    chunks: usize,
+    heads: usize,
+    vdim: usize,
+    #[comptime] chunk: usize,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos >= chunks * heads * chunk * chunk {
+        terminate!();
+    }
+    let j = pos % chunk;
+    let i = (pos / chunk) % chunk;
+    let ch_h = pos / (chunk * chunk);
+    let h = ch_h % heads;
+    let ch = ch_h / heads;
+    let mut x = 0.0f32;
+    if j <= i && i < chunk_len[ch] as usize {
+        let row = (chunk_tok[ch] as usize + i) * heads + h;
+        let vn_row = (ch_h * chunk + j) * vdim;
+        for v in 0..vdim {
+            x += d_out[row * vdim + v] * vn[vn_row + v];
+        }
+    }
+    d_aqk[pos] = x;
+}
+
+/// The transposed triangular solve `(I + A_kk)ᵀ Z = [dW | dVn]` by back substitution, one unit
+/// per column of `Z` (grid `(ceil((kdim + vdim) / SOLVE_CUBE), chunks·heads)` as the forward
+/// solve). `zw: [chunks, heads, chunk, kdim]`, `zu: [chunks, heads, chunk, vdim]`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn kda_chunk_solve_backward(
+    a_kk: &Array<f32>,
+    dw: &Array<f32>,
+    d_vn: &Array<f32>,
+    chunk_len: &Array<u32>,
+    zw: &mut Array<f32>,
+    zu: &mut Array<f32>,
+    chunks: usize,
+    heads: usize,
+    kdim: usize,
+    vdim: usize,
+    #[comptime] chunk: usize,
+) {
+    let ch_h = CUBE_POS_Y as usize;
+    let col = CUBE_POS_X as usize * SOLVE_CUBE as usize + UNIT_POS as usize;
+    if ch_h >= chunks * heads || col >= kdim + vdim {
+        terminate!();
+    }
+    let ch = ch_h / heads;
+    let len = chunk_len[ch] as usize;
+    let a_base = ch_h * chunk * chunk;
+    if col < kdim {
+        for r in 0..len {
+            let i = len - 1 - r;
+            let mut x = dw[(ch_h * chunk + i) * kdim + col];
+            for j in i + 1..len {
+                x -= a_kk[a_base + j * chunk + i] * zw[(ch_h * chunk + j) * kdim + col];
+            }
+            zw[(ch_h * chunk + i) * kdim + col] = x;
+        }
+    } else {
+        let c = col - kdim;
+        for r in 0..len {
+            let i = len - 1 - r;
+            let mut x = d_vn[(ch_h * chunk + i) * vdim + c];
+            for j in i + 1..len {
+                x -= a_kk[a_base + j * chunk + i] * zu[(ch_h * chunk + j) * vdim + c];
+            }
+            zu[(ch_h * chunk + i) * vdim + c] = x;
+        }
+    }
+}
+
+/// `dA_kk[i,j] = −(Σ_d Z_w[i,d] W[j,d] + Σ_v Z_u[i,v] U[j,v])` for `j < i` (zero elsewhere),
+/// one unit per (chunk·head, `i`, `j`); `d_akk: [chunks, heads, chunk, chunk]`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn kda_chunk_akk_backward(
+    zw: &Array<f32>,
+    zu: &Array<f32>,
+    w: &Array<f32>,
+    u: &Array<f32>,
+    chunk_len: &Array<u32>,
+    d_akk: &mut Array<f32>,
+    chunks: usize,
+    heads: usize,
+    kdim: usize,
+    vdim: usize,
+    #[comptime] chunk: usize,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos >= chunks * heads * chunk * chunk {
+        terminate!();
+    }
+    let j = pos % chunk;
+    let i = (pos / chunk) % chunk;
+    let ch_h = pos / (chunk * chunk);
+    let ch = ch_h / heads;
+    let mut x = 0.0f32;
+    if j < i && i < chunk_len[ch] as usize {
+        let ri = ch_h * chunk + i;
+        let rj = ch_h * chunk + j;
+        for d in 0..kdim {
+            x -= zw[ri * kdim + d] * w[rj * kdim + d];
+        }
+        for v in 0..vdim {
+            x -= zu[ri * vdim + v] * u[rj * vdim + v];
+        }
+    }
+    d_akk[pos] = x;
+}
+
+/// The within-chunk matrices differentiated through their factors `E_ij = exp(G_i − G_j)` (per
+/// key channel), one unit per (chunk·head, row `i`, channel `d`):
+///
+/// ```text
+/// rq[i] = Σ_{j≤i} dA_qk[i,j] k_j E_ij        rk[i] = Σ_{j<i} dA_kk[i,j] k_j E_ij
+/// cc[i] = Σ_{i'≥i} dA_qk[i',i] q_i' E_i'i + Σ_{i'>i} dA_kk[i',i] β_i' k_i' E_i'i
+/// ```
+///
+/// so that `dq ∋ rq`, `dk ∋ β rk + cc`, `dβ ∋ Σ_d k rk` and the gradient of the cumulative gate
+/// sum at `i` gains `q rq + β k rk − k cc`. The factors are formed as in the forward: summed
+/// directly inside a 16-row sub-chunk, and across sub-chunks as the anchored product
+/// `exp(P_i) · Π sub_decay · exp(X_j)` (through `qp`, `kp`, `ks` and `sub_decay` of
+/// [`kda_chunk_gates`](super::kda_chunk_gates)), every factor ≤ 1. `rq`, `rk`, `cc: [tokens,
+/// heads, kdim]`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn kda_chunk_intra_backward(
+    q: &Array<f32>,
+    k: &Array<f32>,
+    g: &Array<f32>,
+    beta: &Array<f32>,
+    qp: &Array<f32>,
+    kp: &Array<f32>,
+    ks: &Array<f32>,
+    sub_decay: &Array<f32>,
+    d_aqk: &Array<f32>,
+    d_akk: &Array<f32>,
+    chunk_tok: &Array<u32>,
+    chunk_len: &Array<u32>,
+    rq: &mut Array<f32>,
+    rk: &mut Array<f32>,
+    cc: &mut Array<f32>,
+    chunks: usize,
+    heads: usize,
+    #[comptime] kdim: usize,
+    #[comptime] chunk: usize,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos >= chunks * heads * chunk * kdim {
+        terminate!();
+    }
+    let d = pos % kdim;
+    let i = (pos / kdim) % chunk;
+    let ch_h = pos / (kdim * chunk);
+    let h = ch_h % heads;
+    let ch = ch_h / heads;
+    let len = chunk_len[ch] as usize;
+    if i >= len {
+        terminate!();
+    }
+    let tok0 = chunk_tok[ch] as usize;
+    let subs = chunk / SUB;
+    // Index of row t of this chunk at channel d.
+    let stride = heads * kdim;
+    let off = (tok0 * heads + h) * kdim + d;
+    let bi = i / SUB;
+    let a_base = ch_h * chunk * chunk;
+    // exp(P_i): the gates from the start of i's sub-chunk up to i.
+    let mut p = 0.0f32;
+    for t in bi * SUB..i + 1 {
+        p += g[off + t * stride];
+    }
+    let ep = f32::exp(p);
+    // Rows j ≤ i, walking back from i: `s` is the sum of the gates in (j, i] while j is in i's
+    // sub-chunk; earlier sub-chunks use the anchored factors.
+    let mut sq = 0.0f32;
+    let mut sk = 0.0f32;
+    let mut s = 0.0f32;
+    for r in 0..i + 1 {
+        let j = i - r;
+        if r > 0 {
+            s += g[off + (j + 1) * stride];
+        }
+        let bj = j / SUB;
+        let kj = if bj == bi {
+            k[off + j * stride] * f32::exp(s)
+        } else {
+            let mut m = ks[off + j * stride];
+            for b in bj + 1..bi {
+                m *= sub_decay[(ch_h * subs + b) * kdim + d];
+            }
+            ep * m
+        };
+        sq += d_aqk[a_base + i * chunk + j] * kj;
+        sk += d_akk[a_base + i * chunk + j] * kj;
+    }
+    rq[off + i * stride] = sq;
+    rk[off + i * stride] = sk;
+    // Rows i' ≥ i: `s` is the sum of the gates in (i, i'] while i' is in i's sub-chunk.
+    let sub_end = usize::min(bi * SUB + SUB, len);
+    let mut x = 0.0f32;
+    for t in i + 1..sub_end {
+        x += g[off + t * stride];
+    }
+    let ex = f32::exp(x);
+    let mut c = 0.0f32;
+    s = 0.0f32;
+    for i2 in i..len {
+        if i2 > i {
+            s += g[off + i2 * stride];
+        }
+        let b2 = i2 / SUB;
+        // f: exp(G_i2 − G_i), read as one factor, times q or k of row i2 (anchored form
+        // across sub-chunks).
+        let f = if b2 == bi {
+            f32::exp(s)
+        } else {
+            let mut m = ex;
+            for b in bi + 1..b2 {
+                m *= sub_decay[(ch_h * subs + b) * kdim + d];
+            }
+            m
+        };
+        let fq = if b2 == bi {
+            q[off + i2 * stride] * f
+        } else {
+            qp[off + i2 * stride] * f
+        };
+        let fk = if b2 == bi {
+            k[off + i2 * stride] * f
+        } else {
+            kp[off + i2 * stride] * f
+        };
+        let row2 = (tok0 + i2) * heads + h;
+        c += d_aqk[a_base + i2 * chunk + i] * fq;
+        c += d_akk[a_base + i2 * chunk + i] * beta[row2] * fk;
+    }
+    cc[off + i * stride] = c;
+}
+
+/// The gate-side gradients, one unit per (chunk·head, key channel `d`), walking the chunk's rows
+/// as [`kda_chunk_gates`](super::kda_chunk_gates) does (every exponent a direct sum ≤ 0):
+///
+/// ```text
+/// dq = rq + dqe Γ                          Γ_i = exp(G_i),  R_i = exp(G_last − G_i)
+/// dk = β rk + cc + β Z_w Γ + dke R
+/// dG_i = q rq + β k rk − k cc + dqe q Γ + β Z_w k Γ − dke k R
+/// dG_last = ddecay exp(G_last) + Σ_i dke k R;    dg_u = dG_last + Σ_{i≥u} dG_i
+/// ```
+///
+/// `dq`, `dk`, `dg: [tokens, heads, kdim]`; `zw` chunk-major as [`kda_chunk_solve_backward`]
+/// writes it.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn kda_chunk_gates_backward(
+    q: &Array<f32>,
+    k: &Array<f32>,
+    g: &Array<f32>,
+    beta: &Array<f32>,
+    rq: &Array<f32>,
+    rk: &Array<f32>,
+    cc: &Array<f32>,
+    dqe: &Array<f32>,
+    zw: &Array<f32>,
+    dke: &Array<f32>,
+    ddecay: &Array<f32>,
+    chunk_tok: &Array<u32>,
+    chunk_len: &Array<u32>,
+    dq: &mut Array<f32>,
+    dk: &mut Array<f32>,
+    dg: &mut Array<f32>,
+    chunks: usize,
+    heads: usize,
+    kdim: usize,
+    #[comptime] chunk: usize,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos >= chunks * heads * kdim {
+        terminate!();
+    }
+    let d = pos % kdim;
+    let ch_h = pos / kdim;
+    let h = ch_h % heads;
+    let ch = ch_h / heads;
+    let tok0 = chunk_tok[ch] as usize;
+    let len = chunk_len[ch] as usize;
+    let mut total = 0.0f32;
+    for i in 0..len {
+        let row = (tok0 + i) * heads + h;
+        let idx = row * kdim + d;
+        total += g[idx];
+        let gam = f32::exp(total);
+        let qi = q[idx];
+        let ki = k[idx];
+        let bi = beta[row];
+        let a = rq[idx];
+        let b = rk[idx];
+        let c = cc[idx];
+        let e = dqe[idx];
+        let z = zw[(ch_h * chunk + i) * kdim + d];
+        dq[idx] = a + e * gam;
+        dk[idx] = bi * b + c + bi * z * gam;
+        dg[idx] = qi * a + bi * ki * b - ki * c + e * qi * gam + bi * z * ki * gam;
+    }
+    let mut last = ddecay[ch_h * kdim + d] * f32::exp(total);
+    let mut rest = 0.0f32;
+    for r in 0..len {
+        let i = len - 1 - r;
+        let idx = ((tok0 + i) * heads + h) * kdim + d;
+        let e = dke[idx] * f32::exp(rest);
+        let t = e * k[idx];
+        dk[idx] += e;
+        dg[idx] -= t;
+        last += t;
+        rest += g[idx];
+    }
+    let mut acc = last;
+    for r in 0..len {
+        let i = len - 1 - r;
+        let idx = ((tok0 + i) * heads + h) * kdim + d;
+        acc += dg[idx];
+        dg[idx] = acc;
+    }
+}
+
+/// The per-row gradients, one unit per (token, head): `dβ = Σ_d k rk + Σ_d Z_w we + Σ_v Z_u v`
+/// and `dv = β Z_u` (`we = k ⊙ exp(G)`, `rk` from [`kda_chunk_intra_backward`]).
+/// `dbeta: [tokens, heads]`, `dv: [tokens, heads, vdim]`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn kda_chunk_rows_backward(
+    k: &Array<f32>,
+    v: &Array<f32>,
+    beta: &Array<f32>,
+    we: &Array<f32>,
+    rk: &Array<f32>,
+    zw: &Array<f32>,
+    zu: &Array<f32>,
+    chunk_tok: &Array<u32>,
+    chunk_len: &Array<u32>,
+    dbeta: &mut Array<f32>,
+    dv: &mut Array<f32>,
+    chunks: usize,
+    heads: usize,
+    kdim: usize,
+    vdim: usize,
+    #[comptime] chunk: usize,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos >= chunks * heads * chunk {
+        terminate!();
+    }
+    let i = pos % chunk;
+    let ch_h = pos / chunk;
+    let h = ch_h % heads;
+    let ch = ch_h / heads;
+    if i >= chunk_len[ch] as usize {
+        terminate!();
+    }
+    let row = (chunk_tok[ch] as usize + i) * heads + h;
+    let c_row = ch_h * chunk + i;
+    let b = beta[row];
+    let mut x = 0.0f32;
+    for d in 0..kdim {
+        let idx = row * kdim + d;
+        x += k[idx] * rk[idx] + zw[c_row * kdim + d] * we[idx];
+    }
+    for c in 0..vdim {
+        let z = zu[c_row * vdim + c];
+        x += z * v[row * vdim + c];
+        dv[row * vdim + c] = b * z;
+    }
+    dbeta[row] = x;
+}

@@ -1,0 +1,532 @@
+//! The chunked KDA kernels on every CubeCL backend: the forward (optionally keeping the per-chunk
+//! states and `Vn` for the backward) and the backward (SPEC §4.3).
+
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::{DType, Shape};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{CubeBackend, CubeRuntime};
+use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
+use kimi_burn_kernels::kda as kkda;
+
+use super::cube_kda::{dims4, empty, f32_contiguous, per_row, state_buffer, u32_buffer};
+use super::KdaKernelInput;
+
+type T<R> = CubeTensor<R>;
+type Input<R> = KdaKernelInput<CubeBackend<R, f32, i32, u32>>;
+/// `(states, vn)`: what the forward keeps for the backward.
+type Saved<R> = (T<R>, T<R>);
+
+/// Where each chunk lies: first token and length per chunk, first chunk per sequence. Chunks
+/// never cross a sequence boundary.
+struct ChunkTable {
+    tok: Vec<u32>,
+    len: Vec<u32>,
+    seq_chunk: Vec<u32>,
+}
+
+fn chunk_table(seq_starts: &[usize], chunk: usize) -> ChunkTable {
+    let mut table = ChunkTable {
+        tok: Vec::new(),
+        len: Vec::new(),
+        seq_chunk: vec![0],
+    };
+    for w in seq_starts.windows(2) {
+        let mut t = w[0];
+        while t < w[1] {
+            let l = chunk.min(w[1] - t);
+            table.tok.push(t as u32);
+            table.len.push(l as u32);
+            t += l;
+        }
+        table.seq_chunk.push(table.tok.len() as u32);
+    }
+    table
+}
+
+/// The inputs in f32, the chunk table on the device and everything the forward kernels compute
+/// before the sequential pass (recomputed by the backward).
+struct Work<R: CubeRuntime> {
+    q: T<R>,
+    k: T<R>,
+    v: T<R>,
+    g: T<R>,
+    beta: T<R>,
+    /// `[b, t, h, kd, vd, n]`.
+    dims: [usize; 6],
+    chunk: usize,
+    chunks: usize,
+    /// The most chunks of one sequence.
+    longest: usize,
+    tok: T<R>,
+    len: T<R>,
+    seq_chunk: T<R>,
+    qe: T<R>,
+    we: T<R>,
+    ke: T<R>,
+    qp: T<R>,
+    kp: T<R>,
+    ks: T<R>,
+    decay: T<R>,
+    sub_decay: T<R>,
+    a_qk: T<R>,
+    a_kk: T<R>,
+    w: T<R>,
+    u: T<R>,
+}
+
+impl<R: CubeRuntime> Work<R> {
+    fn scratch(&self, shape: Vec<usize>) -> T<R> {
+        empty(&self.q, shape, DType::F32)
+    }
+
+    /// Cube count and dim for one unit per element of `units`.
+    fn elemwise(&self, units: usize) -> (CubeCount, CubeDim) {
+        let dim = CubeDim::new(&self.q.client, units.max(1));
+        (
+            calculate_cube_count_elemwise(&self.q.client, units.max(1), dim),
+            dim,
+        )
+    }
+
+    /// Value columns per cube of the sequential passes.
+    fn vt(&self) -> usize {
+        let kd = self.dims[3];
+        kkda::recurrent_columns(kd).min(kkda::chunk_state_columns(kd, self.chunk))
+    }
+}
+
+/// Gate sums, within-chunk matrices and the triangular solve (three launches). `None` when there
+/// is nothing to compute.
+fn prepare<R: CubeRuntime>(input: &Input<R>, chunk: usize) -> Option<Work<R>> {
+    assert!(
+        chunk.is_multiple_of(kkda::SUB) && chunk * chunk >= kkda::INTRA_CUBE as usize,
+        "KDA chunk kernels: chunk size {chunk} must be 16, 32 or 64"
+    );
+    let q = f32_contiguous(input.q.clone());
+    let k = f32_contiguous(input.k.clone());
+    let v = f32_contiguous(input.v.clone());
+    let g = f32_contiguous(input.g.clone());
+    let beta = f32_contiguous(input.beta.clone());
+    let [b, t, h, kd] = dims4(&q);
+    let vd = dims4(&v)[3];
+    let n = input.seq_starts.len() - 1;
+    let table = chunk_table(&input.seq_starts, chunk);
+    let chunks = table.tok.len();
+    if chunks * h * vd * kd == 0 {
+        return None;
+    }
+    let longest = table
+        .seq_chunk
+        .windows(2)
+        .map(|w| (w[1] - w[0]) as usize)
+        .max()
+        .unwrap_or(0);
+    let tokens = b * t;
+    let scratch = |shape: Vec<usize>| empty(&q, shape, DType::F32);
+    let work = Work {
+        dims: [b, t, h, kd, vd, n],
+        chunk,
+        chunks,
+        longest,
+        tok: u32_buffer(&q, &table.tok),
+        len: u32_buffer(&q, &table.len),
+        seq_chunk: u32_buffer(&q, &table.seq_chunk),
+        qe: scratch(vec![tokens, h, kd]),
+        we: scratch(vec![tokens, h, kd]),
+        ke: scratch(vec![tokens, h, kd]),
+        qp: scratch(vec![tokens, h, kd]),
+        kp: scratch(vec![tokens, h, kd]),
+        ks: scratch(vec![tokens, h, kd]),
+        decay: scratch(vec![chunks, h, kd]),
+        sub_decay: scratch(vec![chunks, h, chunk / kkda::SUB, kd]),
+        a_qk: scratch(vec![chunks, h, chunk, chunk]),
+        a_kk: scratch(vec![chunks, h, chunk, chunk]),
+        w: scratch(vec![chunks, h, chunk, kd]),
+        u: scratch(vec![chunks, h, chunk, vd]),
+        q,
+        k,
+        v,
+        g,
+        beta,
+    };
+    let client = work.q.client.clone();
+    let (count, dim) = work.elemwise(chunks * h * kd);
+    kkda::kda_chunk_gates::launch::<R>(
+        &client,
+        count,
+        dim,
+        work.q.clone().into_array_arg(),
+        work.k.clone().into_array_arg(),
+        work.g.clone().into_array_arg(),
+        work.tok.clone().into_array_arg(),
+        work.len.clone().into_array_arg(),
+        work.qe.clone().into_array_arg(),
+        work.we.clone().into_array_arg(),
+        work.ke.clone().into_array_arg(),
+        work.qp.clone().into_array_arg(),
+        work.kp.clone().into_array_arg(),
+        work.ks.clone().into_array_arg(),
+        work.decay.clone().into_array_arg(),
+        work.sub_decay.clone().into_array_arg(),
+        chunks,
+        h,
+        kd,
+        chunk,
+    );
+    kkda::kda_chunk_intra::launch::<R>(
+        &client,
+        per_row(&work.q, chunks * h),
+        CubeDim::new_1d(kkda::INTRA_CUBE),
+        work.q.clone().into_array_arg(),
+        work.k.clone().into_array_arg(),
+        work.g.clone().into_array_arg(),
+        work.beta.clone().into_array_arg(),
+        work.qp.clone().into_array_arg(),
+        work.kp.clone().into_array_arg(),
+        work.ks.clone().into_array_arg(),
+        work.sub_decay.clone().into_array_arg(),
+        work.tok.clone().into_array_arg(),
+        work.len.clone().into_array_arg(),
+        work.a_qk.clone().into_array_arg(),
+        work.a_kk.clone().into_array_arg(),
+        chunks,
+        h,
+        kd,
+        chunk,
+    );
+    kkda::kda_chunk_solve::launch::<R>(
+        &client,
+        solve_grid(kd + vd, chunks * h),
+        CubeDim::new_1d(kkda::SOLVE_CUBE),
+        work.we.clone().into_array_arg(),
+        work.v.clone().into_array_arg(),
+        work.beta.clone().into_array_arg(),
+        work.a_kk.clone().into_array_arg(),
+        work.tok.clone().into_array_arg(),
+        work.len.clone().into_array_arg(),
+        work.w.clone().into_array_arg(),
+        work.u.clone().into_array_arg(),
+        chunks,
+        h,
+        kd,
+        vd,
+        chunk,
+    );
+    Some(work)
+}
+
+fn solve_grid(columns: usize, chunk_heads: usize) -> CubeCount {
+    CubeCount::Static(
+        columns.div_ceil(kkda::SOLVE_CUBE as usize) as u32,
+        chunk_heads as u32,
+        1,
+    )
+}
+
+/// Chunked forward: `(o, S_T, (states, vn))`, the last when `save` (what the backward needs:
+/// the state entering every chunk and `Vn`).
+pub(super) fn forward<R: CubeRuntime>(
+    input: Input<R>,
+    chunk: usize,
+    save: bool,
+) -> (T<R>, T<R>, Option<Saved<R>>) {
+    let [b, t, h, _] = dims4(&input.q);
+    let [_, _, _, kd] = dims4(&input.k);
+    let vd = dims4(&input.v)[3];
+    let n = input.seq_starts.len() - 1;
+    let like = input.q.clone();
+    let work = prepare(&input, chunk);
+    let state = state_buffer(&like, input.initial_state, [n, h, kd, vd]);
+    let out = empty(&like, [b, t, h, vd], DType::F32);
+    let Some(work) = work else {
+        let saved = save.then(|| {
+            (
+                empty(&like, [0, h, kd, vd], DType::F32),
+                empty(&like, [0, h, chunk, vd], DType::F32),
+            )
+        });
+        return (out, state, saved);
+    };
+    let client = work.q.client.clone();
+    let chunks = work.chunks;
+    let states = work.scratch(vec![chunks, h, kd, vd]);
+    let vn = work.scratch(vec![chunks, h, chunk, vd]);
+    let vt = work.vt();
+    let window = kkda::chunk_state_window(kd, vt, chunk);
+    for lo in (0..work.longest).step_by(window) {
+        kkda::kda_chunk_state::launch::<R>(
+            &client,
+            CubeCount::Static(vd.div_ceil(vt) as u32, (n * h) as u32, 1),
+            CubeDim::new_1d(kkda::STATE_CUBE),
+            work.ke.clone().into_array_arg(),
+            work.decay.clone().into_array_arg(),
+            work.w.clone().into_array_arg(),
+            work.u.clone().into_array_arg(),
+            work.tok.clone().into_array_arg(),
+            work.len.clone().into_array_arg(),
+            work.seq_chunk.clone().into_array_arg(),
+            state.clone().into_array_arg(),
+            states.clone().into_array_arg(),
+            vn.clone().into_array_arg(),
+            h,
+            vd,
+            lo,
+            window,
+            kd,
+            vt,
+            chunk,
+        );
+    }
+    let (count, dim) = work.elemwise(chunks * h * chunk * vd);
+    kkda::kda_chunk_output::launch::<R>(
+        &client,
+        count,
+        dim,
+        work.qe.clone().into_array_arg(),
+        work.a_qk.clone().into_array_arg(),
+        states.clone().into_array_arg(),
+        vn.clone().into_array_arg(),
+        work.tok.clone().into_array_arg(),
+        work.len.clone().into_array_arg(),
+        out.clone().into_array_arg(),
+        chunks,
+        h,
+        vd,
+        kd,
+        chunk,
+    );
+    (out, state, save.then_some((states, vn)))
+}
+
+/// Chunked backward from the forward's `(states, vn)`: `[dq, dk, dv, dg, dβ, dS_0]` in f32 (the
+/// shapes of `q, k, v, g, β` and `[N, H, K, V]`).
+pub(super) fn backward<R: CubeRuntime>(
+    input: Input<R>,
+    chunk: usize,
+    (states, vn): Saved<R>,
+    grad_o: T<R>,
+    grad_state: Option<T<R>>,
+) -> [T<R>; 6] {
+    let [b, t, h, _] = dims4(&input.q);
+    let kd = dims4(&input.k)[3];
+    let vd = dims4(&input.v)[3];
+    let n = input.seq_starts.len() - 1;
+    let like = input.q.clone();
+    let d_state = state_buffer(&like, grad_state, [n, h, kd, vd]);
+    let zeros = |shape: [usize; 4]| state_buffer(&like, None, shape);
+    let Some(work) = prepare(&input, chunk) else {
+        let dbeta = zeros([b, t, h, 1]);
+        return [
+            zeros([b, t, h, kd]),
+            zeros([b, t, h, kd]),
+            zeros([b, t, h, vd]),
+            zeros([b, t, h, kd]),
+            CubeBackend::<R, f32, i32, u32>::float_reshape(dbeta, Shape::new([b, t, h])),
+            d_state,
+        ];
+    };
+    let client = work.q.client.clone();
+    let chunks = work.chunks;
+    let tokens = b * t;
+    let grad_o = f32_contiguous(grad_o);
+    let states = f32_contiguous(states);
+    let vn = f32_contiguous(vn);
+
+    // The reverse sequential pass.
+    let d_after = work.scratch(vec![chunks, h, kd, vd]);
+    let d_vn = work.scratch(vec![chunks, h, chunk, vd]);
+    let vt = work.vt();
+    let window = kkda::chunk_state_window(kd, vt, chunk);
+    for lo in (0..work.longest).step_by(window) {
+        kkda::kda_chunk_state_backward::launch::<R>(
+            &client,
+            CubeCount::Static(vd.div_ceil(vt) as u32, (n * h) as u32, 1),
+            CubeDim::new_1d(kkda::STATE_CUBE),
+            work.qe.clone().into_array_arg(),
+            work.ke.clone().into_array_arg(),
+            work.decay.clone().into_array_arg(),
+            work.w.clone().into_array_arg(),
+            work.a_qk.clone().into_array_arg(),
+            grad_o.clone().into_array_arg(),
+            work.tok.clone().into_array_arg(),
+            work.len.clone().into_array_arg(),
+            work.seq_chunk.clone().into_array_arg(),
+            d_state.clone().into_array_arg(),
+            d_after.clone().into_array_arg(),
+            d_vn.clone().into_array_arg(),
+            h,
+            vd,
+            lo,
+            window,
+            kd,
+            vt,
+            chunk,
+        );
+    }
+
+    // Per-chunk products with the states.
+    let dqe = work.scratch(vec![tokens, h, kd]);
+    let dke = work.scratch(vec![tokens, h, kd]);
+    let dw = work.scratch(vec![chunks, h, chunk, kd]);
+    let ddecay = work.scratch(vec![chunks, h, kd]);
+    let (count, dim) = work.elemwise(chunks * h * chunk * kd);
+    kkda::kda_chunk_state_products::launch::<R>(
+        &client,
+        count,
+        dim,
+        grad_o.clone().into_array_arg(),
+        states.into_array_arg(),
+        d_after.into_array_arg(),
+        vn.clone().into_array_arg(),
+        d_vn.clone().into_array_arg(),
+        work.tok.clone().into_array_arg(),
+        work.len.clone().into_array_arg(),
+        dqe.clone().into_array_arg(),
+        dw.clone().into_array_arg(),
+        dke.clone().into_array_arg(),
+        ddecay.clone().into_array_arg(),
+        chunks,
+        h,
+        vd,
+        kd,
+        chunk,
+    );
+    let d_aqk = work.scratch(vec![chunks, h, chunk, chunk]);
+    let (count, dim) = work.elemwise(chunks * h * chunk * chunk);
+    kkda::kda_chunk_aqk_backward::launch::<R>(
+        &client,
+        count,
+        dim,
+        grad_o.into_array_arg(),
+        vn.into_array_arg(),
+        work.tok.clone().into_array_arg(),
+        work.len.clone().into_array_arg(),
+        d_aqk.clone().into_array_arg(),
+        chunks,
+        h,
+        vd,
+        chunk,
+    );
+
+    // Through the triangular solve.
+    let zw = work.scratch(vec![chunks, h, chunk, kd]);
+    let zu = work.scratch(vec![chunks, h, chunk, vd]);
+    kkda::kda_chunk_solve_backward::launch::<R>(
+        &client,
+        solve_grid(kd + vd, chunks * h),
+        CubeDim::new_1d(kkda::SOLVE_CUBE),
+        work.a_kk.clone().into_array_arg(),
+        dw.into_array_arg(),
+        d_vn.into_array_arg(),
+        work.len.clone().into_array_arg(),
+        zw.clone().into_array_arg(),
+        zu.clone().into_array_arg(),
+        chunks,
+        h,
+        kd,
+        vd,
+        chunk,
+    );
+    let d_akk = work.scratch(vec![chunks, h, chunk, chunk]);
+    let (count, dim) = work.elemwise(chunks * h * chunk * chunk);
+    kkda::kda_chunk_akk_backward::launch::<R>(
+        &client,
+        count,
+        dim,
+        zw.clone().into_array_arg(),
+        zu.clone().into_array_arg(),
+        work.w.clone().into_array_arg(),
+        work.u.clone().into_array_arg(),
+        work.len.clone().into_array_arg(),
+        d_akk.clone().into_array_arg(),
+        chunks,
+        h,
+        kd,
+        vd,
+        chunk,
+    );
+
+    // Through the within-chunk matrices and the gate factors.
+    let rq = work.scratch(vec![tokens, h, kd]);
+    let rk = work.scratch(vec![tokens, h, kd]);
+    let cc = work.scratch(vec![tokens, h, kd]);
+    let (count, dim) = work.elemwise(chunks * h * chunk * kd);
+    kkda::kda_chunk_intra_backward::launch::<R>(
+        &client,
+        count,
+        dim,
+        work.q.clone().into_array_arg(),
+        work.k.clone().into_array_arg(),
+        work.g.clone().into_array_arg(),
+        work.beta.clone().into_array_arg(),
+        work.qp.clone().into_array_arg(),
+        work.kp.clone().into_array_arg(),
+        work.ks.clone().into_array_arg(),
+        work.sub_decay.clone().into_array_arg(),
+        d_aqk.into_array_arg(),
+        d_akk.into_array_arg(),
+        work.tok.clone().into_array_arg(),
+        work.len.clone().into_array_arg(),
+        rq.clone().into_array_arg(),
+        rk.clone().into_array_arg(),
+        cc.clone().into_array_arg(),
+        chunks,
+        h,
+        kd,
+        chunk,
+    );
+    let dq = work.scratch(vec![b, t, h, kd]);
+    let dk = work.scratch(vec![b, t, h, kd]);
+    let dg = work.scratch(vec![b, t, h, kd]);
+    let (count, dim) = work.elemwise(chunks * h * kd);
+    kkda::kda_chunk_gates_backward::launch::<R>(
+        &client,
+        count,
+        dim,
+        work.q.clone().into_array_arg(),
+        work.k.clone().into_array_arg(),
+        work.g.clone().into_array_arg(),
+        work.beta.clone().into_array_arg(),
+        rq.into_array_arg(),
+        rk.clone().into_array_arg(),
+        cc.into_array_arg(),
+        dqe.into_array_arg(),
+        zw.clone().into_array_arg(),
+        dke.into_array_arg(),
+        ddecay.into_array_arg(),
+        work.tok.clone().into_array_arg(),
+        work.len.clone().into_array_arg(),
+        dq.clone().into_array_arg(),
+        dk.clone().into_array_arg(),
+        dg.clone().into_array_arg(),
+        chunks,
+        h,
+        kd,
+        chunk,
+    );
+    let dbeta = work.scratch(vec![b, t, h]);
+    let dv = work.scratch(vec![b, t, h, vd]);
+    let (count, dim) = work.elemwise(chunks * h * chunk);
+    kkda::kda_chunk_rows_backward::launch::<R>(
+        &client,
+        count,
+        dim,
+        work.k.clone().into_array_arg(),
+        work.v.clone().into_array_arg(),
+        work.beta.clone().into_array_arg(),
+        work.we.clone().into_array_arg(),
+        rk.into_array_arg(),
+        zw.into_array_arg(),
+        zu.into_array_arg(),
+        work.tok.clone().into_array_arg(),
+        work.len.clone().into_array_arg(),
+        dbeta.clone().into_array_arg(),
+        dv.clone().into_array_arg(),
+        chunks,
+        h,
+        kd,
+        vd,
+        chunk,
+    );
+    [dq, dk, dv, dg, dbeta, d_state]
+}
