@@ -8,12 +8,12 @@ use burn::tensor::{backend::Backend, Distribution, Tensor};
 
 use super::norm::{RmsNorm, RmsNormConfig};
 use crate::error::{Error, Result};
-use crate::ops::kda::conv::causal_conv1d;
+use crate::ops::kda::conv::causal_conv1d_silu;
 use crate::ops::kda::{
     check_cu_seqlens, chunk_kda_inner, cpu_kda, fused_recurrent_kda_inner, kda_gate,
     rms_norm_gated, KdaOptions, CHUNK_SIZES, MAX_HEAD_DIM,
 };
-use crate::ops::precision::{sigmoid, silu, widen};
+use crate::ops::precision::{sigmoid, widen};
 
 /// Inputs whose longest sequence has at most this many tokens go through the recurrent op
 /// ([`fused_recurrent_kda`](crate::ops::kda::fused_recurrent_kda)); longer ones through the
@@ -209,6 +209,11 @@ pub struct ShortConv<B: Backend> {
 /// Starts empty (zero state, zero conv history); every forward pass that is given the cache reads
 /// it and leaves the state after its last token. The tensors keep their autodiff graph; detach
 /// them between steps when training with truncated back-propagation.
+///
+/// The layer takes the tensors out of the cache for the call (so that the CubeCL kernels can
+/// update a state nobody else holds in place, without a copy) and puts the new ones back; a call
+/// that returns an error after its input checks leaves the cache empty. Keep a clone of the
+/// cache to branch from a state (the kernels then copy it first).
 #[derive(Debug, Clone)]
 pub struct KdaCache<B: Backend> {
     /// The recurrent state `[N, H, K, V]` in f32 (f64 on f64 backends).
@@ -330,7 +335,7 @@ impl<B: Backend> KimiDeltaAttention<B> {
         &self,
         x: Tensor<B, 3>,
         cu_seqlens: Option<&[usize]>,
-        cache: Option<&mut KdaCache<B>>,
+        mut cache: Option<&mut KdaCache<B>>,
     ) -> Result<Tensor<B, 3>> {
         let [b, t, d] = x.dims();
         let d_model = self.q_proj.weight.dims()[0];
@@ -352,10 +357,10 @@ impl<B: Backend> KimiDeltaAttention<B> {
             .as_ref()
             .map_or(t, |s| s.iter().map(|s| s.1).max().unwrap_or(0));
         let (state, conv_tail) = match cache.as_deref() {
-            Some(c) => (c.state.clone(), c.conv.clone()),
+            Some(c) => (c.state.as_ref(), c.conv.as_ref()),
             None => (None, None),
         };
-        if let Some(s) = &state {
+        if let Some(s) = state {
             if s.dims() != [n, h, k, k] {
                 return Err(Error::shape(
                     "cache.state",
@@ -364,7 +369,7 @@ impl<B: Backend> KimiDeltaAttention<B> {
                 ));
             }
         }
-        if let Some(c) = &conv_tail {
+        if let Some(c) = conv_tail {
             if c.dims() != [n, 3 * p, w - 1] {
                 return Err(Error::shape(
                     "cache.conv",
@@ -373,6 +378,12 @@ impl<B: Backend> KimiDeltaAttention<B> {
                 ));
             }
         }
+        // The cache hands its tensors over (rather than sharing them), so that the kernels can
+        // update the recurrent state in place.
+        let (state, conv_tail) = match cache.as_deref_mut() {
+            Some(c) => (c.state.take(), c.conv.take()),
+            None => (None, None),
+        };
 
         // Short convolutions of q, k and v as one depthwise convolution over 3P channels.
         let qkv = Tensor::cat(
@@ -391,8 +402,7 @@ impl<B: Backend> KimiDeltaAttention<B> {
             ],
             0,
         );
-        let (qkv, new_tail) = causal_conv1d(qkv, taps, seqs.as_deref(), conv_tail);
-        let qkv = silu(qkv);
+        let (qkv, new_tail) = causal_conv1d_silu(qkv, taps, seqs.as_deref(), conv_tail);
         let heads = |i: usize| qkv.clone().narrow(2, i * p, p).reshape([b, t, h, k]);
         let (q, k_, v) = (heads(0), heads(1), heads(2));
 

@@ -1,6 +1,6 @@
 //! Kimi Delta Attention kernels (SPEC §4): the token-by-token recurrence for decode, the chunked
 //! form for training and prefill (forward in `chunk`, backward in `chunk_backward`, re-exported
-//! here) and the gated output norm.
+//! here), the short convolution for prefill and decode (`conv`) and the gated output norm.
 //!
 //! Layout: tokens of every sequence are contiguous along one axis (`[B·T, H, X]` for `B` rows of
 //! length `T`, or the packed `[ΣT_n, H, X]`); `seq_start: [N + 1]` gives each sequence's token
@@ -13,9 +13,11 @@ use cubecl::prelude::*;
 
 mod chunk;
 mod chunk_backward;
+mod conv;
 
 pub use chunk::*;
 pub use chunk_backward::*;
+pub use conv::*;
 
 /// Value columns per cube of [`kda_recurrent`] for a key dim `k`: the state tile `[k, vt]` f32
 /// lives in shared memory, kept at 16 KiB (lavapipe has 32 KiB).

@@ -297,6 +297,22 @@ impl<B: KdaKernels, C: CheckpointStrategy> KdaKernels for Autodiff<B, C> {
         )
     }
 
+    fn short_conv_forward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        tail: Option<FloatTensor<Self>>,
+        seq_starts: Vec<usize>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        // Callers check `kda_tracked` first: no graph to record.
+        let (y, t) = B::short_conv_forward(
+            Self::inner(x),
+            Self::inner(weight),
+            tail.map(Self::inner),
+            seq_starts,
+        );
+        (Self::from_inner(y), Self::from_inner(t))
+    }
+
     fn kda_tracked(tensors: &[&FloatTensor<Self>]) -> bool {
         tensors.iter().any(|t| !t.node.requirement.is_none())
     }

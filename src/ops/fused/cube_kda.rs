@@ -54,14 +54,24 @@ fn starts_u32(starts: &[usize]) -> Vec<u32> {
         .collect()
 }
 
-/// `S_0` copied into a fresh contiguous f32 buffer the kernels may update in place, or zeros.
-/// (A copy even when `S_0` is already f32 and contiguous: `cast` and `into_contiguous` may hand
-/// back the caller's own buffer.)
+/// `S_0` as a contiguous f32 buffer the kernels may update in place, or zeros. The caller's own
+/// buffer when nothing else holds it (the decode loop hands its state over), else a copy: `cast`
+/// and `into_contiguous` may hand back a buffer that another tensor still reads.
 pub(super) fn state_buffer<R: CubeRuntime>(
     like: &T<R>,
     h0: Option<T<R>>,
     shape: [usize; 4],
 ) -> T<R> {
+    if let Some(s) = &h0 {
+        if s.dtype == DType::F32
+            && s.can_mut()
+            && s.is_contiguous()
+            && s.is_contiguous_buffer()
+            && s.shape().dims::<4>() == shape
+        {
+            return s.clone();
+        }
+    }
     let out = empty(like, shape, DType::F32);
     let len = shape.iter().product::<usize>();
     if len == 0 {
@@ -239,6 +249,75 @@ fn norm_backward<R: CubeRuntime>(
     (d_o, cast(d_z, z_dtype), cast(dw, w_dtype))
 }
 
+fn short_conv<R: CubeRuntime>(
+    x: T<R>,
+    weight: T<R>,
+    tail: Option<T<R>>,
+    seq_starts: &[usize],
+) -> (T<R>, T<R>) {
+    let x = into_contiguous(x);
+    let dtype = x.dtype;
+    let weight = f32_contiguous(weight);
+    let [tokens, channels] = dims2(&x);
+    let width = weight.shape()[1];
+    let n = seq_starts.len() - 1;
+    let y = empty(&x, [tokens, channels], dtype);
+    let new_tail = empty(&x, [n, channels, width - 1], dtype);
+    let has_tail = tail.is_some();
+    // A one-element stand-in when there is no tail (the kernels do not read it then).
+    let tail = match tail {
+        Some(t) => into_contiguous(cast(t, dtype)),
+        None => empty(&x, [1], dtype),
+    };
+    let client = x.client.clone();
+    let starts = u32_buffer(&x, &starts_u32(seq_starts));
+    if tokens * channels > 0 {
+        let tok_seq: Vec<u32> = seq_starts
+            .windows(2)
+            .enumerate()
+            .flat_map(|(i, w)| std::iter::repeat_n(i as u32, w[1] - w[0]))
+            .collect();
+        let tok_seq = u32_buffer(&x, &tok_seq);
+        let units = tokens * channels;
+        let dim = CubeDim::new(&client, units);
+        kkda::short_conv_forward::launch::<R>(
+            &client,
+            calculate_cube_count_elemwise(&client, units, dim),
+            dim,
+            x.clone().into_array_arg(),
+            weight.into_array_arg(),
+            tail.clone().into_array_arg(),
+            tok_seq.into_array_arg(),
+            starts.clone().into_array_arg(),
+            y.clone().into_array_arg(),
+            tokens,
+            channels,
+            width,
+            has_tail,
+            dtype.into(),
+        );
+    }
+    let units = n * channels * (width - 1);
+    if units > 0 {
+        let dim = CubeDim::new(&client, units);
+        kkda::short_conv_tail::launch::<R>(
+            &client,
+            calculate_cube_count_elemwise(&client, units, dim),
+            dim,
+            x.into_array_arg(),
+            tail.into_array_arg(),
+            starts.into_array_arg(),
+            new_tail.clone().into_array_arg(),
+            n,
+            channels,
+            width,
+            has_tail,
+            dtype.into(),
+        );
+    }
+    (y, new_tail)
+}
+
 /// Only used to name `KdaKernelInput`'s backend; the primitives are the same `CubeTensor<R>`
 /// whatever the element parameters.
 pub(super) fn input_cast<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
@@ -298,6 +377,15 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KdaKernels
             beta: g[4].clone(),
             initial_state: g[5].clone(),
         }
+    }
+
+    fn short_conv_forward(
+        x: T<R>,
+        weight: T<R>,
+        tail: Option<T<R>>,
+        seq_starts: Vec<usize>,
+    ) -> (T<R>, T<R>) {
+        short_conv(x, weight, tail, &seq_starts)
     }
 
     fn rms_norm_gated_forward(o: T<R>, z: T<R>, weight: T<R>, eps: f64) -> T<R> {

@@ -119,6 +119,20 @@ pub trait KdaKernels: Backend {
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
+    /// The causal depthwise short convolution with its SiLU (SPEC §4.2) over packed sequences:
+    /// `x: [tokens, P]` (f32, f16 or bf16), `weight: [P, W]`, `tail: [N, P, W − 1]` in `x`'s dtype
+    /// (the last `W − 1` raw inputs before each sequence; `None`: zeros), `seq_starts: [N + 1]`
+    /// token offsets. Returns `y: [tokens, P]` and the new tail `[N, P, W − 1]`, both in `x`'s
+    /// dtype; two launches, so a decode step is two launches per layer for q, k and v together.
+    ///
+    /// Forward only, like the recurrent kernel: the ops call it when no input is tracked.
+    fn short_conv_forward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        tail: Option<FloatTensor<Self>>,
+        seq_starts: Vec<usize>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
     /// Whether any of `tensors` is tracked by autodiff: kernels without a backward pass step aside
     /// for the reference path then. `false` on backends without autodiff.
     fn kda_tracked(tensors: &[&FloatTensor<Self>]) -> bool {
@@ -184,6 +198,35 @@ pub(crate) enum KdaForm {
     Recurrent,
     /// [`KdaKernels::kda_chunk_forward`] with this chunk size.
     Chunk(usize),
+}
+
+/// [`KdaKernels::short_conv_forward`] on `Tensor`s; hands itself back when an input is tracked by
+/// autodiff.
+pub(crate) struct ShortConvOp<B: Backend> {
+    /// `[tokens, P]`.
+    pub x: Tensor<B, 2>,
+    /// `[P, W]`.
+    pub weight: Tensor<B, 2>,
+    /// `[N, P, W − 1]`.
+    pub tail: Option<Tensor<B, 3>>,
+    pub seq_starts: Vec<usize>,
+}
+
+impl<B: Backend> KernelOp<B> for ShortConvOp<B> {
+    type Output = Result<(Tensor<B, 2>, Tensor<B, 3>), Self>;
+
+    fn run<K: FusedKernels>(self) -> Self::Output {
+        let x = float::<B, K, 2>(self.x.clone());
+        let weight = float::<B, K, 2>(self.weight.clone());
+        let tail = self.tail.clone().map(float::<B, K, 3>);
+        let mut all = vec![&x, &weight];
+        all.extend(tail.as_ref());
+        if K::kda_tracked(&all) {
+            return Err(self);
+        }
+        let (y, t) = K::short_conv_forward(x, weight, tail, self.seq_starts);
+        Ok((tensor::<K, B, 2>(y), tensor::<K, B, 3>(t)))
+    }
 }
 
 /// [`KdaKernels::rms_norm_gated_forward`] on `Tensor`s (`[rows, V]`).

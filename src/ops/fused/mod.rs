@@ -52,7 +52,7 @@ mod cube_kda_chunk;
 mod kda;
 
 pub use kda::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
-pub(crate) use kda::{KdaForm, NormGatedOp, RecurrentOp};
+pub(crate) use kda::{KdaForm, NormGatedOp, RecurrentOp, ShortConvOp};
 
 /// The gated activation a fused kernel evaluates (SPEC §1), all in f32.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -234,13 +234,15 @@ pub enum FusedOp {
     KdaChunk,
     /// Its backward (autodiff).
     KdaChunkBackward,
+    /// The short convolution with SiLU in front of KDA's q, k, v (the KDA layer), forward.
+    ShortConv,
     /// [`rms_norm_gated`](crate::ops::kda::rms_norm_gated) forward.
     RmsNormGated,
     /// Its backward (autodiff).
     RmsNormGatedBackward,
 }
 
-const N_OPS: usize = 11;
+const N_OPS: usize = 12;
 
 impl FusedOp {
     fn slot(self) -> usize {

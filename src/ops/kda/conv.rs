@@ -3,6 +3,51 @@
 use burn::tensor::{backend::Backend, Tensor};
 
 use super::gather_tokens;
+use crate::ops::fused::{self, FusedOp, KernelPath, ShortConvOp};
+use crate::ops::precision::silu;
+
+/// [`causal_conv1d`] followed by SiLU (SPEC §4.2), the form in front of KDA's q, k and v.
+///
+/// On the CubeCL backends (see [`fused`](crate::ops::fused)) calls whose inputs autodiff does not
+/// track (prefill, decode) run two fused launches, the convolution with its SiLU and the tail
+/// update; tracked inputs take the tensor ops.
+pub(crate) fn causal_conv1d_silu<B: Backend>(
+    x: Tensor<B, 3>,
+    weight: Tensor<B, 2>,
+    seqs: Option<&[(usize, usize)]>,
+    tail: Option<Tensor<B, 3>>,
+) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    let [b, t, p] = x.dims();
+    let (mut x, mut weight, mut tail) = (x, weight, tail);
+    if fused::kernel_dtype(x.dtype()) && fused::available::<B>() {
+        let seq_starts = match seqs {
+            None => (0..=b).map(|i| i * t).collect(),
+            Some(spans) => std::iter::once(0)
+                .chain(spans.iter().map(|&(start, len)| start + len))
+                .collect(),
+        };
+        let op = ShortConvOp {
+            x: x.reshape([b * t, p]),
+            weight,
+            tail,
+            seq_starts,
+        };
+        match fused::dispatch::<B, _>(op) {
+            Ok(Ok((y, new_tail))) => {
+                fused::record(FusedOp::ShortConv, KernelPath::Kernel);
+                return (y.reshape([b, t, p]), new_tail);
+            }
+            Ok(Err(op)) | Err(op) => {
+                x = op.x.reshape([b, t, p]);
+                weight = op.weight;
+                tail = op.tail;
+            }
+        }
+    }
+    fused::record(FusedOp::ShortConv, KernelPath::Reference);
+    let (y, new_tail) = causal_conv1d(x, weight, seqs, tail);
+    (silu(y), new_tail)
+}
 
 /// Causal depthwise convolution without bias, restarted at every sequence (SPEC §4.2):
 ///
