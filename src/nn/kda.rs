@@ -8,6 +8,7 @@ use burn::tensor::{backend::Backend, Distribution, Tensor};
 
 use super::norm::{RmsNorm, RmsNormConfig};
 use crate::error::{Error, Result};
+use crate::ops::fused;
 use crate::ops::kda::conv::causal_conv1d_silu;
 use crate::ops::kda::{
     check_cu_seqlens, chunk_kda_inner, cpu_kda, fused_recurrent_kda_inner, kda_gate,
@@ -303,7 +304,9 @@ impl<B: Backend> KimiDeltaAttention<B> {
     ///
     /// With a cache, the rows continue the cached sequences (`N = B`) and the cache is advanced
     /// past them: prefill then decode token by token equals one pass over the whole sequence.
-    /// Inputs with `T ≤` [`RECURRENT_MAX_TOKENS`] use the recurrent op, longer ones the chunked op.
+    /// Inputs with `T ≤` [`RECURRENT_MAX_TOKENS`] use the recurrent op, longer ones the chunked op
+    /// (and so does training on the CubeCL backends, where only the chunked kernels have a fused
+    /// backward).
     ///
     /// # Panics
     /// On a width mismatch or a cache of the wrong shape (see [`try_forward`](Self::try_forward)).
@@ -430,7 +433,11 @@ impl<B: Backend> KimiDeltaAttention<B> {
                 opts.initial_state = state;
                 opts.cu_seqlens = cu_seqlens.map(<[usize]>::to_vec);
                 // The gates are ≤ 0 by construction: skip the op's host read-back of their maximum.
-                if longest <= RECURRENT_MAX_TOKENS {
+                // Training on the CubeCL backends takes the chunked kernels whatever the length:
+                // only they have a fused backward.
+                let short = longest <= RECURRENT_MAX_TOKENS
+                    && !fused::tracked_on_kernels(&[q.clone(), k_.clone(), v.clone(), g.clone()]);
+                if short {
                     fused_recurrent_kda_inner(q, k_, v, g, beta, opts, false)?
                 } else {
                     chunk_kda_inner(q, k_, v, g, beta, opts, false)?

@@ -200,6 +200,20 @@ pub(crate) enum KdaForm {
     Chunk(usize),
 }
 
+/// Whether autodiff tracks any of `tensors` on a backend with the fused kernels; `false` on
+/// every other backend.
+pub(crate) fn tracked_on_kernels<B: Backend>(tensors: &[Tensor<B, 4>]) -> bool {
+    struct Probe<B: Backend>(Vec<Tensor<B, 4>>);
+    impl<B: Backend> KernelOp<B> for Probe<B> {
+        type Output = bool;
+        fn run<K: FusedKernels>(self) -> bool {
+            let prims: Vec<FloatTensor<K>> = self.0.into_iter().map(float::<B, K, 4>).collect();
+            K::kda_tracked(&prims.iter().collect::<Vec<_>>())
+        }
+    }
+    super::dispatch::<B, _>(Probe(tensors.to_vec())).unwrap_or(false)
+}
+
 /// [`KdaKernels::short_conv_forward`] on `Tensor`s; hands itself back when an input is tracked by
 /// autodiff.
 pub(crate) struct ShortConvOp<B: Backend> {

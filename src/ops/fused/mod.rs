@@ -51,8 +51,8 @@ mod cube_kda;
 mod cube_kda_chunk;
 mod kda;
 
+pub(crate) use kda::{tracked_on_kernels, KdaForm, NormGatedOp, RecurrentOp, ShortConvOp};
 pub use kda::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
-pub(crate) use kda::{KdaForm, NormGatedOp, RecurrentOp, ShortConvOp};
 
 /// The gated activation a fused kernel evaluates (SPEC §1), all in f32.
 #[derive(Debug, Clone, Copy, PartialEq)]
