@@ -860,18 +860,21 @@ mod conv {
 
 mod layer {
     use super::*;
-    use kimi_burn::nn::{KdaConfig, KimiDeltaAttention};
+    use kimi_burn::nn::{KdaCache, KdaConfig, KimiDeltaAttention};
 
-    /// Parameter gradients of `Σ layer(x) ⊙ R`, in a fixed order.
+    /// One training forward through the layer.
+    type LayerCall = dyn Fn(&KimiDeltaAttention<GpuAd>) -> Tensor<GpuAd, 3>;
+
+    /// Parameter gradients of `Σ out ⊙ R` for `out = forward(layer)`, in a fixed order.
     fn layer_grads(
         layer: &KimiDeltaAttention<GpuAd>,
-        x: &Tensor<GpuAd, 3>,
+        forward: &LayerCall,
         kernel: bool,
     ) -> Vec<Vec<f64>> {
-        let device = x.device();
-        let w: Tensor<GpuAd, 3> = randn(&mut rng(21), x.dims(), 1.0, &device);
         let g = with_kernels(kernel, || {
-            layer.forward(x.clone(), None).mul(w).sum().backward()
+            let out = forward(layer);
+            let w: Tensor<GpuAd, 3> = randn(&mut rng(21), out.dims(), 1.0, &out.device());
+            out.mul(w).sum().backward()
         });
         let lin = |l: &burn::nn::Linear<GpuAd>| host(l.weight.val().grad(&g).expect("grad"));
         vec![
@@ -882,31 +885,66 @@ mod layer {
             lin(&layer.f_b_proj),
             lin(&layer.o_proj),
             host(layer.q_conv1d.weight.val().grad(&g).expect("conv grad")),
+            host(layer.v_conv1d.weight.val().grad(&g).expect("conv grad")),
             host(layer.a_log.val().grad(&g).expect("A_log grad")),
             host(layer.dt_bias.val().grad(&g).expect("dt_bias grad")),
         ]
     }
 
     /// Training through the KDA layer on `Autodiff<Wgpu>`: short (20 tokens, which inference
-    /// runs recurrently) and long inputs take the chunked kernels with their fused backward, and
-    /// every parameter gradient matches the reference path's.
+    /// runs recurrently), long and packed inputs, and two calls through a cache (gradients flow
+    /// through the carried state and conv tail) take the chunked kernels and the short convolution
+    /// with their fused backward passes, and every parameter gradient matches the reference
+    /// path's.
     #[test]
     fn training_gradients_match_reference() {
         let device = Default::default();
         let cfg = KdaConfig::new(32, 2, 16).with_chunk_size(16);
         <GpuAd as Backend>::seed(&device, 11);
         let layer: KimiDeltaAttention<GpuAd> = cfg.init(&device);
-        for t in [20, 70] {
-            let x: Tensor<GpuAd, 3> = randn(&mut rng(22), [2, t, cfg.d_model], 1.0, &device);
-            let before = kernel_calls(FusedOp::KdaChunkBackward);
-            let kernel = layer_grads(&layer, &x, true);
-            assert!(
-                kernel_calls(FusedOp::KdaChunkBackward) > before,
-                "T = {t}: the fused chunked backward did not run"
+        let d = cfg.d_model;
+        let mut r = rng(22);
+        let x20: Tensor<GpuAd, 3> = randn(&mut r, [2, 20, d], 1.0, &device);
+        let x70: Tensor<GpuAd, 3> = randn(&mut r, [2, 70, d], 1.0, &device);
+        let xp: Tensor<GpuAd, 3> = randn(&mut r, [1, 40, d], 1.0, &device);
+        let (x1, x2): (Tensor<GpuAd, 3>, Tensor<GpuAd, 3>) = (
+            randn(&mut r, [2, 10, d], 1.0, &device),
+            randn(&mut r, [2, 2, d], 1.0, &device),
+        );
+        let cases: Vec<(&str, Box<LayerCall>)> = vec![
+            ("T = 20", Box::new(move |l| l.forward(x20.clone(), None))),
+            ("T = 70", Box::new(move |l| l.forward(x70.clone(), None))),
+            (
+                "packed",
+                Box::new(move |l| l.forward_packed(xp.clone(), &[0, 5, 21, 40], None)),
+            ),
+            (
+                "cache",
+                Box::new(move |l| {
+                    let mut cache = KdaCache::new();
+                    let a = l.forward(x1.clone(), Some(&mut cache));
+                    let b = l.forward(x2.clone(), Some(&mut cache));
+                    Tensor::cat(vec![a, b], 1)
+                }),
+            ),
+        ];
+        for (what, forward) in &cases {
+            let (chunk, conv) = (
+                kernel_calls(FusedOp::KdaChunkBackward),
+                kernel_calls(FusedOp::ShortConvBackward),
             );
-            let reference = layer_grads(&layer, &x, false);
+            let kernel = layer_grads(&layer, forward.as_ref(), true);
+            assert!(
+                kernel_calls(FusedOp::KdaChunkBackward) > chunk,
+                "{what}: the fused chunked backward did not run"
+            );
+            assert!(
+                kernel_calls(FusedOp::ShortConvBackward) > conv,
+                "{what}: the fused convolution backward did not run"
+            );
+            let reference = layer_grads(&layer, forward.as_ref(), false);
             for (i, (r, k)) in reference.iter().zip(&kernel).enumerate() {
-                assert_close(&format!("T = {t}, parameter {i}"), r, k, 1e-5);
+                assert_close(&format!("{what}, parameter {i}"), r, k, 1e-5);
             }
         }
     }

@@ -16,6 +16,48 @@ use super::{
     record, FusedOp, KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels, KernelPath,
 };
 
+/// The short convolution with SiLU: parents `[x, weight, tail]` (the last a stand-in for `x`
+/// when there is no tail).
+#[derive(Debug)]
+struct ShortConvBackward;
+
+#[derive(Debug, Clone)]
+struct ShortConvState {
+    x: NodeId,
+    weight: NodeId,
+    tail: Option<NodeId>,
+    seq_starts: Vec<usize>,
+}
+
+impl<B: KdaKernels> Backward<B, 3> for ShortConvBackward {
+    type State = ShortConvState;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let dy = grads.consume::<B>(&ops.node);
+        let s = ops.state;
+        let x: FloatTensor<B> = checkpointer.retrieve_node_output(s.x);
+        let weight: FloatTensor<B> = checkpointer.retrieve_node_output(s.weight);
+        let tail = s
+            .tail
+            .map(|id| checkpointer.retrieve_node_output::<FloatTensor<B>>(id));
+        let has_tail = tail.is_some();
+        let (dx, dw, dt) = B::short_conv_backward(x, weight, tail, s.seq_starts, dy);
+        record(FusedOp::ShortConvBackward, KernelPath::Kernel);
+        let [n_x, n_w, n_t] = ops.parents;
+        let n_t = if has_tail { n_t } else { None };
+        for (node, grad) in [(n_x, Some(dx)), (n_w, Some(dw)), (n_t, dt)] {
+            if let (Some(node), Some(grad)) = (node, grad) {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
 /// The chunked KDA forward: parents `[q, k, v, g, β, S_0]` (the last a stand-in for `q` when
 /// there is no initial state); its one output is `o` and `S_T` flattened and concatenated.
 #[derive(Debug)]
@@ -303,14 +345,62 @@ impl<B: KdaKernels, C: CheckpointStrategy> KdaKernels for Autodiff<B, C> {
         tail: Option<FloatTensor<Self>>,
         seq_starts: Vec<usize>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        // Callers check `kda_tracked` first: no graph to record.
-        let (y, t) = B::short_conv_forward(
+        let tail_node = tail.as_ref().unwrap_or(&x).node.clone();
+        let prep = ShortConvBackward
+            .prepare::<C>([x.node.clone(), weight.node.clone(), tail_node])
+            .compute_bound()
+            .stateful();
+        match prep {
+            OpsKind::Tracked(mut prep) => {
+                let state = ShortConvState {
+                    x: prep.checkpoint(&x),
+                    weight: prep.checkpoint(&weight),
+                    tail: tail.as_ref().map(|t| prep.checkpoint(t)),
+                    seq_starts: seq_starts.clone(),
+                };
+                let (y, t) = B::short_conv_forward(
+                    x.primitive,
+                    weight.primitive,
+                    tail.map(|t| t.primitive),
+                    seq_starts,
+                );
+                (prep.finish(state, y), Self::from_inner(t))
+            }
+            OpsKind::UnTracked(prep) => {
+                let (y, t) = B::short_conv_forward(
+                    x.primitive,
+                    weight.primitive,
+                    tail.map(|t| t.primitive),
+                    seq_starts,
+                );
+                (prep.finish(y), Self::from_inner(t))
+            }
+        }
+    }
+
+    fn short_conv_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        tail: Option<FloatTensor<Self>>,
+        seq_starts: Vec<usize>,
+        dy: FloatTensor<Self>,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    ) {
+        let (dx, dw, dt) = B::short_conv_backward(
             Self::inner(x),
             Self::inner(weight),
             tail.map(Self::inner),
             seq_starts,
+            Self::inner(dy),
         );
-        (Self::from_inner(y), Self::from_inner(t))
+        (
+            Self::from_inner(dx),
+            Self::from_inner(dw),
+            dt.map(Self::from_inner),
+        )
     }
 
     fn kda_tracked(tensors: &[&FloatTensor<Self>]) -> bool {

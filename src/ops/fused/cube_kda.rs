@@ -249,6 +249,110 @@ fn norm_backward<R: CubeRuntime>(
     (d_o, cast(d_z, z_dtype), cast(dw, w_dtype))
 }
 
+/// The sequence of every token (`[tokens]`, u32) on the device.
+fn token_sequences<R: CubeRuntime>(like: &T<R>, seq_starts: &[usize]) -> T<R> {
+    let tok_seq: Vec<u32> = seq_starts
+        .windows(2)
+        .enumerate()
+        .flat_map(|(i, w)| std::iter::repeat_n(i as u32, w[1] - w[0]))
+        .collect();
+    u32_buffer(like, &tok_seq)
+}
+
+/// `tail` in `dtype`, contiguous, or a one-element stand-in the kernels do not read.
+fn tail_or_stub<R: CubeRuntime>(like: &T<R>, tail: Option<T<R>>, dtype: DType) -> T<R> {
+    match tail {
+        Some(t) => into_contiguous(cast(t, dtype)),
+        None => empty(like, [1], dtype),
+    }
+}
+
+fn short_conv_grad<R: CubeRuntime>(
+    x: T<R>,
+    weight: T<R>,
+    tail: Option<T<R>>,
+    seq_starts: &[usize],
+    dy: T<R>,
+) -> (T<R>, T<R>, Option<T<R>>) {
+    let x = into_contiguous(x);
+    let dtype = x.dtype;
+    let w_dtype = weight.dtype;
+    let tail_dtype = tail.as_ref().map(|t| t.dtype);
+    let weight = f32_contiguous(weight);
+    let dy = into_contiguous(cast(dy, dtype));
+    let [tokens, channels] = dims2(&x);
+    let width = weight.shape()[1];
+    let n = seq_starts.len() - 1;
+    let has_tail = tail.is_some();
+    let tail = tail_or_stub(&x, tail, dtype);
+    let client = x.client.clone();
+    let starts = u32_buffer(&x, &starts_u32(seq_starts));
+    let tok_seq = token_sequences(&x, seq_starts);
+    let dx = empty(&x, [tokens, channels], dtype);
+    let dtail = empty(&x, [n, channels, width - 1], dtype);
+    let units = (tokens + if has_tail { n * (width - 1) } else { 0 }) * channels;
+    if units > 0 {
+        let dim = CubeDim::new(&client, units);
+        kkda::short_conv_backward_input::launch::<R>(
+            &client,
+            calculate_cube_count_elemwise(&client, units, dim),
+            dim,
+            x.clone().into_array_arg(),
+            weight.clone().into_array_arg(),
+            tail.clone().into_array_arg(),
+            dy.clone().into_array_arg(),
+            tok_seq.clone().into_array_arg(),
+            starts.clone().into_array_arg(),
+            dx.clone().into_array_arg(),
+            dtail.clone().into_array_arg(),
+            tokens,
+            channels,
+            n,
+            width,
+            has_tail,
+            dtype.into(),
+        );
+    }
+    let blocks = tokens.div_ceil(kkda::CONV_BLOCK);
+    let partial = empty(&x, [blocks.max(1), channels * width], DType::F32);
+    let dw = empty(&x, [channels, width], DType::F32);
+    if blocks * channels > 0 {
+        let units = blocks * channels;
+        let dim = CubeDim::new(&client, units);
+        kkda::short_conv_backward_weight::launch::<R>(
+            &client,
+            calculate_cube_count_elemwise(&client, units, dim),
+            dim,
+            x.into_array_arg(),
+            weight.into_array_arg(),
+            tail.into_array_arg(),
+            dy.into_array_arg(),
+            tok_seq.into_array_arg(),
+            starts.into_array_arg(),
+            partial.clone().into_array_arg(),
+            tokens,
+            channels,
+            width,
+            has_tail,
+            dtype.into(),
+        );
+    }
+    let cols = channels * width;
+    if cols > 0 {
+        let dim = CubeDim::new(&client, cols);
+        kkda::column_sum::launch::<R>(
+            &client,
+            calculate_cube_count_elemwise(&client, cols, dim),
+            dim,
+            partial.into_array_arg(),
+            dw.clone().into_array_arg(),
+            if blocks * channels > 0 { blocks } else { 0 },
+            cols,
+        );
+    }
+    (dx, cast(dw, w_dtype), tail_dtype.map(|d| cast(dtail, d)))
+}
+
 fn short_conv<R: CubeRuntime>(
     x: T<R>,
     weight: T<R>,
@@ -264,20 +368,11 @@ fn short_conv<R: CubeRuntime>(
     let y = empty(&x, [tokens, channels], dtype);
     let new_tail = empty(&x, [n, channels, width - 1], dtype);
     let has_tail = tail.is_some();
-    // A one-element stand-in when there is no tail (the kernels do not read it then).
-    let tail = match tail {
-        Some(t) => into_contiguous(cast(t, dtype)),
-        None => empty(&x, [1], dtype),
-    };
+    let tail = tail_or_stub(&x, tail, dtype);
     let client = x.client.clone();
     let starts = u32_buffer(&x, &starts_u32(seq_starts));
     if tokens * channels > 0 {
-        let tok_seq: Vec<u32> = seq_starts
-            .windows(2)
-            .enumerate()
-            .flat_map(|(i, w)| std::iter::repeat_n(i as u32, w[1] - w[0]))
-            .collect();
-        let tok_seq = u32_buffer(&x, &tok_seq);
+        let tok_seq = token_sequences(&x, seq_starts);
         let units = tokens * channels;
         let dim = CubeDim::new(&client, units);
         kkda::short_conv_forward::launch::<R>(
@@ -386,6 +481,16 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KdaKernels
         seq_starts: Vec<usize>,
     ) -> (T<R>, T<R>) {
         short_conv(x, weight, tail, &seq_starts)
+    }
+
+    fn short_conv_backward(
+        x: T<R>,
+        weight: T<R>,
+        tail: Option<T<R>>,
+        seq_starts: Vec<usize>,
+        dy: T<R>,
+    ) -> (T<R>, T<R>, Option<T<R>>) {
+        short_conv_grad(x, weight, tail, &seq_starts, dy)
     }
 
     fn rms_norm_gated_forward(o: T<R>, z: T<R>, weight: T<R>, eps: f64) -> T<R> {

@@ -125,13 +125,29 @@ pub trait KdaKernels: Backend {
     /// token offsets. Returns `y: [tokens, P]` and the new tail `[N, P, W − 1]`, both in `x`'s
     /// dtype; two launches, so a decode step is two launches per layer for q, k and v together.
     ///
-    /// Forward only, like the recurrent kernel: the ops call it when no input is tracked.
+    /// On `Autodiff<B>`, `y` is differentiable (fused backward,
+    /// [`short_conv_backward`](Self::short_conv_backward)); the new tail is not tracked.
     fn short_conv_forward(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         tail: Option<FloatTensor<Self>>,
         seq_starts: Vec<usize>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// The backward of [`short_conv_forward`](Self::short_conv_forward)'s `y` for `dy: [tokens,
+    /// P]`: `(dx, dweight, dtail)` in the dtypes of `x`, `weight` and `tail` (`dtail` when a tail
+    /// was given), the pre-activation recomputed. Not differentiable itself.
+    fn short_conv_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        tail: Option<FloatTensor<Self>>,
+        seq_starts: Vec<usize>,
+        dy: FloatTensor<Self>,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    );
 
     /// Whether any of `tensors` is tracked by autodiff: kernels without a backward pass step aside
     /// for the reference path then. `false` on backends without autodiff.
@@ -214,8 +230,7 @@ pub(crate) fn tracked_on_kernels<B: Backend>(tensors: &[Tensor<B, 4>]) -> bool {
     super::dispatch::<B, _>(Probe(tensors.to_vec())).unwrap_or(false)
 }
 
-/// [`KdaKernels::short_conv_forward`] on `Tensor`s; hands itself back when an input is tracked by
-/// autodiff.
+/// [`KdaKernels::short_conv_forward`] on `Tensor`s.
 pub(crate) struct ShortConvOp<B: Backend> {
     /// `[tokens, P]`.
     pub x: Tensor<B, 2>,
@@ -227,19 +242,21 @@ pub(crate) struct ShortConvOp<B: Backend> {
 }
 
 impl<B: Backend> KernelOp<B> for ShortConvOp<B> {
-    type Output = Result<(Tensor<B, 2>, Tensor<B, 3>), Self>;
+    /// `y` and, when no input is tracked, the new tail.
+    type Output = (Tensor<B, 2>, Option<Tensor<B, 3>>);
 
     fn run<K: FusedKernels>(self) -> Self::Output {
-        let x = float::<B, K, 2>(self.x.clone());
-        let weight = float::<B, K, 2>(self.weight.clone());
-        let tail = self.tail.clone().map(float::<B, K, 3>);
+        let x = float::<B, K, 2>(self.x);
+        let weight = float::<B, K, 2>(self.weight);
+        let tail = self.tail.map(float::<B, K, 3>);
         let mut all = vec![&x, &weight];
         all.extend(tail.as_ref());
-        if K::kda_tracked(&all) {
-            return Err(self);
-        }
+        let tracked = K::kda_tracked(&all);
         let (y, t) = K::short_conv_forward(x, weight, tail, self.seq_starts);
-        Ok((tensor::<K, B, 2>(y), tensor::<K, B, 3>(t)))
+        (
+            tensor::<K, B, 2>(y),
+            (!tracked).then(|| tensor::<K, B, 3>(t)),
+        )
     }
 }
 

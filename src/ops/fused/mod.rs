@@ -236,13 +236,15 @@ pub enum FusedOp {
     KdaChunkBackward,
     /// The short convolution with SiLU in front of KDA's q, k, v (the KDA layer), forward.
     ShortConv,
+    /// Its backward (autodiff).
+    ShortConvBackward,
     /// [`rms_norm_gated`](crate::ops::kda::rms_norm_gated) forward.
     RmsNormGated,
     /// Its backward (autodiff).
     RmsNormGatedBackward,
 }
 
-const N_OPS: usize = 12;
+const N_OPS: usize = 13;
 
 impl FusedOp {
     fn slot(self) -> usize {

@@ -8,9 +8,10 @@ use crate::ops::precision::silu;
 
 /// [`causal_conv1d`] followed by SiLU (SPEC §4.2), the form in front of KDA's q, k and v.
 ///
-/// On the CubeCL backends (see [`fused`](crate::ops::fused)) calls whose inputs autodiff does not
-/// track (prefill, decode) run two fused launches, the convolution with its SiLU and the tail
-/// update; tracked inputs take the tensor ops.
+/// On the CubeCL backends (see [`fused`](crate::ops::fused)) the convolution with its SiLU is one
+/// fused launch (and its backward two more under autodiff); untracked calls (prefill, decode)
+/// also update the tail in one launch, tracked ones take the tail from the tensor ops so that its
+/// graph reaches `x`.
 pub(crate) fn causal_conv1d_silu<B: Backend>(
     x: Tensor<B, 3>,
     weight: Tensor<B, 2>,
@@ -26,6 +27,7 @@ pub(crate) fn causal_conv1d_silu<B: Backend>(
                 .chain(spans.iter().map(|&(start, len)| start + len))
                 .collect(),
         };
+        let (x_kept, tail_kept, weight_width) = (x.clone(), tail.clone(), weight.dims()[1]);
         let op = ShortConvOp {
             x: x.reshape([b * t, p]),
             weight,
@@ -33,11 +35,17 @@ pub(crate) fn causal_conv1d_silu<B: Backend>(
             seq_starts,
         };
         match fused::dispatch::<B, _>(op) {
-            Ok(Ok((y, new_tail))) => {
+            Ok((y, Some(new_tail))) => {
                 fused::record(FusedOp::ShortConv, KernelPath::Kernel);
                 return (y.reshape([b, t, p]), new_tail);
             }
-            Ok(Err(op)) | Err(op) => {
+            Ok((y, None)) => {
+                // Tracked: the tail comes from the tensor ops, so that its graph reaches x.
+                fused::record(FusedOp::ShortConv, KernelPath::Kernel);
+                let w = weight_width;
+                return (y.reshape([b, t, p]), pad(x_kept, w, seqs, tail_kept).tail);
+            }
+            Err(op) => {
                 x = op.x.reshape([b, t, p]);
                 weight = op.weight;
                 tail = op.tail;
@@ -67,19 +75,47 @@ pub(crate) fn causal_conv1d<B: Backend>(
     seqs: Option<&[(usize, usize)]>,
     tail: Option<Tensor<B, 3>>,
 ) -> (Tensor<B, 3>, Tensor<B, 3>) {
-    let [b, t, p] = x.dims();
     let w = weight.dims()[1];
+    let padded = pad(x, w, seqs, tail);
+    let y = slide(padded.rows, weight);
+    let y = match &padded.outputs {
+        None => y,
+        Some(outputs) => gather_tokens(y, outputs),
+    };
+    (y, padded.tail)
+}
+
+/// Every sequence's `W − 1` history rows (its tail, or zeros) in front of its tokens.
+struct Padded<B: Backend> {
+    /// `[B, T + W − 1, P]` unpacked; `[1, T + N·(W − 1), P]` packed.
+    rows: Tensor<B, 3>,
+    /// Packed: the output row of every token among the windows of `rows`.
+    outputs: Option<Vec<Option<usize>>>,
+    /// The new tail `[N, P, W − 1]`: the last `W − 1` rows of each padded sequence.
+    tail: Tensor<B, 3>,
+}
+
+fn pad<B: Backend>(
+    x: Tensor<B, 3>,
+    w: usize,
+    seqs: Option<&[(usize, usize)]>,
+    tail: Option<Tensor<B, 3>>,
+) -> Padded<B> {
+    let [b, t, p] = x.dims();
     let Some(seqs) = seqs else {
         let history = match tail {
             Some(tl) => tl.swap_dims(1, 2),
             None => Tensor::zeros([b, w - 1, p], (&x.device(), x.dtype())),
         };
-        let padded = Tensor::cat(vec![history, x], 1);
-        let new_tail = padded.clone().narrow(1, t, w - 1).swap_dims(1, 2);
-        return (slide(padded, weight), new_tail);
+        let rows = Tensor::cat(vec![history, x], 1);
+        let tail = rows.clone().narrow(1, t, w - 1).swap_dims(1, 2);
+        return Padded {
+            rows,
+            outputs: None,
+            tail,
+        };
     };
-    // Packed: give every sequence its own W − 1 history rows (its tail, or zeros) in front of its
-    // tokens, all with one gather, so that no window reaches into the previous sequence.
+    // Packed: all sequences with one gather, so that no window reaches into the previous one.
     let n = seqs.len();
     let history = match tail {
         Some(tl) => tl.swap_dims(1, 2).reshape([1, n * (w - 1), p]),
@@ -97,11 +133,15 @@ pub(crate) fn causal_conv1d<B: Backend>(
         outputs.extend((offset..offset + len).map(Some));
         tails.extend((offset + len..offset + len + w - 1).map(Some));
     }
-    let padded = gather_tokens(source, &slots);
-    let new_tail = gather_tokens(padded.clone(), &tails)
+    let rows = gather_tokens(source, &slots);
+    let tail = gather_tokens(rows.clone(), &tails)
         .reshape([n, w - 1, p])
         .swap_dims(1, 2);
-    (gather_tokens(slide(padded, weight), &outputs), new_tail)
+    Padded {
+        rows,
+        outputs: Some(outputs),
+        tail,
+    }
 }
 
 /// The valid windows of a depthwise convolution: `[B, L, P]` with taps `[P, W]` →
