@@ -522,6 +522,81 @@ mod chunked {
         }
     }
 
+    /// More sequence·heads than one dimension of a launch grid holds (65 535): the sequential
+    /// passes and the solves spread their cubes over the whole grid. Forward against the naive
+    /// recurrence; the backward against the same kernels run on halves of the heads.
+    #[test]
+    fn more_sequence_heads_than_a_grid_dimension() {
+        let device = Default::default();
+        let dims = [1, 3, 66_000, 4, 4];
+        let x = Inputs::<Gpu>::new(&mut rng(23), dims, 1, Gates::Safe, &device);
+        let opts = || x.opts().with_chunk_size(16);
+        let (o_ref, s_ref) = naive_cpu(&x, opts());
+        let (o, s) = on_kernel(FusedOp::KdaChunk, 1, || run(chunk_kda, &x, opts()));
+        assert_close("chunked o", &host(o_ref.clone()), &host(o), 1e-5);
+        assert_close("chunked S_T", &host(s_ref.clone()), &host(s), 1e-5);
+        let (o, s) = on_kernel(FusedOp::KdaRecurrent, 1, || {
+            run(fused_recurrent_kda, &x, x.opts())
+        });
+        assert_close("recurrent o", &host(o_ref), &host(o), 1e-5);
+        assert_close("recurrent S_T", &host(s_ref), &host(s), 1e-5);
+        // Backward: the same kernels on the two halves of the heads (each half fits in one grid
+        // dimension) give the same gradients, head for head.
+        let xa = Inputs::<GpuAd>::new(&mut rng(23), dims, 1, Gates::Safe, &device);
+        let w_o: Tensor<GpuAd, 4> = randn(&mut rng(24), [1, 3, 66_000, 4], 1.0, &device);
+        let w_s: Tensor<GpuAd, 4> = randn(&mut rng(25), [1, 66_000, 4, 4], 1.0, &device);
+        let heads =
+            |t: &Tensor<GpuAd, 4>, dim: usize, a: usize, n: usize| t.clone().narrow(dim, a, n);
+        let part = |a: usize, n: usize| {
+            let leaves = [
+                heads(&xa.q, 2, a, n).require_grad(),
+                heads(&xa.k, 2, a, n).require_grad(),
+                heads(&xa.v, 2, a, n).require_grad(),
+                heads(&xa.g, 2, a, n).require_grad(),
+            ];
+            let beta = xa.beta.clone().narrow(2, a, n).require_grad();
+            let h0 = heads(&xa.h0, 1, a, n).require_grad();
+            let (o, s) = on_kernel(FusedOp::KdaChunk, 1, || {
+                chunk_kda(
+                    leaves[0].clone(),
+                    leaves[1].clone(),
+                    leaves[2].clone(),
+                    leaves[3].clone(),
+                    beta.clone(),
+                    KdaOptions::default()
+                        .with_initial_state(h0.clone())
+                        .with_final_state(true)
+                        .with_qk_l2norm(true)
+                        .with_chunk_size(16),
+                )
+            });
+            let loss = o
+                .mul(heads(&w_o, 2, a, n))
+                .sum()
+                .add(s.unwrap().mul(heads(&w_s, 1, a, n)).sum());
+            let g = loss.backward();
+            let mut out: Vec<Tensor<GpuAd, 4>> = leaves
+                .iter()
+                .map(|t| Tensor::from_inner(t.grad(&g).unwrap()))
+                .collect();
+            out.push(Tensor::from_inner(beta.grad(&g).unwrap()).unsqueeze_dim(3));
+            out.push(Tensor::from_inner(h0.grad(&g).unwrap()));
+            out
+        };
+        let whole = part(0, 66_000);
+        let (lo, hi) = (part(0, 33_000), part(33_000, 33_000));
+        for (i, name) in GRAD_NAMES.iter().enumerate() {
+            let dim = if i == 5 { 1 } else { 2 };
+            let halves = Tensor::cat(vec![lo[i].clone(), hi[i].clone()], dim);
+            assert_close(
+                &format!("many heads {name}"),
+                &host(halves),
+                &host(whole[i].clone()),
+                1e-6,
+            );
+        }
+    }
+
     /// The fused backward on packed sequences against the reference autodiff.
     #[test]
     fn packed_gradients() {

@@ -212,7 +212,7 @@ pub fn kda_chunk_intra(
 
 /// Chunked KDA, steps 2 and 3 (SPEC §4.3): `W = T̃ (exp(G) ⊙ K)` and `U = T̃ V` with
 /// `T̃ = (I + A_kk)^{-1} Diag(β)`, by forward substitution on the unit lower-triangular system
-/// `(I + A_kk) X = Diag(β) Y`, grid `(ceil((kdim + vdim) / SOLVE_CUBE), chunks·heads)` of
+/// `(I + A_kk) X = Diag(β) Y`, `col_blocks = ceil((kdim + vdim) / SOLVE_CUBE)` cubes per chunk·head of
 /// [`SOLVE_CUBE`] units, each unit solving one column of `Y = [we | V]` (no synchronisation: a
 /// column depends only on itself).
 ///
@@ -231,14 +231,17 @@ pub fn kda_chunk_solve(
     u: &mut Array<f32>,
     chunks: usize,
     heads: usize,
+    col_blocks: usize,
     kdim: usize,
     vdim: usize,
     #[comptime] chunk: usize,
 ) {
     // One column per unit and no loop over column blocks: a unit looping over several blocks ran
     // past lavapipe's per-invocation loop limit (see `LOOP_BUDGET`) from the third block on.
-    let ch_h = CUBE_POS_Y as usize;
-    let col = CUBE_POS_X as usize * SOLVE_CUBE as usize + UNIT_POS as usize;
+    // Cubes spread over the hardware grid (`CUBE_POS` linear): `col_blocks` per chunk·head.
+    let id = CUBE_POS;
+    let ch_h = id / col_blocks;
+    let col = (id % col_blocks) * SOLVE_CUBE as usize + UNIT_POS as usize;
     if ch_h >= chunks * heads || col >= kdim + vdim {
         terminate!();
     }
@@ -302,6 +305,8 @@ pub fn kda_chunk_state(
     states: &mut Array<f32>,
     vn_out: &mut Array<f32>,
     heads: usize,
+    tiles: usize,
+    seq_heads: usize,
     vdim: usize,
     window_lo: usize,
     window_len: usize,
@@ -310,8 +315,13 @@ pub fn kda_chunk_state(
     #[comptime] chunk: usize,
 ) {
     let unit = UNIT_POS as usize;
-    let col0 = CUBE_POS_X as usize * vt;
-    let nh = CUBE_POS_Y as usize;
+    // Cubes spread over the hardware grid (`CUBE_POS` linear): `tiles` per sequence·head.
+    let id = CUBE_POS;
+    if id >= tiles * seq_heads {
+        terminate!();
+    }
+    let col0 = (id % tiles) * vt;
+    let nh = id / tiles;
     let n = nh / heads;
     let h = nh % heads;
     let cube = STATE_CUBE as usize;
@@ -322,18 +332,7 @@ pub fn kda_chunk_state(
     let mut s = SharedMemory::<f32>::new(kdim * vt);
     let mut vn = SharedMemory::<f32>::new(chunk * vt);
     let s_base = nh * kdim * vdim;
-    for r in 0..s_rounds {
-        let e = r * cube + unit;
-        if e < kdim * vt {
-            let col = col0 + e % vt;
-            let mut x = 0.0f32;
-            if col < vdim {
-                x = state[s_base + (e / vt) * vdim + col];
-            }
-            s[e] = x;
-        }
-    }
-    sync_cube();
+    load_state_tile(state, &mut s, s_base, col0, vdim, kdim, vt);
     let seq_last = seq_chunk[n + 1] as usize;
     let first = usize::min(seq_chunk[n] as usize + window_lo, seq_last);
     let last = usize::min(first + window_len, seq_last);
@@ -381,11 +380,54 @@ pub fn kda_chunk_state(
         }
         sync_cube();
     }
-    for r in 0..s_rounds {
-        let e = r * cube + unit;
+    store_state_tile(&s, state, s_base, col0, vdim, kdim, vt);
+}
+
+/// Loads columns `[col0, col0 + vt)` of the `[kdim, vdim]` state at `base` into the shared tile
+/// `[kdim, vt]` (zeros past `vdim`), spread over the cube, then synchronises it.
+#[cube]
+pub(super) fn load_state_tile(
+    src: &Array<f32>,
+    tile: &mut SharedMemory<f32>,
+    base: usize,
+    col0: usize,
+    vdim: usize,
+    #[comptime] kdim: usize,
+    #[comptime] vt: usize,
+) {
+    let rounds = comptime!((kdim * vt).div_ceil(STATE_CUBE as usize));
+    for r in 0..rounds {
+        let e = r * STATE_CUBE as usize + UNIT_POS as usize;
+        if e < kdim * vt {
+            let col = col0 + e % vt;
+            let mut x = 0.0f32;
+            if col < vdim {
+                x = src[base + (e / vt) * vdim + col];
+            }
+            tile[e] = x;
+        }
+    }
+    sync_cube();
+}
+
+/// Writes the shared tile back: the inverse of [`load_state_tile`] (columns past `vdim` are
+/// dropped). The tile must be synchronised.
+#[cube]
+pub(super) fn store_state_tile(
+    tile: &SharedMemory<f32>,
+    dst: &mut Array<f32>,
+    base: usize,
+    col0: usize,
+    vdim: usize,
+    #[comptime] kdim: usize,
+    #[comptime] vt: usize,
+) {
+    let rounds = comptime!((kdim * vt).div_ceil(STATE_CUBE as usize));
+    for r in 0..rounds {
+        let e = r * STATE_CUBE as usize + UNIT_POS as usize;
         let col = col0 + e % vt;
         if e < kdim * vt && col < vdim {
-            state[s_base + (e / vt) * vdim + col] = s[e];
+            dst[base + (e / vt) * vdim + col] = tile[e];
         }
     }
 }

@@ -17,7 +17,7 @@
 
 use cubecl::prelude::*;
 
-use super::chunk::{SOLVE_CUBE, STATE_CUBE, SUB};
+use super::chunk::{load_state_tile, store_state_tile, SOLVE_CUBE, STATE_CUBE, SUB};
 
 /// The reverse sequential pass, one cube of [`STATE_CUBE`] units per (value tile,
 /// sequence·head), `dS` tile `[kdim, vt]` and the tile of `dVn` in shared memory. It stores `dVn`
@@ -42,6 +42,8 @@ pub fn kda_chunk_state_backward(
     d_after: &mut Array<f32>,
     d_vn: &mut Array<f32>,
     heads: usize,
+    tiles: usize,
+    seq_heads: usize,
     vdim: usize,
     window_lo: usize,
     window_len: usize,
@@ -50,8 +52,13 @@ pub fn kda_chunk_state_backward(
     #[comptime] chunk: usize,
 ) {
     let unit = UNIT_POS as usize;
-    let col0 = CUBE_POS_X as usize * vt;
-    let nh = CUBE_POS_Y as usize;
+    // Cubes spread over the hardware grid (`CUBE_POS` linear): `tiles` per sequence·head.
+    let id = CUBE_POS;
+    if id >= tiles * seq_heads {
+        terminate!();
+    }
+    let col0 = (id % tiles) * vt;
+    let nh = id / tiles;
     let n = nh / heads;
     let h = nh % heads;
     let cube = STATE_CUBE as usize;
@@ -60,18 +67,7 @@ pub fn kda_chunk_state_backward(
     let mut ds = SharedMemory::<f32>::new(kdim * vt);
     let mut dvn = SharedMemory::<f32>::new(chunk * vt);
     let s_base = nh * kdim * vdim;
-    for r in 0..s_rounds {
-        let e = r * cube + unit;
-        if e < kdim * vt {
-            let col = col0 + e % vt;
-            let mut x = 0.0f32;
-            if col < vdim {
-                x = d_state[s_base + (e / vt) * vdim + col];
-            }
-            ds[e] = x;
-        }
-    }
-    sync_cube();
+    load_state_tile(d_state, &mut ds, s_base, col0, vdim, kdim, vt);
     let first = seq_chunk[n] as usize;
     let count = seq_chunk[n + 1] as usize - first;
     let r0 = usize::min(window_lo, count);
@@ -126,13 +122,7 @@ pub fn kda_chunk_state_backward(
         }
         sync_cube();
     }
-    for r in 0..s_rounds {
-        let e = r * cube + unit;
-        let col = col0 + e % vt;
-        if e < kdim * vt && col < vdim {
-            d_state[s_base + (e / vt) * vdim + col] = ds[e];
-        }
-    }
+    store_state_tile(&ds, d_state, s_base, col0, vdim, kdim, vt);
 }
 
 /// The per-chunk products with the states, one unit per (chunk·head, row `i`, key channel `d`):
@@ -236,7 +226,7 @@ pub fn kda_chunk_aqk_backward(
 }
 
 /// The transposed triangular solve `(I + A_kk)ᵀ Z = [dW | dVn]` by back substitution, one unit
-/// per column of `Z` (grid `(ceil((kdim + vdim) / SOLVE_CUBE), chunks·heads)` as the forward
+/// per column of `Z` (`col_blocks` cubes per chunk·head, as the forward
 /// solve). `zw: [chunks, heads, chunk, kdim]`, `zu: [chunks, heads, chunk, vdim]`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
@@ -249,12 +239,15 @@ pub fn kda_chunk_solve_backward(
     zu: &mut Array<f32>,
     chunks: usize,
     heads: usize,
+    col_blocks: usize,
     kdim: usize,
     vdim: usize,
     #[comptime] chunk: usize,
 ) {
-    let ch_h = CUBE_POS_Y as usize;
-    let col = CUBE_POS_X as usize * SOLVE_CUBE as usize + UNIT_POS as usize;
+    // Cubes spread over the hardware grid (`CUBE_POS` linear): `col_blocks` per chunk·head.
+    let id = CUBE_POS;
+    let ch_h = id / col_blocks;
+    let col = (id % col_blocks) * SOLVE_CUBE as usize + UNIT_POS as usize;
     if ch_h >= chunks * heads || col >= kdim + vdim {
         terminate!();
     }

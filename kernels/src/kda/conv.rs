@@ -38,19 +38,8 @@ pub fn short_conv_forward<F: Float>(
     let n = tok_seq[t] as usize;
     let start = seq_start[n] as usize;
     let j = t - start;
-    let back = width - 1;
-    let mut acc = 0.0f32;
-    for i in 0..width {
-        let w = weight[c * width + i];
-        if j + i >= back {
-            acc += w * f32::cast_from(x[(t + i - back) * channels + c]);
-        } else {
-            if comptime!(has_tail) {
-                acc += w * f32::cast_from(tail[(n * channels + c) * back + j + i]);
-            }
-        }
-    }
-    y[pos] = F::cast_from(acc * sigmoid(acc));
+    let a = conv_pre(x, weight, tail, t, j, n, c, channels, width, has_tail);
+    y[pos] = F::cast_from(a * sigmoid(a));
 }
 
 /// The tail after this call: `new_tail[n, c, r]` is the raw input at position
@@ -118,6 +107,28 @@ fn conv_input<F: Float>(
     v
 }
 
+/// The pre-activation `a = Σ_m w[c, m] · input(t, m)` of token `t`, channel `c`.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn conv_pre<F: Float>(
+    x: &Array<F>,
+    weight: &Array<f32>,
+    tail: &Array<F>,
+    t: usize,
+    j: usize,
+    n: usize,
+    c: usize,
+    channels: usize,
+    #[comptime] width: usize,
+    #[comptime] has_tail: bool,
+) -> f32 {
+    let mut a = 0.0f32;
+    for m in 0..width {
+        a += weight[c * width + m] * conv_input(x, tail, t, j, n, c, m, channels, width, has_tail);
+    }
+    a
+}
+
 /// `dL/da` at token `t`, channel `c`, for `y = SiLU(a)`: `dy · σ(a)(1 + a(1 − σ(a)))`, with the
 /// pre-activation `a` recomputed from the window.
 #[allow(clippy::too_many_arguments)]
@@ -135,10 +146,7 @@ fn conv_grad_pre<F: Float>(
     #[comptime] width: usize,
     #[comptime] has_tail: bool,
 ) -> f32 {
-    let mut a = 0.0f32;
-    for m in 0..width {
-        a += weight[c * width + m] * conv_input(x, tail, t, j, n, c, m, channels, width, has_tail);
-    }
+    let a = conv_pre(x, weight, tail, t, j, n, c, channels, width, has_tail);
     let s = sigmoid(a);
     f32::cast_from(dy[t * channels + c]) * s * (1.0 + a * (1.0 - s))
 }

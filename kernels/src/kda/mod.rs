@@ -57,7 +57,8 @@ pub fn recurrent_window(kdim: usize, vt: usize) -> usize {
 /// `seq_start: [N + 1]`, `state: [N, heads, kdim, vdim]` (read as `S_0`, overwritten with `S_T`:
 /// updated in place), `out: [tokens, heads, vdim]`.
 ///
-/// Grid `(ceil(vdim / vt), N·heads)`, cubes of `vt` units; unit `u` owns state column
+/// `tiles = ceil(vdim / vt)` cubes of `vt` units per sequence·head (`seq_heads = N·heads` of
+/// them), spread linearly over the hardware grid (no dimension of it may pass 65 535); unit `u` owns state column
 /// `vt·CUBE_POS_X + u` and the cube shares `q_t`, `k_t`, `exp(g_t)`. One launch covers the
 /// tokens `[window_lo, window_lo + window_len)` of every sequence (counted from its start; see
 /// [`recurrent_window`]); the host launches successive windows.
@@ -73,6 +74,8 @@ pub fn kda_recurrent(
     state: &mut Array<f32>,
     out: &mut Array<f32>,
     heads: usize,
+    tiles: usize,
+    seq_heads: usize,
     vdim: usize,
     window_lo: usize,
     window_len: usize,
@@ -80,8 +83,13 @@ pub fn kda_recurrent(
     #[comptime] vt: usize,
 ) {
     let u = UNIT_POS as usize;
-    let col = CUBE_POS_X as usize * vt + u;
-    let nh = CUBE_POS_Y as usize;
+    // Cubes spread over the hardware grid (`CUBE_POS` linear): `tiles` per sequence·head.
+    let id = CUBE_POS;
+    if id >= tiles * seq_heads {
+        terminate!();
+    }
+    let col = (id % tiles) * vt + u;
+    let nh = id / tiles;
     let n = nh / heads;
     let h = nh % heads;
     let active = col < vdim;

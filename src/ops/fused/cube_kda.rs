@@ -134,7 +134,7 @@ fn recurrent<R: CubeRuntime>(input: KdaKernelInput<CubeBackend<R, f32, i32, u32>
         for lo in (0..longest).step_by(window) {
             kkda::kda_recurrent::launch::<R>(
                 &q.client,
-                CubeCount::Static(vd.div_ceil(vt) as u32, (n * h) as u32, 1),
+                per_row(&q, vd.div_ceil(vt) * n * h),
                 CubeDim::new_1d(vt as u32),
                 q.clone().into_array_arg(),
                 k.clone().into_array_arg(),
@@ -145,6 +145,8 @@ fn recurrent<R: CubeRuntime>(input: KdaKernelInput<CubeBackend<R, f32, i32, u32>
                 state.clone().into_array_arg(),
                 out.clone().into_array_arg(),
                 h,
+                vd.div_ceil(vt),
+                n * h,
                 vd,
                 lo,
                 window,

@@ -196,7 +196,7 @@ fn prepare<R: CubeRuntime>(input: &Input<R>, chunk: usize) -> Option<Work<R>> {
     );
     kkda::kda_chunk_solve::launch::<R>(
         &client,
-        solve_grid(kd + vd, chunks * h),
+        solve_grid(&work.q, solve_blocks(kd + vd), chunks * h),
         CubeDim::new_1d(kkda::SOLVE_CUBE),
         work.we.clone().into_array_arg(),
         work.v.clone().into_array_arg(),
@@ -208,6 +208,7 @@ fn prepare<R: CubeRuntime>(input: &Input<R>, chunk: usize) -> Option<Work<R>> {
         work.u.clone().into_array_arg(),
         chunks,
         h,
+        solve_blocks(kd + vd),
         kd,
         vd,
         chunk,
@@ -215,12 +216,14 @@ fn prepare<R: CubeRuntime>(input: &Input<R>, chunk: usize) -> Option<Work<R>> {
     Some(work)
 }
 
-fn solve_grid(columns: usize, chunk_heads: usize) -> CubeCount {
-    CubeCount::Static(
-        columns.div_ceil(kkda::SOLVE_CUBE as usize) as u32,
-        chunk_heads as u32,
-        1,
-    )
+/// Column blocks of the solve kernels for `columns` columns.
+fn solve_blocks(columns: usize) -> usize {
+    columns.div_ceil(kkda::SOLVE_CUBE as usize)
+}
+
+/// `col_blocks` cubes of the solve kernels per chunk·head, spread over the hardware grid.
+fn solve_grid<R: CubeRuntime>(like: &T<R>, col_blocks: usize, chunk_heads: usize) -> CubeCount {
+    per_row(like, col_blocks * chunk_heads)
 }
 
 /// Chunked forward: `(o, S_T, (states, vn))`, the last when `save` (what the backward needs:
@@ -256,7 +259,7 @@ pub(super) fn forward<R: CubeRuntime>(
     for lo in (0..work.longest).step_by(window) {
         kkda::kda_chunk_state::launch::<R>(
             &client,
-            CubeCount::Static(vd.div_ceil(vt) as u32, (n * h) as u32, 1),
+            per_row(&work.q, vd.div_ceil(vt) * n * h),
             CubeDim::new_1d(kkda::STATE_CUBE),
             work.ke.clone().into_array_arg(),
             work.decay.clone().into_array_arg(),
@@ -269,6 +272,8 @@ pub(super) fn forward<R: CubeRuntime>(
             states.clone().into_array_arg(),
             vn.clone().into_array_arg(),
             h,
+            vd.div_ceil(vt),
+            n * h,
             vd,
             lo,
             window,
@@ -340,7 +345,7 @@ pub(super) fn backward<R: CubeRuntime>(
     for lo in (0..work.longest).step_by(window) {
         kkda::kda_chunk_state_backward::launch::<R>(
             &client,
-            CubeCount::Static(vd.div_ceil(vt) as u32, (n * h) as u32, 1),
+            per_row(&work.q, vd.div_ceil(vt) * n * h),
             CubeDim::new_1d(kkda::STATE_CUBE),
             work.qe.clone().into_array_arg(),
             work.ke.clone().into_array_arg(),
@@ -355,6 +360,8 @@ pub(super) fn backward<R: CubeRuntime>(
             d_after.clone().into_array_arg(),
             d_vn.clone().into_array_arg(),
             h,
+            vd.div_ceil(vt),
+            n * h,
             vd,
             lo,
             window,
@@ -413,7 +420,7 @@ pub(super) fn backward<R: CubeRuntime>(
     let zu = work.scratch(vec![chunks, h, chunk, vd]);
     kkda::kda_chunk_solve_backward::launch::<R>(
         &client,
-        solve_grid(kd + vd, chunks * h),
+        solve_grid(&work.q, solve_blocks(kd + vd), chunks * h),
         CubeDim::new_1d(kkda::SOLVE_CUBE),
         work.a_kk.clone().into_array_arg(),
         dw.into_array_arg(),
@@ -423,6 +430,7 @@ pub(super) fn backward<R: CubeRuntime>(
         zu.clone().into_array_arg(),
         chunks,
         h,
+        solve_blocks(kd + vd),
         kd,
         vd,
         chunk,
