@@ -1,7 +1,7 @@
 //! The hybrid causal language model (SPEC §6, §7): embedding, decoder layers with a KDA or MLA
 //! mixer and a dense or MoE FFN, optional Attention Residuals, final norm, untied `lm_head`.
 //!
-//! Read top to bottom: [`KimiForCausalLM::run`] is the whole forward pass, for training, prefill and
+//! Read top to bottom: [`KimiForCausalLM::try_forward`] is the whole forward pass, for training, prefill and
 //! decode alike.
 
 use burn::module::Module;

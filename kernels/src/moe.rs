@@ -5,11 +5,11 @@
 //! The pairs are `[tokens, k]` row-major, pair `i = token·k + slot`. The sort is stable (pairs keep
 //! their order within an expert), so the device plan equals the host `DispatchPlan`:
 //!
-//! 1. [`moe_block_ranks`]: pairs in blocks of [`PLAN_BLOCK`]; per pair its rank among the earlier
+//! 1. [`moe_block_ranks`](fn@moe_block_ranks): pairs in blocks of [`PLAN_BLOCK`]; per pair its rank among the earlier
 //!    pairs of its block with the same expert, per (block, expert) the count.
-//! 2. [`moe_block_scan`]: per expert, the exclusive scan of its block counts and its total.
-//! 3. [`moe_offsets`]: the segment offsets `[n + 1]` and the matmul tile offsets `[n + 1]`.
-//! 4. [`moe_place`]: each pair's sorted position; `sorted_token`, the routing weight in sorted
+//! 2. [`moe_block_scan`](fn@moe_block_scan): per expert, the exclusive scan of its block counts and its total.
+//! 3. [`moe_offsets`](fn@moe_offsets): the segment offsets `[n + 1]` and the matmul tile offsets `[n + 1]`.
+//! 4. [`moe_place`](fn@moe_place): each pair's sorted position; `sorted_token`, the routing weight in sorted
 //!    order, and the inverse map `inv[pair] = position` ([`NONE`] for masked tokens).
 //!
 //! Nothing is read back to the host: buffers are sized for all `tokens·k` pairs and the kernels
@@ -18,7 +18,7 @@
 
 use cubecl::prelude::*;
 
-/// Pairs per block of the plan's counting sort (= the cube size of [`moe_block_ranks`]).
+/// Pairs per block of the plan's counting sort (= the cube size of [`moe_block_ranks`](fn@moe_block_ranks)).
 pub const PLAN_BLOCK: u32 = 256;
 /// Rows (and columns) of one grouped-matmul output tile.
 pub const TILE: u32 = 64;

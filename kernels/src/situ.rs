@@ -118,7 +118,7 @@ pub fn situ_glu_forward<F: Float, N: Size>(
 
 /// Backward without a routing weight: `dgate = dY·B·dA/dg`, `dup = dY·A·dB/dv`, elementwise.
 ///
-/// Same layout contract as [`situ_glu_forward`].
+/// Same layout contract as [`situ_glu_forward`](fn@situ_glu_forward).
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 pub fn situ_glu_backward<F: Float, N: Size>(

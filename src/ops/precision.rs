@@ -36,7 +36,7 @@ pub fn restore<B: Backend, const D: usize>(x: Tensor<B, D>, dtype: DType) -> Ten
 /// would spoil f64 finite-difference checks).
 ///
 /// On the CPU backends an `f32` tensor goes through one host kernel
-/// ([`cpu::elementwise`](super::cpu::elementwise)) computing the same function.
+/// (`cpu::elementwise`) computing the same function.
 pub fn sigmoid<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     match cpu::try_run(&Unary::Sigmoid, [x]) {
         Ok(y) => y,

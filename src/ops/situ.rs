@@ -17,7 +17,7 @@ use super::precision::{restore, sigmoid, widen};
 /// the input dtype, but is computed in f32 (or f64 for f64 inputs) whatever the storage dtype.
 /// K3 uses `β1 = 4`, `β2 = Some(25)`. As `β → ∞` it tends to SwiGLU (`SiLU(g)·v`).
 ///
-/// On the CubeCL backends (see [`fused`](super::fused)) this runs one fused kernel forward and one
+/// On the CubeCL backends (see [`fused`]) this runs one fused kernel forward and one
 /// backward (SPEC §1 derivatives); elsewhere the tensor ops below.
 ///
 /// # Panics

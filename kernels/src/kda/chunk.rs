@@ -7,7 +7,7 @@ use cubecl::prelude::*;
 
 use super::LOOP_BUDGET;
 
-/// Chunks per launch of [`kda_chunk_state`] and [`kda_chunk_state_backward`] (see [`LOOP_BUDGET`]) for chunks of `chunk` tokens
+/// Chunks per launch of [`kda_chunk_state`](fn@kda_chunk_state) and [`kda_chunk_state_backward`](fn@super::kda_chunk_state_backward) (see [`LOOP_BUDGET`]) for chunks of `chunk` tokens
 /// and a state tile `[kdim, vt]`.
 pub fn chunk_state_window(kdim: usize, vt: usize, chunk: usize) -> usize {
     let cube = STATE_CUBE as usize;
@@ -19,7 +19,7 @@ pub fn chunk_state_window(kdim: usize, vt: usize, chunk: usize) -> usize {
     (LOOP_BUDGET / per_chunk).max(1)
 }
 
-/// Value columns per cube of [`kda_chunk_state`]: its shared state tile `[k, vt]` and `Vn` tile
+/// Value columns per cube of [`kda_chunk_state`](fn@kda_chunk_state): its shared state tile `[k, vt]` and `Vn` tile
 /// `[chunk, vt]` (f32) stay within 16 KiB.
 pub fn chunk_state_columns(k: usize, chunk: usize) -> usize {
     let mut vt = 32;
@@ -31,9 +31,9 @@ pub fn chunk_state_columns(k: usize, chunk: usize) -> usize {
 
 /// Rows of a sub-chunk: the anchoring block of the chunked kernels (SPEC §4.3).
 pub const SUB: usize = 16;
-/// Units per cube of [`kda_chunk_intra`].
+/// Units per cube of [`kda_chunk_intra`](fn@kda_chunk_intra).
 pub const INTRA_CUBE: u32 = 256;
-/// Units per cube of [`kda_chunk_solve`].
+/// Units per cube of [`kda_chunk_solve`](fn@kda_chunk_solve).
 pub const SOLVE_CUBE: u32 = 64;
 
 /// Chunked KDA, step 0 (SPEC §4.3): the gate sums of every chunk, one unit per (chunk, head,
@@ -133,7 +133,7 @@ pub fn kda_chunk_gates(
 /// A_kk[i,j] = β_i Σ_d k_i k_j exp(G_i − G_j)      (j < i)
 /// ```
 ///
-/// Pairs in different sub-chunks `bj < bi` use the anchored factors of [`kda_chunk_gates`]:
+/// Pairs in different sub-chunks `bj < bi` use the anchored factors of [`kda_chunk_gates`](fn@kda_chunk_gates):
 /// `exp(G_i − G_j) = exp(P_i) · Π_{bj<b<bi} exp(sum of b) · exp(X_j)`, a product of factors ≤ 1.
 /// Pairs inside one sub-chunk sum their (at most 15) gates directly. `a_qk`, `a_kk:
 /// [chunks, heads, chunk, chunk]`, zero above the diagonal and past the chunk's length.
@@ -272,7 +272,7 @@ pub fn kda_chunk_solve(
     }
 }
 
-/// Units per cube of [`kda_chunk_state`] and [`kda_chunk_state_backward`].
+/// Units per cube of [`kda_chunk_state`](fn@kda_chunk_state) and [`kda_chunk_state_backward`](fn@super::kda_chunk_state_backward).
 pub const STATE_CUBE: u32 = 256;
 
 /// Chunked KDA, step 4 (SPEC §4.3): the sequential pass over the chunks of each sequence, one
@@ -285,7 +285,7 @@ pub const STATE_CUBE: u32 = 256;
 /// ```
 ///
 /// It stores the state entering every chunk (`states: [chunks, heads, kdim, vdim]`) and `Vn`
-/// (`vn: [chunks, heads, chunk, vdim]`), from which [`kda_chunk_output`] forms the output of all
+/// (`vn: [chunks, heads, chunk, vdim]`), from which [`kda_chunk_output`](fn@kda_chunk_output) forms the output of all
 /// chunks in parallel and the backward recomputes nothing sequential. Every entry has one writer,
 /// so reruns are bit-identical; columns past `vdim` in the last tile compute zeros and are not
 /// written. `seq_chunk: [N + 1]` gives each sequence's chunk range; one launch covers its chunks
@@ -433,7 +433,7 @@ pub(super) fn store_state_tile(
 }
 
 /// Chunked KDA, step 5 (SPEC §4.3): the output of every chunk at once from the states stored by
-/// [`kda_chunk_state`], one unit per (chunk·head, row `i`, value column):
+/// [`kda_chunk_state`](fn@kda_chunk_state), one unit per (chunk·head, row `i`, value column):
 ///
 /// ```text
 /// O = (q ⊙ exp(G)) S + A_qk Vn

@@ -11,8 +11,8 @@
 //! ```
 //!
 //! and the within-chunk matrices are differentiated through their `exp(G_i − G_j)` factors
-//! ([`kda_chunk_intra_backward`]), which gives per-position gradients `dG` of the cumulative gate
-//! sums; `dg` is their reverse cumulative sum ([`kda_chunk_gates_backward`]). `S'` is the state
+//! ([`kda_chunk_intra_backward`](fn@kda_chunk_intra_backward)), which gives per-position gradients `dG` of the cumulative gate
+//! sums; `dg` is their reverse cumulative sum ([`kda_chunk_gates_backward`](fn@kda_chunk_gates_backward)). `S'` is the state
 //! after a chunk and `dS'` its gradient. Layouts as in the [parent module](super).
 
 use cubecl::prelude::*;
@@ -327,7 +327,7 @@ pub fn kda_chunk_akk_backward(
 /// sum at `i` gains `q rq + β k rk − k cc`. The factors are formed as in the forward: summed
 /// directly inside a 16-row sub-chunk, and across sub-chunks as the anchored product
 /// `exp(P_i) · Π sub_decay · exp(X_j)` (through `qp`, `kp`, `ks` and `sub_decay` of
-/// [`kda_chunk_gates`](super::kda_chunk_gates)), every factor ≤ 1. `rq`, `rk`, `cc: [tokens,
+/// [`kda_chunk_gates`](fn@super::kda_chunk_gates)), every factor ≤ 1. `rq`, `rk`, `cc: [tokens,
 /// heads, kdim]`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
@@ -446,7 +446,7 @@ pub fn kda_chunk_intra_backward(
 }
 
 /// The gate-side gradients, one unit per (chunk·head, key channel `d`), walking the chunk's rows
-/// as [`kda_chunk_gates`](super::kda_chunk_gates) does (every exponent a direct sum ≤ 0):
+/// as [`kda_chunk_gates`](fn@super::kda_chunk_gates) does (every exponent a direct sum ≤ 0):
 ///
 /// ```text
 /// dq = rq + dqe Γ                          Γ_i = exp(G_i),  R_i = exp(G_last − G_i)
@@ -455,7 +455,7 @@ pub fn kda_chunk_intra_backward(
 /// dG_last = ddecay exp(G_last) + Σ_i dke k R;    dg_u = dG_last + Σ_{i≥u} dG_i
 /// ```
 ///
-/// `dq`, `dk`, `dg: [tokens, heads, kdim]`; `zw` chunk-major as [`kda_chunk_solve_backward`]
+/// `dq`, `dk`, `dg: [tokens, heads, kdim]`; `zw` chunk-major as [`kda_chunk_solve_backward`](fn@kda_chunk_solve_backward)
 /// writes it.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
@@ -531,7 +531,7 @@ pub fn kda_chunk_gates_backward(
 }
 
 /// The per-row gradients, one unit per (token, head): `dβ = Σ_d k rk + Σ_d Z_w we + Σ_v Z_u v`
-/// and `dv = β Z_u` (`we = k ⊙ exp(G)`, `rk` from [`kda_chunk_intra_backward`]).
+/// and `dv = β Z_u` (`we = k ⊙ exp(G)`, `rk` from [`kda_chunk_intra_backward`](fn@kda_chunk_intra_backward)).
 /// `dbeta: [tokens, heads]`, `dv: [tokens, heads, vdim]`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]

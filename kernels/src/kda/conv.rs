@@ -235,12 +235,12 @@ pub fn short_conv_backward_input<F: Float>(
     }
 }
 
-/// Tokens per block of [`short_conv_backward_weight`].
+/// Tokens per block of [`short_conv_backward_weight`](fn@short_conv_backward_weight).
 pub const CONV_BLOCK: usize = 256;
 
 /// Backward to the taps, stage 1: one unit per (block of [`CONV_BLOCK`] tokens, channel) sums
 /// `da[t, c] · input(t, m)` over its tokens for every tap `m`, into `partial: [blocks, channels ·
-/// width]`; [`column_sum`](super::column_sum) over the blocks finishes `dw`.
+/// width]`; [`column_sum`](fn@super::column_sum) over the blocks finishes `dw`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 pub fn short_conv_backward_weight<F: Float>(

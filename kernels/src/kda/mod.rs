@@ -19,7 +19,7 @@ pub use chunk::*;
 pub use chunk_backward::*;
 pub use conv::*;
 
-/// Value columns per cube of [`kda_recurrent`] for a key dim `k`: the state tile `[k, vt]` f32
+/// Value columns per cube of [`kda_recurrent`](fn@kda_recurrent) for a key dim `k`: the state tile `[k, vt]` f32
 /// lives in shared memory, kept at 16 KiB (lavapipe has 32 KiB).
 pub fn recurrent_columns(k: usize) -> usize {
     if k <= 128 {
@@ -33,13 +33,13 @@ pub fn recurrent_columns(k: usize) -> usize {
 ///
 /// Mesa's software rasteriser (llvmpipe, and lavapipe, its Vulkan driver) stops every loop of a
 /// shader invocation once the invocation has run 65 535 loop iterations in total, silently: the
-/// kernel carries on with wrong values. The sequential kernels ([`kda_recurrent`],
-/// [`kda_chunk_state`]) keep their state in global memory between launches, so the host splits
+/// kernel carries on with wrong values. The sequential kernels ([`kda_recurrent`](fn@kda_recurrent),
+/// [`kda_chunk_state`](fn@kda_chunk_state)) keep their state in global memory between launches, so the host splits
 /// long inputs into windows of tokens or chunks that stay well under that limit (half of it).
 /// On GPUs this only adds a launch per window (a few per 10⁴ tokens for the chunked kernel).
 pub const LOOP_BUDGET: usize = 32_768;
 
-/// Tokens per launch of [`kda_recurrent`] (see [`LOOP_BUDGET`]): each token runs two loops over
+/// Tokens per launch of [`kda_recurrent`](fn@kda_recurrent) (see [`LOOP_BUDGET`]): each token runs two loops over
 /// `kdim` and one strided load loop.
 pub fn recurrent_window(kdim: usize, vt: usize) -> usize {
     let per_token = 2 * kdim + kdim.div_ceil(vt) + 2;
@@ -225,8 +225,8 @@ pub fn rms_norm_gated_forward<F: Float>(
 /// do = r·(a − n·mean(a·n)),   dz = dy·n·w·s·(1 − s),   dw_partial[row] = dy·n·s
 /// ```
 ///
-/// `dw_partial: [rows, cols]` f32 is summed over rows by [`column_sum`] (no atomics). Launch as
-/// [`rms_norm_gated_forward`].
+/// `dw_partial: [rows, cols]` f32 is summed over rows by [`column_sum`](fn@column_sum) (no atomics). Launch as
+/// [`rms_norm_gated_forward`](fn@rms_norm_gated_forward).
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 pub fn rms_norm_gated_backward<F: Float>(

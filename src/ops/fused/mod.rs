@@ -1,7 +1,8 @@
 //! Fused CubeCL kernels behind the ops, chosen at run time.
 //!
 //! The modules stay generic over any [`Backend`]; the ops ([`situ_glu`](crate::ops::situ_glu),
-//! the router's top-k and QB histogram, the MoE dispatch, the KDA recurrence and gated norm) first
+//! the router's top-k and QB histogram, the MoE dispatch, chunked and recurrent KDA, the KDA
+//! layer's short convolution and gated norm) first
 //! offer their tensors to a kernel implementation and otherwise run their reference tensor-op
 //! code. The kernels are reached through the backend-extension traits [`MoeKernels`] and
 //! [`KdaKernels`], implemented (with the `wgpu` or `cuda` feature) for
