@@ -57,11 +57,13 @@ pub struct KdaChunkGrads<B: Backend> {
 /// Backend extension with the KDA kernels (SPEC §4). Implemented for every CubeCL backend
 /// (`CubeBackend<R, F, I, BT>`, features `wgpu` / `cuda`) and for `Autodiff<B>` over one.
 ///
-/// The KDA recurrence kernels take f32 inputs (the ops widen first) and keep the state in f32;
-/// the norm kernels take f32, f16 or bf16 storage with f32 math.
+/// The KDA recurrence kernels (recurrent and chunked) take f32 inputs (the ops widen first) and
+/// keep the state in f32; the short-convolution and norm kernels take f32, f16 or bf16 storage
+/// with f32 math. A state given as `S_0` is updated in place when nothing else holds its buffer
+/// (else copied first).
 pub trait KdaKernels: Backend {
-    /// KDA by its recurrence (SPEC §4.1), one launch for every sequence, head and value tile,
-    /// with the state on chip. Returns `o: [B, T, H, V]` f32 and `S_T: [N, H, K, V]` f32.
+    /// KDA by its recurrence (SPEC §4.1), one launch for every sequence, head and value tile per
+    /// window of tokens, with the state on chip. Returns `o: [B, T, H, V]` f32 and `S_T: [N, H, K, V]` f32.
     ///
     /// On `Autodiff<B>` it is not differentiable: the ops only call it when no input is tracked
     /// (see [`kda_tracked`](Self::kda_tracked)), which is the case in decode.
