@@ -405,7 +405,8 @@ impl<B: Backend> KimiDeltaAttention<B> {
             ],
             0,
         );
-        let (qkv, new_tail) = causal_conv1d_silu(qkv, taps, seqs.as_deref(), conv_tail);
+        let want_tail = cache.is_some();
+        let (qkv, new_tail) = causal_conv1d_silu(qkv, taps, seqs.as_deref(), conv_tail, want_tail);
         let heads = |i: usize| qkv.clone().narrow(2, i * p, p).reshape([b, t, h, k]);
         let (q, k_, v) = (heads(0), heads(1), heads(2));
 
@@ -446,7 +447,7 @@ impl<B: Backend> KimiDeltaAttention<B> {
         };
         if let Some(c) = cache {
             c.state = final_state;
-            c.conv = Some(new_tail);
+            c.conv = new_tail;
         }
 
         let z = match (&self.g_proj, &self.g_a_proj, &self.g_b_proj) {

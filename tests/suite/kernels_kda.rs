@@ -77,6 +77,19 @@ impl<B: Backend> Inputs<B> {
         }
     }
 
+    /// The same inputs with q, k and v cast to `dtype` (storage tests round them to f16 / bf16,
+    /// and widen the rounded values back for the f32 reference).
+    fn with_qkv_dtype(&self, dtype: FloatDType) -> Self {
+        Self {
+            q: self.q.clone().cast(dtype),
+            k: self.k.clone().cast(dtype),
+            v: self.v.clone().cast(dtype),
+            g: self.g.clone(),
+            beta: self.beta.clone(),
+            h0: self.h0.clone(),
+        }
+    }
+
     /// `opts` with the initial state, the final state and the in-op L2 norm (the layer's setting;
     /// it keeps random keys in the range where the delta rule is stable).
     fn opts(&self) -> KdaOptions<B> {
@@ -324,27 +337,12 @@ mod recurrent {
                 eprintln!("half_storage: {name} not supported by this adapter, not covered");
                 continue;
             }
-            let round = |t: &Tensor<Gpu, 4>| t.clone().cast(fdtype);
-            let half = Inputs {
-                q: round(&x.q),
-                k: round(&x.k),
-                v: round(&x.v),
-                g: x.g.clone(),
-                beta: x.beta.clone(),
-                h0: x.h0.clone(),
-            };
+            let half = x.with_qkv_dtype(fdtype);
             let (o, s) = on_kernel(FusedOp::KdaRecurrent, 1, || {
                 run(fused_recurrent_kda, &half, half.opts())
             });
             assert_eq!(o.dtype(), dtype, "{name} output dtype");
-            let widened = Inputs {
-                q: half.q.clone().cast(FloatDType::F32),
-                k: half.k.clone().cast(FloatDType::F32),
-                v: half.v.clone().cast(FloatDType::F32),
-                g: x.g.clone(),
-                beta: x.beta.clone(),
-                h0: x.h0.clone(),
-            };
+            let widened = half.with_qkv_dtype(FloatDType::F32);
             let (o_ref, s_ref) = naive_cpu(&widened, widened.opts());
             assert_close(&format!("{name} o"), &host(o_ref), &host(o), 5e-3);
             assert_close(&format!("{name} S_T"), &host(s_ref), &host(s), 5e-3);
@@ -699,22 +697,8 @@ mod chunked {
                 eprintln!("half_storage_gradients: {name} not supported by this adapter");
                 continue;
             }
-            let half = Inputs {
-                q: x.q.clone().cast(fdtype),
-                k: x.k.clone().cast(fdtype),
-                v: x.v.clone().cast(fdtype),
-                g: x.g.clone(),
-                beta: x.beta.clone(),
-                h0: x.h0.clone(),
-            };
-            let widened = Inputs {
-                q: half.q.clone().cast(FloatDType::F32),
-                k: half.k.clone().cast(FloatDType::F32),
-                v: half.v.clone().cast(FloatDType::F32),
-                g: x.g.clone(),
-                beta: x.beta.clone(),
-                h0: x.h0.clone(),
-            };
+            let half = x.with_qkv_dtype(fdtype);
+            let widened = half.with_qkv_dtype(FloatDType::F32);
             let kernel = grads(&half, || half.opts(), true);
             let reference = grads(&widened, || widened.opts(), false);
             for (i, ((n, r), k)) in GRAD_NAMES.iter().zip(&reference).zip(&kernel).enumerate() {
@@ -740,24 +724,10 @@ mod chunked {
                 eprintln!("half_storage: {name} not supported by this adapter, not covered");
                 continue;
             }
-            let half = Inputs {
-                q: x.q.clone().cast(fdtype),
-                k: x.k.clone().cast(fdtype),
-                v: x.v.clone().cast(fdtype),
-                g: x.g.clone(),
-                beta: x.beta.clone(),
-                h0: x.h0.clone(),
-            };
+            let half = x.with_qkv_dtype(fdtype);
             let (o, s) = on_kernel(FusedOp::KdaChunk, 1, || run(chunk_kda, &half, half.opts()));
             assert_eq!(o.dtype(), dtype, "{name} output dtype");
-            let widened = Inputs {
-                q: half.q.clone().cast(FloatDType::F32),
-                k: half.k.clone().cast(FloatDType::F32),
-                v: half.v.clone().cast(FloatDType::F32),
-                g: x.g.clone(),
-                beta: x.beta.clone(),
-                h0: x.h0.clone(),
-            };
+            let widened = half.with_qkv_dtype(FloatDType::F32);
             let (o_ref, s_ref) = naive_cpu(&widened, widened.opts());
             assert_close(&format!("{name} o"), &host(o_ref), &host(o), 5e-3);
             assert_close(&format!("{name} S_T"), &host(s_ref), &host(s), 5e-3);

@@ -7,8 +7,9 @@ use cubecl::prelude::*;
 
 use super::LOOP_BUDGET;
 
-/// Chunks per launch of [`kda_chunk_state`](fn@kda_chunk_state) and [`kda_chunk_state_backward`](fn@super::kda_chunk_state_backward) (see [`LOOP_BUDGET`]) for chunks of `chunk` tokens
-/// and a state tile `[kdim, vt]`.
+/// Chunks per launch of [`kda_chunk_state`](fn@kda_chunk_state) and
+/// [`kda_chunk_state_backward`](fn@super::kda_chunk_state_backward) (see [`LOOP_BUDGET`]) for
+/// chunks of `chunk` tokens and a state tile `[kdim, vt]`.
 pub fn chunk_state_window(kdim: usize, vt: usize, chunk: usize) -> usize {
     let cube = STATE_CUBE as usize;
     let v_rounds = (chunk * vt).div_ceil(cube);
@@ -19,8 +20,8 @@ pub fn chunk_state_window(kdim: usize, vt: usize, chunk: usize) -> usize {
     (LOOP_BUDGET / per_chunk).max(1)
 }
 
-/// Value columns per cube of [`kda_chunk_state`](fn@kda_chunk_state): its shared state tile `[k, vt]` and `Vn` tile
-/// `[chunk, vt]` (f32) stay within 16 KiB.
+/// Value columns per cube of [`kda_chunk_state`](fn@kda_chunk_state): its shared state tile `[k,
+/// vt]` and `Vn` tile `[chunk, vt]` (f32) stay within 16 KiB.
 pub fn chunk_state_columns(k: usize, chunk: usize) -> usize {
     let mut vt = 32;
     while vt > 4 && (k + chunk) * vt * 4 > 16 * 1024 {
@@ -133,10 +134,11 @@ pub fn kda_chunk_gates(
 /// A_kk[i,j] = β_i Σ_d k_i k_j exp(G_i − G_j)      (j < i)
 /// ```
 ///
-/// Pairs in different sub-chunks `bj < bi` use the anchored factors of [`kda_chunk_gates`](fn@kda_chunk_gates):
-/// `exp(G_i − G_j) = exp(P_i) · Π_{bj<b<bi} exp(sum of b) · exp(X_j)`, a product of factors ≤ 1.
-/// Pairs inside one sub-chunk sum their (at most 15) gates directly. `a_qk`, `a_kk:
-/// [chunks, heads, chunk, chunk]`, zero above the diagonal and past the chunk's length.
+/// Pairs in different sub-chunks `bj < bi` use the anchored factors of
+/// [`kda_chunk_gates`](fn@kda_chunk_gates): `exp(G_i − G_j) = exp(P_i) · Π_{bj<b<bi} exp(sum of b)
+/// · exp(X_j)`, a product of factors ≤ 1. Pairs inside one sub-chunk sum their (at most 15) gates
+/// directly. `a_qk`, `a_kk: [chunks, heads, chunk, chunk]`, zero above the diagonal and past the
+/// chunk's length.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 pub fn kda_chunk_intra(
@@ -210,9 +212,9 @@ pub fn kda_chunk_intra(
     }
 }
 
-/// Chunked KDA, steps 2 and 3 (SPEC §4.3): `W = T̃ (exp(G) ⊙ K)` and `U = T̃ V` with
-/// `T̃ = (I + A_kk)^{-1} Diag(β)`, by forward substitution on the unit lower-triangular system
-/// `(I + A_kk) X = Diag(β) Y`, `col_blocks = ceil((kdim + vdim) / SOLVE_CUBE)` cubes per chunk·head of
+/// Chunked KDA, steps 2 and 3 (SPEC §4.3): `W = T̃ (exp(G) ⊙ K)` and `U = T̃ V` with `T̃ = (I +
+/// A_kk)^{-1} Diag(β)`, by forward substitution on the unit lower-triangular system `(I + A_kk) X =
+/// Diag(β) Y`, `col_blocks = ceil((kdim + vdim) / SOLVE_CUBE)` cubes per chunk·head of
 /// [`SOLVE_CUBE`] units, each unit solving one column of `Y = [we | V]` (no synchronisation: a
 /// column depends only on itself).
 ///
@@ -272,7 +274,8 @@ pub fn kda_chunk_solve(
     }
 }
 
-/// Units per cube of [`kda_chunk_state`](fn@kda_chunk_state) and [`kda_chunk_state_backward`](fn@super::kda_chunk_state_backward).
+/// Units per cube of [`kda_chunk_state`](fn@kda_chunk_state) and
+/// [`kda_chunk_state_backward`](fn@super::kda_chunk_state_backward).
 pub const STATE_CUBE: u32 = 256;
 
 /// Chunked KDA, step 4 (SPEC §4.3): the sequential pass over the chunks of each sequence, one
@@ -284,13 +287,13 @@ pub const STATE_CUBE: u32 = 256;
 /// Vn = U − W S;   S ← Diag(exp(G_last)) S + (K ⊙ exp(G_last − G))ᵀ Vn
 /// ```
 ///
-/// It stores the state entering every chunk (`states: [chunks, heads, kdim, vdim]`) and `Vn`
-/// (`vn: [chunks, heads, chunk, vdim]`), from which [`kda_chunk_output`](fn@kda_chunk_output) forms the output of all
-/// chunks in parallel and the backward recomputes nothing sequential. Every entry has one writer,
-/// so reruns are bit-identical; columns past `vdim` in the last tile compute zeros and are not
-/// written. `seq_chunk: [N + 1]` gives each sequence's chunk range; one launch covers its chunks
-/// `[window_lo, window_lo + window_len)` (see [`chunk_state_window`]); `state: [N, heads, kdim,
-/// vdim]` holds `S_0` on entry to the first window and `S_T` on exit from the last.
+/// It stores the state entering every chunk (`states: [chunks, heads, kdim, vdim]`) and `Vn` (`vn:
+/// [chunks, heads, chunk, vdim]`), from which [`kda_chunk_output`](fn@kda_chunk_output) forms the
+/// output of all chunks in parallel and the backward recomputes nothing sequential. Every entry has
+/// one writer, so reruns are bit-identical; columns past `vdim` in the last tile compute zeros and
+/// are not written. `seq_chunk: [N + 1]` gives each sequence's chunk range; one launch covers its
+/// chunks `[window_lo, window_lo + window_len)` (see [`chunk_state_window`]); `state: [N, heads,
+/// kdim, vdim]` holds `S_0` on entry to the first window and `S_T` on exit from the last.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 pub fn kda_chunk_state(

@@ -11,9 +11,10 @@
 //! ```
 //!
 //! and the within-chunk matrices are differentiated through their `exp(G_i − G_j)` factors
-//! ([`kda_chunk_intra_backward`](fn@kda_chunk_intra_backward)), which gives per-position gradients `dG` of the cumulative gate
-//! sums; `dg` is their reverse cumulative sum ([`kda_chunk_gates_backward`](fn@kda_chunk_gates_backward)). `S'` is the state
-//! after a chunk and `dS'` its gradient. Layouts as in the [parent module](super).
+//! ([`kda_chunk_intra_backward`](fn@kda_chunk_intra_backward)), which gives per-position gradients
+//! `dG` of the cumulative gate sums; `dg` is their reverse cumulative sum
+//! ([`kda_chunk_gates_backward`](fn@kda_chunk_gates_backward)). `S'` is the state after a chunk and
+//! `dS'` its gradient. Layouts as in the [parent module](super).
 
 use cubecl::prelude::*;
 
@@ -455,8 +456,8 @@ pub fn kda_chunk_intra_backward(
 /// dG_last = ddecay exp(G_last) + Σ_i dke k R;    dg_u = dG_last + Σ_{i≥u} dG_i
 /// ```
 ///
-/// `dq`, `dk`, `dg: [tokens, heads, kdim]`; `zw` chunk-major as [`kda_chunk_solve_backward`](fn@kda_chunk_solve_backward)
-/// writes it.
+/// `dq`, `dk`, `dg: [tokens, heads, kdim]`; `zw` chunk-major as
+/// [`kda_chunk_solve_backward`](fn@kda_chunk_solve_backward) writes it.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 pub fn kda_chunk_gates_backward(
@@ -530,9 +531,10 @@ pub fn kda_chunk_gates_backward(
     }
 }
 
-/// The per-row gradients, one unit per (token, head): `dβ = Σ_d k rk + Σ_d Z_w we + Σ_v Z_u v`
-/// and `dv = β Z_u` (`we = k ⊙ exp(G)`, `rk` from [`kda_chunk_intra_backward`](fn@kda_chunk_intra_backward)).
-/// `dbeta: [tokens, heads]`, `dv: [tokens, heads, vdim]`.
+/// The per-row gradients, one unit per (token, head): `dβ = Σ_d k rk + Σ_d Z_w we + Σ_v Z_u v` and
+/// `dv = β Z_u` (`we = k ⊙ exp(G)`, `rk` from
+/// [`kda_chunk_intra_backward`](fn@kda_chunk_intra_backward)). `dbeta: [tokens, heads]`, `dv:
+/// [tokens, heads, vdim]`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 pub fn kda_chunk_rows_backward(

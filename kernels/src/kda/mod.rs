@@ -19,8 +19,8 @@ pub use chunk::*;
 pub use chunk_backward::*;
 pub use conv::*;
 
-/// Value columns per cube of [`kda_recurrent`](fn@kda_recurrent) for a key dim `k`: the state tile `[k, vt]` f32
-/// lives in shared memory, kept at 16 KiB (lavapipe has 32 KiB).
+/// Value columns per cube of [`kda_recurrent`](fn@kda_recurrent) for a key dim `k`: the state tile
+/// `[k, vt]` f32 lives in shared memory, kept at 16 KiB (lavapipe has 32 KiB).
 pub fn recurrent_columns(k: usize) -> usize {
     if k <= 128 {
         32
@@ -33,14 +33,15 @@ pub fn recurrent_columns(k: usize) -> usize {
 ///
 /// Mesa's software rasteriser (llvmpipe, and lavapipe, its Vulkan driver) stops every loop of a
 /// shader invocation once the invocation has run 65 535 loop iterations in total, silently: the
-/// kernel carries on with wrong values. The sequential kernels ([`kda_recurrent`](fn@kda_recurrent),
-/// [`kda_chunk_state`](fn@kda_chunk_state)) keep their state in global memory between launches, so the host splits
-/// long inputs into windows of tokens or chunks that stay well under that limit (half of it).
-/// On GPUs this only adds a launch per window (a few per 10⁴ tokens for the chunked kernel).
+/// kernel carries on with wrong values. The sequential kernels
+/// ([`kda_recurrent`](fn@kda_recurrent), [`kda_chunk_state`](fn@kda_chunk_state)) keep their state
+/// in global memory between launches, so the host splits long inputs into windows of tokens or
+/// chunks that stay well under that limit (half of it). On GPUs this only adds a launch per window
+/// (a few per 10⁴ tokens for the chunked kernel).
 pub const LOOP_BUDGET: usize = 32_768;
 
-/// Tokens per launch of [`kda_recurrent`](fn@kda_recurrent) (see [`LOOP_BUDGET`]): each token runs two loops over
-/// `kdim` and one strided load loop.
+/// Tokens per launch of [`kda_recurrent`](fn@kda_recurrent) (see [`LOOP_BUDGET`]): each token runs
+/// two loops over `kdim` and one strided load loop.
 pub fn recurrent_window(kdim: usize, vt: usize) -> usize {
     let per_token = 2 * kdim + kdim.div_ceil(vt) + 2;
     (LOOP_BUDGET / per_token).max(1)
@@ -57,9 +58,9 @@ pub fn recurrent_window(kdim: usize, vt: usize) -> usize {
 /// `seq_start: [N + 1]`, `state: [N, heads, kdim, vdim]` (read as `S_0`, overwritten with `S_T`:
 /// updated in place), `out: [tokens, heads, vdim]`.
 ///
-/// `tiles = ceil(vdim / vt)` cubes of `vt` units per sequence·head (`seq_heads = N·heads` of
-/// them), spread linearly over the hardware grid (no dimension of it may pass 65 535); unit `u` owns state column
-/// `vt·CUBE_POS_X + u` and the cube shares `q_t`, `k_t`, `exp(g_t)`. One launch covers the
+/// `tiles = ceil(vdim / vt)` cubes of `vt` units per sequence·head (`seq_heads = N·heads` of them),
+/// spread linearly over the hardware grid (no dimension of it may pass 65 535); unit `u` owns state
+/// column `vt·(CUBE_POS mod tiles) + u` and the cube shares `q_t`, `k_t`, `exp(g_t)`. One launch covers the
 /// tokens `[window_lo, window_lo + window_len)` of every sequence (counted from its start; see
 /// [`recurrent_window`]); the host launches successive windows.
 #[allow(clippy::too_many_arguments)]
@@ -225,8 +226,8 @@ pub fn rms_norm_gated_forward<F: Float>(
 /// do = r·(a − n·mean(a·n)),   dz = dy·n·w·s·(1 − s),   dw_partial[row] = dy·n·s
 /// ```
 ///
-/// `dw_partial: [rows, cols]` f32 is summed over rows by [`column_sum`](fn@column_sum) (no atomics). Launch as
-/// [`rms_norm_gated_forward`](fn@rms_norm_gated_forward).
+/// `dw_partial: [rows, cols]` f32 is summed over rows by [`column_sum`](fn@column_sum) (no
+/// atomics). Launch as [`rms_norm_gated_forward`](fn@rms_norm_gated_forward).
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 pub fn rms_norm_gated_backward<F: Float>(

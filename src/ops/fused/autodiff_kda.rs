@@ -68,7 +68,8 @@ struct ChunkBackward {
 #[derive(Debug, Clone)]
 struct ChunkState<B: KdaKernels> {
     nodes: [NodeId; 5],
-    h0: Option<NodeId>,
+    /// Whether `S_0` is a real parent (its value is not needed: the saved states hold it).
+    has_h0: bool,
     seq_starts: Vec<usize>,
     saved: KdaChunkSaved<B>,
     o_shape: Shape,
@@ -94,9 +95,6 @@ impl<B: KdaKernels> Backward<B, 6> for ChunkBackward {
         let [q, k, v, g, beta] = state
             .nodes
             .map(|id| checkpointer.retrieve_node_output::<FloatTensor<B>>(id));
-        let h0 = state
-            .h0
-            .map(|id| checkpointer.retrieve_node_output::<FloatTensor<B>>(id));
         let o_len = state.o_shape.num_elements();
         let s_len = state.s_shape.num_elements();
         let grad_o = B::float_reshape(range::<B>(grad.clone(), 0, o_len), state.o_shape);
@@ -107,13 +105,13 @@ impl<B: KdaKernels> Backward<B, 6> for ChunkBackward {
             v,
             g,
             beta,
-            initial_state: h0,
+            initial_state: None,
             seq_starts: state.seq_starts,
         };
         let d = B::kda_chunk_backward(input, self.chunk, state.saved, grad_o, Some(grad_s));
         record(FusedOp::KdaChunkBackward, KernelPath::Kernel);
         let [n_q, n_k, n_v, n_g, n_beta, n_h0] = ops.parents;
-        let n_h0 = if state.h0.is_some() { n_h0 } else { None };
+        let n_h0 = if state.has_h0 { n_h0 } else { None };
         for (node, grad) in [
             (n_q, d.q),
             (n_k, d.k),
@@ -217,7 +215,7 @@ impl<B: KdaKernels, C: CheckpointStrategy> KdaKernels for Autodiff<B, C> {
             prep.checkpoint(&input.g),
             prep.checkpoint(&input.beta),
         ];
-        let h0 = input.initial_state.as_ref().map(|s| prep.checkpoint(s));
+        let has_h0 = input.initial_state.is_some();
         let seq_starts = input.seq_starts.clone();
         let (o, s, saved) = B::kda_chunk_forward_saving(inner_input(input), chunk);
         let (o_shape, s_shape) = (o.shape(), s.shape());
@@ -231,7 +229,7 @@ impl<B: KdaKernels, C: CheckpointStrategy> KdaKernels for Autodiff<B, C> {
         );
         let state = ChunkState {
             nodes,
-            h0,
+            has_h0,
             seq_starts,
             saved,
             o_shape: o_shape.clone(),

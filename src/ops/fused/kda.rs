@@ -63,7 +63,8 @@ pub struct KdaChunkGrads<B: Backend> {
 /// (else copied first).
 pub trait KdaKernels: Backend {
     /// KDA by its recurrence (SPEC §4.1), one launch for every sequence, head and value tile per
-    /// window of tokens, with the state on chip. Returns `o: [B, T, H, V]` f32 and `S_T: [N, H, K, V]` f32.
+    /// window of tokens, with the state on chip. Returns `o: [B, T, H, V]` f32 and
+    /// `S_T: [N, H, K, V]` f32.
     ///
     /// On `Autodiff<B>` it is not differentiable: the ops only call it when no input is tracked
     /// (see [`kda_tracked`](Self::kda_tracked)), which is the case in decode.
@@ -89,9 +90,11 @@ pub trait KdaKernels: Backend {
         chunk: usize,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, KdaChunkSaved<Self>);
 
-    /// The fused backward of the chunked forward for the gradients of `o` and (optionally) `S_T`:
-    /// recomputes the within-chunk work, runs the state pass in reverse from the saved states,
-    /// and returns `dq, dk, dv, dg, dβ, dS_0` in f32. Not differentiable itself.
+    /// The fused backward of the chunked forward for the gradients of `o: [B, T, H, V]` and
+    /// (optionally) `S_T: [N, H, K, V]`: recomputes the within-chunk work, runs the state pass in
+    /// reverse from the saved states, and returns `dq, dk, dv, dg, dβ, dS_0` in f32. `S_0` itself
+    /// is not read (`input.initial_state` may be `None`; the saved states hold it). Not
+    /// differentiable itself.
     fn kda_chunk_backward(
         input: KdaKernelInput<Self>,
         chunk: usize,
@@ -240,6 +243,7 @@ pub(crate) struct ShortConvOp<B: Backend> {
     pub weight: Tensor<B, 2>,
     /// `[N, P, W − 1]`.
     pub tail: Option<Tensor<B, 3>>,
+    /// Token offsets of the `N` sequences, `[N + 1]`.
     pub seq_starts: Vec<usize>,
 }
 

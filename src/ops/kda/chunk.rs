@@ -34,10 +34,10 @@ use crate::ops::precision::restore;
 /// recursion. Works in f32 (f64 for f64 inputs); the output comes back in the dtype of `q`, the
 /// final state `[N, H, K, V]` in f32. Differentiable with Burn's autodiff.
 ///
-/// On the CubeCL backends (see [`fused`](crate::ops::fused)) calls whose inputs autodiff does
-/// not track (inference, prefill) run the chunked kernels: four launches (gate sums, within-chunk
-/// matrices, the triangular solve, the sequential state pass over value tiles), whatever `T`.
-/// Tracked inputs take the tensor ops above.
+/// On the CubeCL backends (see [`fused`](crate::ops::fused)) it runs the chunked kernels instead:
+/// gate sums, within-chunk matrices, the triangular solve, the sequential state pass over value
+/// tiles (one launch per ~1000 tokens of the longest sequence) and the output, with a fused
+/// backward under autodiff.
 ///
 /// # Panics
 /// On invalid input; see [`try_chunk_kda`].

@@ -6,10 +6,11 @@ use super::gather_tokens;
 use crate::ops::fused::{self, FusedOp, KernelPath, ShortConvOp};
 use crate::ops::precision::silu;
 
-/// [`causal_conv1d`] followed by SiLU (SPEC §4.2), the form in front of KDA's q, k and v.
+/// [`causal_conv1d`] followed by SiLU (SPEC §4.2), the form in front of KDA's q, k and v; the
+/// new tail only when `want_tail` (a decode cache).
 ///
 /// On the CubeCL backends (see [`fused`](crate::ops::fused)) the convolution with its SiLU is one
-/// fused launch (and its backward two more under autodiff); untracked calls (prefill, decode)
+/// fused launch (and its backward three more under autodiff); untracked calls (prefill, decode)
 /// also update the tail in one launch, tracked ones take the tail from the tensor ops so that its
 /// graph reaches `x`.
 pub(crate) fn causal_conv1d_silu<B: Backend>(
@@ -17,7 +18,8 @@ pub(crate) fn causal_conv1d_silu<B: Backend>(
     weight: Tensor<B, 2>,
     seqs: Option<&[(usize, usize)]>,
     tail: Option<Tensor<B, 3>>,
-) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    want_tail: bool,
+) -> (Tensor<B, 3>, Option<Tensor<B, 3>>) {
     let [b, t, p] = x.dims();
     let (mut x, mut weight, mut tail) = (x, weight, tail);
     if fused::kernel_dtype(x.dtype()) && fused::available::<B>() {
@@ -37,13 +39,14 @@ pub(crate) fn causal_conv1d_silu<B: Backend>(
         match fused::dispatch::<B, _>(op) {
             Ok((y, Some(new_tail))) => {
                 fused::record(FusedOp::ShortConv, KernelPath::Kernel);
-                return (y.reshape([b, t, p]), new_tail);
+                return (y.reshape([b, t, p]), want_tail.then_some(new_tail));
             }
             Ok((y, None)) => {
-                // Tracked: the tail comes from the tensor ops, so that its graph reaches x.
+                // Tracked: the tail comes from the tensor ops, so that its graph reaches x (and
+                // only when asked for: training without a cache needs none).
                 fused::record(FusedOp::ShortConv, KernelPath::Kernel);
-                let w = weight_width;
-                return (y.reshape([b, t, p]), pad(x_kept, w, seqs, tail_kept).tail);
+                let new_tail = want_tail.then(|| pad(x_kept, weight_width, seqs, tail_kept).tail);
+                return (y.reshape([b, t, p]), new_tail);
             }
             Err(op) => {
                 x = op.x.reshape([b, t, p]);
@@ -54,7 +57,7 @@ pub(crate) fn causal_conv1d_silu<B: Backend>(
     }
     fused::record(FusedOp::ShortConv, KernelPath::Reference);
     let (y, new_tail) = causal_conv1d(x, weight, seqs, tail);
-    (silu(y), new_tail)
+    (silu(y), want_tail.then_some(new_tail))
 }
 
 /// Causal depthwise convolution without bias, restarted at every sequence (SPEC §4.2):
