@@ -2,18 +2,25 @@
 //! per-batch expert load of every MoE layer, with the balance biases frozen (inference), for a
 //! few batch sizes: how much of a training run's max violation is batch-to-batch noise.
 //!
+//! With `--replay N`, it then replays training's causal QB on a stream of `N` held-out batches:
+//! each batch routed with the bias the batches before it set, the model itself frozen. That is
+//! the violation a training run would show if its weights stopped changing: batch noise plus what
+//! one QB update leaves, without a moving router.
+//!
 //! ```text
 //! cargo run --release --example expert_load -- runs/train_tiny
 //! cargo run --release --example expert_load -- runs/e1 --vocab 512 --filler-tokens 192
+//! cargo run --release --example expert_load -- runs/train_tiny --replay 64
 //! ```
 
 use std::path::PathBuf;
 
-use burn::backend::NdArray;
+use burn::backend::{Autodiff, NdArray};
+use burn::tensor::backend::Backend;
 use clap::Parser;
 use kimi_burn::data::{Mqar, MqarFiller, SeededRng, Task};
 use kimi_burn::model::KimiForCausalLM;
-use kimi_burn::nn::MoeStats;
+use kimi_burn::nn::{BalancerKind, MoeStats};
 use kimi_burn::KimiConfig;
 
 /// Expert load of a trained checkpoint on held-out MQAR batches.
@@ -43,6 +50,13 @@ struct Args {
     /// Data seed (the run's test set uses another stream).
     #[arg(long, default_value_t = 77)]
     seed: u64,
+    /// Batches to replay the causal QB update on (0: no replay; the first quarter warms the
+    /// bias up and is left out of the statistics).
+    #[arg(long, default_value_t = 0)]
+    replay: usize,
+    /// Sequences per replayed batch (`train_tiny --batch`).
+    #[arg(long, default_value_t = 16)]
+    replay_batch: usize,
 }
 
 fn main() {
@@ -57,12 +71,7 @@ fn run(args: &Args) -> Result<(), String> {
     let device = Default::default();
     let config =
         KimiConfig::from_hf_config(args.run.join("config.json")).map_err(|e| e.to_string())?;
-    let model = KimiForCausalLM::<B>::from_safetensors(
-        &config,
-        args.run.join("model.safetensors"),
-        &device,
-    )
-    .map_err(|e| e.to_string())?;
+    let model = load::<B>(args, &config)?;
     let task = Mqar::new(args.vocab, args.seq_len, args.pairs)
         .and_then(|t| t.with_filler(MqarFiller::Reserved(args.filler_tokens)))
         .map_err(|e| e.to_string())?;
@@ -110,6 +119,62 @@ fn run(args: &Args) -> Result<(), String> {
                 all.max_violation
             );
         }
+    }
+    if args.replay > 0 {
+        replay(args, &config, &task)?;
+    }
+    Ok(())
+}
+
+fn load<B: Backend>(args: &Args, config: &KimiConfig) -> Result<KimiForCausalLM<B>, String> {
+    KimiForCausalLM::<B>::from_safetensors(
+        config,
+        args.run.join("model.safetensors"),
+        &Default::default(),
+    )
+    .map_err(|e| e.to_string())
+}
+
+/// Routes `--replay` held-out batches one after another with QB updating the bias after each
+/// (as in training: on an autodiff backend, so the balancer counts), starting from the
+/// checkpoint's bias.
+fn replay(args: &Args, config: &KimiConfig, task: &Mqar) -> Result<(), String> {
+    type B = Autodiff<NdArray<f32>>;
+    let device = Default::default();
+    if args.replay < 4 || args.replay_batch == 0 {
+        return Err(format!(
+            "--replay must be at least 4 and --replay-batch positive, got {} and {}",
+            args.replay, args.replay_batch
+        ));
+    }
+    let mut config = config.clone();
+    config.moe.balancer = BalancerKind::quantile();
+    let model = load::<B>(args, &config)?;
+    let mut rng = SeededRng::new(args.seed ^ 0x7e91a7);
+    let mut per_layer: Vec<Vec<f32>> = Vec::new();
+    for i in 0..args.replay {
+        let data = task.sample_batch(args.replay_batch, &mut rng);
+        let (ids, _) = data.to_tensors::<B>(&device);
+        let out = model.forward_with_stats(ids).map_err(|e| e.to_string())?;
+        // Release the autodiff graph the forward recorded (nothing is trained).
+        let _ = out.logits.sum().backward();
+        model.update_balance();
+        per_layer.resize(out.moe_stats.len(), Vec::new());
+        if i >= args.replay / 4 {
+            for (l, stats) in out.moe_stats.iter().enumerate() {
+                per_layer[l].push(stats.max_violation);
+            }
+        }
+    }
+    for (l, v) in per_layer.iter().enumerate() {
+        let mean = v.iter().sum::<f32>() / v.len() as f32;
+        let max = v.iter().copied().fold(0.0f32, f32::max);
+        let over = v.iter().filter(|&&x| x > 0.3).count();
+        println!(
+            "replayed QB, moe{l}, batch {}: {mean:.3} / {max:.3}; above 0.3 in {over} of {}",
+            args.replay_batch,
+            v.len()
+        );
     }
     Ok(())
 }

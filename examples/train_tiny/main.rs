@@ -173,6 +173,12 @@ struct Args {
     /// Random seed (data and initialisation).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// After every step, route the step's own batch again through the updated model with the
+    /// updated balance biases and write its max violation per MoE layer to the CSV
+    /// (`moeN_rerouted_violation`): the imbalance one optimiser step and one balancer update
+    /// leave on the same tokens, free of batch-to-batch noise. Costs one more forward per step.
+    #[arg(long)]
+    reroute: bool,
     /// Held-out sequences for the final test accuracy.
     #[arg(long, default_value_t = 256)]
     test_sequences: usize,
@@ -357,6 +363,11 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
     for l in 0..moe_layers {
         let _ = write!(csv, ",moe{l}_max_violation,moe{l}_dead_experts");
     }
+    if args.reroute {
+        for l in 0..moe_layers {
+            let _ = write!(csv, ",moe{l}_rerouted_violation");
+        }
+    }
     csv.push('\n');
     let mut rows = Vec::new();
     let started = Instant::now();
@@ -384,6 +395,17 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
         let lr = learning_rate(args, step);
         model = optim.step(lr, model, grads);
         model.update_balance();
+        let rerouted = if args.reroute {
+            // Inference backend: the balancer does not count this pass.
+            let (inputs, _) = batch.to_tensors(&device);
+            let again = model
+                .valid()
+                .forward_with_stats(inputs)
+                .map_err(|e| e.to_string())?;
+            again.moe_stats.iter().map(|s| s.max_violation).collect()
+        } else {
+            Vec::new()
+        };
 
         window.correct += acc.correct;
         window.total += acc.total;
@@ -400,6 +422,9 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
         );
         for (v, d) in &load {
             let _ = write!(csv, ",{v:.4},{d}");
+        }
+        for v in &rerouted {
+            let _ = write!(csv, ",{v:.4}");
         }
         csv.push('\n');
         rows.push(plot::Row {
