@@ -67,6 +67,12 @@ fn main() {
 }
 
 fn run(args: &Args) -> Result<(), String> {
+    if args.replay > 0 && (args.replay < 4 || args.replay_batch == 0) {
+        return Err(format!(
+            "--replay must be 0 or at least 4, and --replay-batch positive, got {} and {}",
+            args.replay, args.replay_batch
+        ));
+    }
     type B = NdArray<f32>;
     let device = Default::default();
     let config =
@@ -141,12 +147,6 @@ fn load<B: Backend>(args: &Args, config: &KimiConfig) -> Result<KimiForCausalLM<
 fn replay(args: &Args, config: &KimiConfig, task: &Mqar) -> Result<(), String> {
     type B = Autodiff<NdArray<f32>>;
     let device = Default::default();
-    if args.replay < 4 || args.replay_batch == 0 {
-        return Err(format!(
-            "--replay must be at least 4 and --replay-batch positive, got {} and {}",
-            args.replay, args.replay_batch
-        ));
-    }
     let mut config = config.clone();
     config.moe.balancer = BalancerKind::quantile();
     let model = load::<B>(args, &config)?;
