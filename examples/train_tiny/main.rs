@@ -14,6 +14,7 @@
 
 mod plot;
 
+use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -29,7 +30,7 @@ use kimi_burn::data::{
     SeededRng, Task,
 };
 use kimi_burn::model::{KimiConfig, KimiForCausalLM};
-use kimi_burn::nn::BalancerKind;
+use kimi_burn::nn::{BalancerKind, MoeStats};
 use kimi_burn::optim::{KimiOptimizerConfig, ParamRoles};
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
@@ -179,6 +180,11 @@ struct Args {
     /// leave on the same tokens, free of batch-to-batch noise. Costs one more forward per step.
     #[arg(long)]
     reroute: bool,
+    /// Steps whose expert loads are pooled for `moeN_window_violation` in the CSV: the max
+    /// violation of the last N steps' tokens together (N = 4: 64 sequences of 256 tokens), the
+    /// balance a larger global batch would see. 1 repeats the per-step column.
+    #[arg(long, default_value_t = 4)]
+    load_window: usize,
     /// Held-out sequences for the final test accuracy.
     #[arg(long, default_value_t = 256)]
     test_sequences: usize,
@@ -302,6 +308,12 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
     if !(args.lr.is_finite() && args.lr > 0.0) {
         return Err(format!("--lr must be finite and positive, got {}", args.lr));
     }
+    if args.load_window == 0 || args.load_window > args.steps {
+        return Err(format!(
+            "--load-window must be between 1 and --steps ({}), got {}",
+            args.steps, args.load_window
+        ));
+    }
     if args.filler_tokens.is_some()
         && (args.task != TaskKind::Mqar || args.filler != Filler::Reserved)
     {
@@ -363,12 +375,16 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
     for l in 0..moe_layers {
         let _ = write!(csv, ",moe{l}_max_violation,moe{l}_dead_experts");
     }
+    for l in 0..moe_layers {
+        let _ = write!(csv, ",moe{l}_window_violation");
+    }
     if args.reroute {
         for l in 0..moe_layers {
             let _ = write!(csv, ",moe{l}_rerouted_violation");
         }
     }
     csv.push('\n');
+    let mut recent_loads: Vec<VecDeque<Vec<u64>>> = vec![VecDeque::new(); moe_layers];
     let mut rows = Vec::new();
     let started = Instant::now();
     let tokens_per_step = (args.batch * task.seq_len()) as f64;
@@ -422,6 +438,13 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
         );
         for (v, d) in &load {
             let _ = write!(csv, ",{v:.4},{d}");
+        }
+        for (recent, stats) in recent_loads.iter_mut().zip(&out.moe_stats) {
+            let _ = write!(
+                csv,
+                ",{:.4}",
+                window_violation(recent, stats, args.load_window)
+            );
         }
         for v in &rerouted {
             let _ = write!(csv, ",{v:.4}");
@@ -499,6 +522,22 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
         println!("(no TrueType font found: the plots have no axis labels)");
     }
     Ok(())
+}
+
+/// Adds this step's expert loads to the last `window` steps' (`recent`) and returns the max
+/// violation of the pooled loads.
+fn window_violation(recent: &mut VecDeque<Vec<u64>>, stats: &MoeStats, window: usize) -> f32 {
+    recent.push_back(stats.tokens_per_expert.clone());
+    while recent.len() > window {
+        recent.pop_front();
+    }
+    let mut pooled = vec![0u64; stats.tokens_per_expert.len()];
+    for loads in recent.iter() {
+        for (p, &l) in pooled.iter_mut().zip(loads) {
+            *p += l;
+        }
+    }
+    MoeStats::from_loads(pooled).max_violation
 }
 
 use burn::tensor::ElementConversion;
