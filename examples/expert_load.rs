@@ -1,6 +1,8 @@
 //! Routes held-out MQAR batches through a checkpoint written by `train_tiny` and prints the
 //! per-batch expert load of every MoE layer, with the balance biases frozen (inference), for a
-//! few batch sizes: how much of a training run's max violation is batch-to-batch noise.
+//! few batch sizes: how much of a training run's max violation is batch-to-batch noise. It also
+//! prints each layer's median selection margin (`MoeStats::median_margin`): how far the scores
+//! must move to change a token's last expert.
 //!
 //! With `--replay N`, it then replays training's causal QB on a stream of `N` held-out batches:
 //! each batch routed with the bias the batches before it set, the model itself frozen. That is
@@ -89,7 +91,8 @@ fn run(args: &Args) -> Result<(), String> {
     }
     let mut rng = SeededRng::new(args.seed);
     println!(
-        "MoE layer, batch: per-batch max violation mean / max; all batches pooled; loads pooled"
+        "MoE layer, batch: per-batch max violation mean / max; all batches pooled; mean median \
+         selection margin; loads pooled"
     );
     for &batch in &args.batches {
         if batch == 0 || batch > args.sequences {
@@ -100,14 +103,17 @@ fn run(args: &Args) -> Result<(), String> {
         }
         let mut per_batch: Vec<Vec<f32>> = Vec::new();
         let mut pooled: Vec<Vec<u64>> = Vec::new();
+        let mut margins: Vec<Vec<f32>> = Vec::new();
         for _ in 0..args.sequences / batch {
             let data = task.sample_batch(batch, &mut rng);
             let (ids, _) = data.to_tensors::<B>(&device);
             let out = model.forward_with_stats(ids).map_err(|e| e.to_string())?;
             per_batch.resize(out.moe_stats.len(), Vec::new());
             pooled.resize(out.moe_stats.len(), Vec::new());
+            margins.resize(out.moe_stats.len(), Vec::new());
             for (l, stats) in out.moe_stats.iter().enumerate() {
                 per_batch[l].push(stats.max_violation);
+                margins[l].extend(stats.median_margin);
                 let loads = &mut pooled[l];
                 loads.resize(stats.tokens_per_expert.len(), 0);
                 loads
@@ -120,8 +126,10 @@ fn run(args: &Args) -> Result<(), String> {
             let mean = v.iter().sum::<f32>() / v.len() as f32;
             let max = v.iter().copied().fold(0.0f32, f32::max);
             let all = MoeStats::from_loads(loads.clone());
+            let margin = margins[l].iter().sum::<f32>() / margins[l].len().max(1) as f32;
             println!(
-                "moe{l}, batch {batch}: {mean:.3} / {max:.3}; pooled {:.3}; {loads:?}",
+                "moe{l}, batch {batch}: {mean:.3} / {max:.3}; pooled {:.3}; margin {margin:.4}; \
+                 {loads:?}",
                 all.max_violation
             );
         }

@@ -378,6 +378,9 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
     for l in 0..moe_layers {
         let _ = write!(csv, ",moe{l}_window_violation");
     }
+    for l in 0..moe_layers {
+        let _ = write!(csv, ",moe{l}_median_margin");
+    }
     if args.reroute {
         for l in 0..moe_layers {
             let _ = write!(csv, ",moe{l}_rerouted_violation");
@@ -445,6 +448,15 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
                 ",{:.4}",
                 window_violation(recent, stats, args.load_window)
             );
+        }
+        for stats in &out.moe_stats {
+            // Empty where a fused kernel selected on the device (the scores stayed there).
+            match stats.median_margin {
+                Some(m) => {
+                    let _ = write!(csv, ",{m:.5}");
+                }
+                None => csv.push(','),
+            }
         }
         for v in &rerouted {
             let _ = write!(csv, ",{v:.4}");

@@ -52,6 +52,52 @@ impl RoutedBatch<'_> {
     fn is_valid(&self, token: usize) -> bool {
         self.valid.is_none_or(|v| v[token])
     }
+
+    /// The median selection margin over the valid tokens: the gap between each token's `k`-th
+    /// and `(k+1)`-th largest biased score `s + b`, the smallest shift of its scores that would
+    /// change its last expert. Stored in [`MoeStats::median_margin`].
+    ///
+    /// A margin that is small against the step-to-step drift of the scores means that most
+    /// tokens sit at the cut: a per-expert bias then balances one batch, but a small drift moves
+    /// much of the load to other experts before the next update. Even counts take the mean of the
+    /// two middle gaps; `Ok(None)` when no token is valid. For grouped top-k the margin is that
+    /// of the ungrouped order. Errors on shapes that do not match the selection.
+    pub fn median_margin(&self) -> Result<Option<f32>> {
+        self.check()?;
+        let (n, k) = (self.selection.experts, self.selection.k);
+        if k >= n {
+            return Err(Error::argument(
+                "k",
+                format!("a margin needs k < experts, got k = {k} of {n} experts"),
+            ));
+        }
+        let mut row = Vec::with_capacity(n);
+        let mut gaps: Vec<f32> = self
+            .scores
+            .chunks_exact(n)
+            .enumerate()
+            .filter(|&(t, _)| self.is_valid(t))
+            .map(|(_, scores)| {
+                row.clear();
+                row.extend(scores.iter().zip(self.bias).map(|(s, b)| s + b));
+                // Descending; the k-th largest lands at k - 1, everything after it is smaller.
+                row.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+                let kth = row[k - 1];
+                let next = row[k..].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                kth - next
+            })
+            .collect();
+        if gaps.is_empty() {
+            return Ok(None);
+        }
+        gaps.sort_unstable_by(f32::total_cmp);
+        let mid = gaps.len() / 2;
+        Ok(Some(if gaps.len() % 2 == 1 {
+            gaps[mid]
+        } else {
+            0.5 * (gaps[mid - 1] + gaps[mid])
+        }))
+    }
 }
 
 /// A load balancer for a sigmoid router: accumulate, then update the bias once per step.
@@ -614,6 +660,11 @@ pub struct MoeStats {
     pub cv: f32,
     /// Experts that received no token.
     pub dead_experts: usize,
+    /// The median selection margin of the batch ([`RoutedBatch::median_margin`]), where the
+    /// selection was made on the host (the reference path, and every path on `NdArray`); `None`
+    /// where a fused kernel selected on the device and the scores never left it, and in
+    /// [`from_loads`](Self::from_loads).
+    pub median_margin: Option<f32>,
 }
 
 impl MoeStats {
@@ -650,6 +701,7 @@ impl MoeStats {
             tokens_per_expert: loads,
             max_violation,
             cv,
+            median_margin: None,
         }
     }
 }

@@ -273,7 +273,16 @@ impl<B: Backend> LatentMoe<B> {
                 }
             }
         }
-        let stats = MoeStats::from_selection(&routing.selection, valid.as_deref());
+        let mut stats = MoeStats::from_selection(&routing.selection, valid.as_deref());
+        if let Some(scores) = &routing.scores_host {
+            stats.median_margin = RoutedBatch {
+                scores,
+                bias: &bias,
+                selection: &routing.selection,
+                valid: valid.as_deref(),
+            }
+            .median_margin()?;
+        }
         let h = match &self.down {
             Some(down) => down.forward(flat.clone()),
             None => flat.clone(),

@@ -533,6 +533,130 @@ fn moe_stats_follow_their_definitions() {
     assert!((s.cv - (2.0f32).sqrt() / 2.0).abs() < 1e-6);
 }
 
+/// The median gap between each valid token's k-th and (k+1)-th biased score, by full sorts.
+fn margin_reference(
+    scores: &[f32],
+    n: usize,
+    bias: &[f32],
+    k: usize,
+    valid: Option<&[bool]>,
+) -> Option<f64> {
+    let mut gaps: Vec<f64> = scores
+        .chunks(n)
+        .enumerate()
+        .filter(|(t, _)| valid.is_none_or(|v| v[*t]))
+        .map(|(_, row)| {
+            let mut z: Vec<f32> = row.iter().zip(bias).map(|(s, b)| s + b).collect();
+            z.sort_by(|a, b| b.partial_cmp(a).unwrap());
+            f64::from(z[k - 1]) - f64::from(z[k])
+        })
+        .collect();
+    gaps.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    match gaps.len() {
+        0 => None,
+        len if len % 2 == 1 => Some(gaps[len / 2]),
+        len => Some(0.5 * (gaps[len / 2 - 1] + gaps[len / 2])),
+    }
+}
+
+#[test]
+fn median_margin_matches_full_sorts_and_skips_masked_tokens() {
+    let mut r = rng(45);
+    let n = 8;
+    for (m, k) in [(257, 2), (200, 3), (1, 1)] {
+        let scores: Vec<f32> = (0..m * n).map(|_| r.random::<f32>()).collect();
+        let bias: Vec<f32> = (0..n).map(|_| r.random::<f32>() - 0.5).collect();
+        let valid: Vec<bool> = (0..m).map(|t| t == 0 || r.random::<f32>() > 0.2).collect();
+        let sel = route(&scores, n, &bias, k);
+        for mask in [None, Some(valid.as_slice())] {
+            let batch = RoutedBatch {
+                scores: &scores,
+                bias: &bias,
+                selection: &sel,
+                valid: mask,
+            };
+            let got = batch.median_margin().unwrap().unwrap();
+            let want = margin_reference(&scores, n, &bias, k, mask).unwrap();
+            assert!(
+                (f64::from(got) - want).abs() < 1e-6,
+                "m {m}, k {k}, masked {}: {got} vs {want}",
+                mask.is_some()
+            );
+        }
+        // Masked tokens do not count: make every masked token's margin huge.
+        let mut wide = scores.clone();
+        for (t, row) in wide.chunks_mut(n).enumerate() {
+            if !valid[t] {
+                row.iter_mut()
+                    .enumerate()
+                    .for_each(|(j, s)| *s = 100.0 * j as f32);
+            }
+        }
+        let batch = RoutedBatch {
+            scores: &wide,
+            bias: &bias,
+            selection: &route(&wide, n, &bias, k),
+            valid: Some(&valid),
+        };
+        let want = margin_reference(&scores, n, &bias, k, Some(&valid)).unwrap();
+        let got = batch.median_margin().unwrap().unwrap();
+        assert!((f64::from(got) - want).abs() < 1e-6, "{got} vs {want}");
+    }
+    // No valid token: no margin. A bias of the wrong length: a shape error.
+    let scores = [0.1f32, 0.9, 0.5, 0.4, 0.2, 0.3];
+    let sel = route(&scores, 3, &[0.0; 3], 1);
+    let none = RoutedBatch {
+        scores: &scores,
+        bias: &[0.0; 3],
+        selection: &sel,
+        valid: Some(&[false, false]),
+    };
+    assert_eq!(none.median_margin().unwrap(), None);
+    let short = RoutedBatch {
+        bias: &[0.0; 2],
+        valid: None,
+        ..none
+    };
+    assert!(matches!(short.median_margin(), Err(Error::Shape { .. })));
+    // Two tokens: the mean of their gaps (0.9 - 0.5 and 0.4 - 0.3).
+    let two = RoutedBatch {
+        valid: None,
+        ..none
+    };
+    let got = two.median_margin().unwrap().unwrap();
+    assert!((got - 0.25).abs() < 1e-6, "{got}");
+}
+
+/// The MoE forward reports the margin of the bias and tokens it routed with, on the host path.
+#[test]
+fn moe_forward_reports_the_median_margin_of_its_routing() {
+    type B = CpuAd;
+    let device = Default::default();
+    let mut r = rng(46);
+    let moe =
+        moe_config(MoeLayout::StableLatent { dim: 8 }, GluActivation::situ()).init::<B>(&device);
+    let bias: Vec<f32> = (0..6).map(|j| 0.05 * j as f32).collect();
+    moe.balance.set_bias(&bias);
+    let x = randn::<B, 3>(&mut r, [2, 9, 12], 1.0, &device);
+    let mut pad = vec![false; 18];
+    pad[2] = true;
+    pad[11] = true;
+    let padding = Tensor::<B, 2, Bool>::from_data(TensorData::new(pad.clone(), [2, 9]), &device);
+    let out = moe.try_forward(x.clone(), Some(padding)).unwrap();
+    let scores: Vec<f32> = host(moe.router.scores(x.reshape([18, 12])))
+        .iter()
+        .map(|&v| v as f32)
+        .collect();
+    let valid: Vec<bool> = pad.iter().map(|p| !p).collect();
+    let want = margin_reference(&scores, 6, &bias, 2, Some(&valid)).unwrap();
+    let got = out
+        .stats
+        .median_margin
+        .expect("the host path reports a margin");
+    assert!((f64::from(got) - want).abs() < 1e-6, "{got} vs {want}");
+    assert_eq!(MoeStats::from_loads(vec![1, 2]).median_margin, None);
+}
+
 // ---------------------------------------------------------------- LatentMoE
 
 fn moe_config(layout: MoeLayout, activation: GluActivation) -> LatentMoeConfig {
