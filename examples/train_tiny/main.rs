@@ -9,7 +9,8 @@
 //! ```
 //!
 //! Writes into `--out` (default `runs/train_tiny`): `metrics.csv`, `loss_accuracy.png`,
-//! `expert_load.png`, `model.safetensors` and `config.json` (loadable with
+//! `expert_load.png` (per step), `expert_load_window.png` (the last `--load-window` steps
+//! pooled), `model.safetensors` and `config.json` (loadable with
 //! `KimiForCausalLM::from_safetensors` and `KimiConfig::from_hf_config`).
 
 mod plot;
@@ -442,12 +443,13 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
         for (v, d) in &load {
             let _ = write!(csv, ",{v:.4},{d}");
         }
-        for (recent, stats) in recent_loads.iter_mut().zip(&out.moe_stats) {
-            let _ = write!(
-                csv,
-                ",{:.4}",
-                window_violation(recent, stats, args.load_window)
-            );
+        let pooled: Vec<f64> = recent_loads
+            .iter_mut()
+            .zip(&out.moe_stats)
+            .map(|(recent, stats)| window_violation(recent, stats, args.load_window) as f64)
+            .collect();
+        for v in &pooled {
+            let _ = write!(csv, ",{v:.4}");
         }
         for stats in &out.moe_stats {
             // Empty where a fused kernel selected on the device (the scores stayed there).
@@ -467,6 +469,7 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
             loss: loss_value,
             accuracy: acc.fraction().unwrap_or(0.0),
             load: load.clone(),
+            window: pooled,
         });
         let worst = load.iter().map(|l| l.0).fold(0.0, f64::max);
         let dead: usize = load.iter().map(|l| l.1).sum();
@@ -508,7 +511,7 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
     eval.save_safetensors(args.out.join("model.safetensors"))
         .map_err(|e| e.to_string())?;
     let labelled = plot::register_font();
-    plot::write_plots(&args.out, &rows, labelled)?;
+    plot::write_plots(&args.out, &rows, labelled, args.load_window)?;
 
     let last = rows.last().map_or(Vec::new(), |r| r.load.clone());
     println!(
@@ -529,7 +532,7 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
             .collect::<Vec<_>>(),
         last.iter().map(|l| l.1).collect::<Vec<_>>()
     );
-    println!("wrote metrics.csv, loss_accuracy.png, expert_load.png, model.safetensors and config.json to {}", args.out.display());
+    println!("wrote metrics.csv, loss_accuracy.png, expert_load.png, expert_load_window.png, model.safetensors and config.json to {}", args.out.display());
     if !labelled {
         println!("(no TrueType font found: the plots have no axis labels)");
     }

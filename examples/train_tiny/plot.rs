@@ -11,6 +11,8 @@ pub struct Row {
     pub accuracy: f64,
     /// Per MoE layer: (max violation, dead experts).
     pub load: Vec<(f64, usize)>,
+    /// Per MoE layer: the max violation of the last `--load-window` steps' loads pooled.
+    pub window: Vec<f64>,
 }
 
 /// Registers a system TrueType font for axis labels; without one, plots are drawn unlabelled.
@@ -98,8 +100,9 @@ fn chart(
 
 const COLORS: [RGBColor; 6] = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
 
-/// Writes `loss_accuracy.png` and `expert_load.png` into `dir`.
-pub fn write_plots(dir: &Path, rows: &[Row], labels: bool) -> Result<(), String> {
+/// Writes `loss_accuracy.png`, `expert_load.png` and `expert_load_window.png` (the loads of the
+/// last `window` steps pooled) into `dir`.
+pub fn write_plots(dir: &Path, rows: &[Row], labels: bool, window: usize) -> Result<(), String> {
     let pts = |f: &dyn Fn(&Row) -> f64| {
         rows.iter()
             .map(|r| (r.step as f64, f(r)))
@@ -130,19 +133,44 @@ pub fn write_plots(dir: &Path, rows: &[Row], labels: bool) -> Result<(), String>
         series.push((v.as_str(), c, pts(&|r| r.load[l].0)));
         series.push((d.as_str(), lighter(c), pts(&|r| r.load[l].1 as f64)));
     }
+    // The balance target of the training-run check: max violation below 0.3.
+    let last = rows.last().map_or(1.0, |r| r.step as f64);
+    let target: Series<'_> = (
+        "max violation 0.3",
+        BLACK,
+        vec![(0.0, MAX_VIOLATION_TARGET), (last, MAX_VIOLATION_TARGET)],
+    );
     if layers > 0 {
-        // The balance target of the training-run check: max violation below 0.3.
-        let last = rows.last().map_or(1.0, |r| r.step as f64);
-        series.push((
-            "max violation 0.3",
-            BLACK,
-            vec![(0.0, MAX_VIOLATION_TARGET), (last, MAX_VIOLATION_TARGET)],
-        ));
+        series.push(target.clone());
     }
     chart(
         &dir.join("expert_load.png"),
         "expert load per MoE layer",
         "max violation / dead experts",
+        &series,
+        labels,
+    )?;
+    let names: Vec<String> = (0..layers)
+        .map(|l| format!("MoE {l}: max violation"))
+        .collect();
+    let mut series: Vec<Series<'_>> = names
+        .iter()
+        .enumerate()
+        .map(|(l, name)| {
+            (
+                name.as_str(),
+                COLORS[l % COLORS.len()],
+                pts(&|r| r.window[l]),
+            )
+        })
+        .collect();
+    if layers > 0 {
+        series.push(target);
+    }
+    chart(
+        &dir.join("expert_load_window.png"),
+        &format!("expert load per MoE layer, the last {window} steps pooled"),
+        "max violation",
         &series,
         labels,
     )

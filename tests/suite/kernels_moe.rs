@@ -345,10 +345,10 @@ mod routing {
     }
 
     /// Through `LatentMoe`: one training forward on each path leaves identical QB counts and the
-    /// same load statistics.
+    /// same load statistics; only the host path, which holds the scores, reports a margin.
     #[test]
     fn latent_moe_balancer_counts_match_the_host_path() {
-        use kimi_burn::nn::{BalancerKind, LatentMoeConfig, MoeLayout};
+        use kimi_burn::nn::{BalancerKind, LatentMoeConfig, MoeLayout, MoeStats};
         let device = Default::default();
         let cfg = LatentMoeConfig::new(16, 8, 2, 12)
             .with_layout(MoeLayout::StableLatent { dim: 8 })
@@ -374,7 +374,13 @@ mod routing {
         let (r_counts, r_stats) = run(false);
         assert!(k_counts.iter().sum::<u64>() > 0);
         assert_eq!(k_counts, r_counts);
-        assert_eq!(k_stats, r_stats);
+        assert_eq!(k_stats.median_margin, None);
+        assert!(r_stats.median_margin.is_some_and(|m| m >= 0.0));
+        let loads_only = |s: MoeStats| MoeStats {
+            median_margin: None,
+            ..s
+        };
+        assert_eq!(loads_only(k_stats), loads_only(r_stats));
     }
 }
 
