@@ -618,6 +618,20 @@ fn median_margin_matches_full_sorts_and_skips_masked_tokens() {
         ..none
     };
     assert!(matches!(short.median_margin(), Err(Error::Shape { .. })));
+    // k = 0 has no k-th score: an error naming k, not a panic.
+    let no_k = Selection {
+        k: 0,
+        indices: Vec::new(),
+        ..sel.clone()
+    };
+    let err = RoutedBatch {
+        selection: &no_k,
+        valid: None,
+        ..none
+    }
+    .median_margin()
+    .unwrap_err();
+    assert!(err.to_string().contains("k = 0"), "{err}");
     // Two tokens: the mean of their gaps (0.9 - 0.5 and 0.4 - 0.3).
     let two = RoutedBatch {
         valid: None,
