@@ -9,10 +9,17 @@
 //! the violation a training run would show if its weights stopped changing: batch noise plus what
 //! one QB update leaves, without a moving router.
 //!
+//! With `--oracle N`, it fits each layer's bias to `N` pooled held-out sequences (damped QB
+//! sweeps on their pooled histogram), freezes it and routes fresh batches of `--replay-batch`
+//! sequences. The bias then fits the population of batches, not the last one, and the model
+//! does not move: what is left is each batch's own noise, which any bias set before the batch is
+//! seen (any causal balancer, SPEC §3) carries into training.
+//!
 //! ```text
 //! cargo run --release --example expert_load -- runs/train_tiny
 //! cargo run --release --example expert_load -- runs/e1 --vocab 512 --filler-tokens 192
 //! cargo run --release --example expert_load -- runs/train_tiny --replay 64
+//! cargo run --release --example expert_load -- runs/train_tiny --oracle 512 --oracle-batches 128
 //! ```
 
 use std::path::PathBuf;
@@ -21,7 +28,7 @@ use burn::backend::{Autodiff, NdArray};
 use burn::tensor::backend::Backend;
 use clap::Parser;
 use kimi_burn::data::{Mqar, MqarFiller, SeededRng, Task};
-use kimi_burn::model::KimiForCausalLM;
+use kimi_burn::model::{Ffn, KimiForCausalLM};
 use kimi_burn::nn::{BalancerKind, MoeStats};
 use kimi_burn::KimiConfig;
 
@@ -56,9 +63,15 @@ struct Args {
     /// bias up and is left out of the statistics).
     #[arg(long, default_value_t = 0)]
     replay: usize,
-    /// Sequences per replayed batch (`train_tiny --batch`).
+    /// Sequences per replayed batch (`train_tiny --batch`), also the batch of `--oracle`.
     #[arg(long, default_value_t = 16)]
     replay_batch: usize,
+    /// Held-out sequences the pooled (oracle) bias is set from (0: no oracle run).
+    #[arg(long, default_value_t = 0)]
+    oracle: usize,
+    /// Fresh batches routed with the frozen oracle bias.
+    #[arg(long, default_value_t = 64)]
+    oracle_batches: usize,
 }
 
 fn main() {
@@ -69,6 +82,13 @@ fn main() {
 }
 
 fn run(args: &Args) -> Result<(), String> {
+    if args.oracle > 0 && (args.oracle < args.replay_batch || args.oracle_batches == 0) {
+        return Err(format!(
+            "--oracle must be 0 or at least --replay-batch {}, and --oracle-batches positive, \
+             got {} and {}",
+            args.replay_batch, args.oracle, args.oracle_batches
+        ));
+    }
     if args.replay > 0 && (args.replay < 4 || args.replay_batch == 0) {
         return Err(format!(
             "--replay must be 0 or at least 4, and --replay-batch positive, got {} and {}",
@@ -137,6 +157,9 @@ fn run(args: &Args) -> Result<(), String> {
     if args.replay > 0 {
         replay(args, &config, &task)?;
     }
+    if args.oracle > 0 {
+        oracle(args, &config, &task)?;
+    }
     Ok(())
 }
 
@@ -187,3 +210,94 @@ fn replay(args: &Args, config: &KimiConfig, task: &Mqar) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// Fits every layer's bias on `--oracle` pooled held-out sequences, then routes
+/// `--oracle-batches` fresh batches with that bias frozen and prints their per-batch violation.
+///
+/// The fit: [`ORACLE_SWEEPS`] sweeps over the same sequences, each pooling the QB histogram over
+/// all of them (counts add across batches, SPEC §3) and moving every bias half-way to QB's set
+/// (a full QB step overshoots when experts compete for tokens crowded at the cut); the sweep
+/// whose pooled loads were the most even, over all layers, gives the frozen bias.
+fn oracle(args: &Args, config: &KimiConfig, task: &Mqar) -> Result<(), String> {
+    type B = Autodiff<NdArray<f32>>;
+    let device = Default::default();
+    let mut config = config.clone();
+    // Fine bins: the deeper layers' tokens crowd within about 0.005 of their cut.
+    config.moe.balancer = BalancerKind::Quantile { bins: 20_000 };
+    let model = load::<B>(args, &config)?;
+    let moes: Vec<_> = model
+        .layers
+        .iter()
+        .filter_map(|layer| match &layer.ffn {
+            Ffn::Moe(moe) => Some(moe),
+            Ffn::Dense(_) => None,
+        })
+        .collect();
+    let route = |rng: &mut SeededRng| -> Result<Vec<MoeStats>, String> {
+        let data = task.sample_batch(args.replay_batch, rng);
+        let (ids, _) = data.to_tensors::<B>(&device);
+        let out = model.forward_with_stats(ids).map_err(|e| e.to_string())?;
+        // Frees the recorded graph (see `replay`).
+        let _ = out.logits.sum().backward();
+        Ok(out.moe_stats)
+    };
+    let biases = || {
+        moes.iter()
+            .map(|m| m.balance.bias_host())
+            .collect::<Vec<_>>()
+    };
+    let mut best = (f32::INFINITY, biases(), Vec::new());
+    for _ in 0..ORACLE_SWEEPS {
+        let mut rng = SeededRng::new(args.seed ^ 0xac1e);
+        let mut loads: Vec<Vec<u64>> = vec![Vec::new(); moes.len()];
+        for _ in 0..args.oracle / args.replay_batch {
+            for (acc, s) in loads.iter_mut().zip(route(&mut rng)?) {
+                acc.resize(s.tokens_per_expert.len(), 0);
+                acc.iter_mut()
+                    .zip(&s.tokens_per_expert)
+                    .for_each(|(a, b)| *a += b);
+            }
+        }
+        let pooled: Vec<f32> = loads
+            .into_iter()
+            .map(|l| MoeStats::from_loads(l).max_violation)
+            .collect();
+        let worst = pooled.iter().copied().fold(0.0f32, f32::max);
+        if worst < best.0 {
+            best = (worst, biases(), pooled);
+        }
+        for moe in &moes {
+            let old = moe.balance.bias_host();
+            let qb = moe.update_balance();
+            let half: Vec<f32> = old.iter().zip(&qb).map(|(o, q)| 0.5 * (o + q)).collect();
+            moe.balance.set_bias(&half);
+        }
+    }
+    for (moe, bias) in moes.iter().zip(&best.1) {
+        moe.balance.set_bias(bias);
+    }
+    let mut rng = SeededRng::new(args.seed ^ 0x005e_ed0a);
+    let mut per_layer: Vec<Vec<f32>> = vec![Vec::new(); moes.len()];
+    for _ in 0..args.oracle_batches {
+        for (v, s) in per_layer.iter_mut().zip(route(&mut rng)?) {
+            v.push(s.max_violation);
+        }
+    }
+    for (l, v) in per_layer.iter().enumerate() {
+        let mean = v.iter().sum::<f32>() / v.len() as f32;
+        let max = v.iter().copied().fold(0.0f32, f32::max);
+        let over = v.iter().filter(|&&x| x > 0.3).count();
+        println!(
+            "fitted bias, moe{l}, batch {}: {mean:.3} / {max:.3}; above 0.3 in {over} of {} \
+             (the {} fit sequences pooled: {:.3})",
+            args.replay_batch,
+            v.len(),
+            args.oracle,
+            best.2.get(l).copied().unwrap_or(f32::NAN)
+        );
+    }
+    Ok(())
+}
+
+/// Damped QB sweeps of the `--oracle` fit.
+const ORACLE_SWEEPS: usize = 8;
