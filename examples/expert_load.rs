@@ -32,6 +32,9 @@ use kimi_burn::model::{Ffn, KimiForCausalLM};
 use kimi_burn::nn::{BalancerKind, MoeStats};
 use kimi_burn::KimiConfig;
 
+/// The training backend of the replays: forwards on it feed the balancer.
+type Ad = Autodiff<NdArray<f32>>;
+
 /// Expert load of a trained checkpoint on held-out MQAR batches.
 #[derive(Parser, Debug)]
 #[command(version, about)]
@@ -82,11 +85,13 @@ fn main() {
 }
 
 fn run(args: &Args) -> Result<(), String> {
-    if args.oracle > 0 && (args.oracle < args.replay_batch || args.oracle_batches == 0) {
+    if args.oracle > 0
+        && (args.replay_batch == 0 || args.oracle < args.replay_batch || args.oracle_batches == 0)
+    {
         return Err(format!(
-            "--oracle must be 0 or at least --replay-batch {}, and --oracle-batches positive, \
-             got {} and {}",
-            args.replay_batch, args.oracle, args.oracle_batches
+            "--oracle must be 0 or at least --replay-batch (positive), and --oracle-batches \
+             positive, got --oracle {}, --replay-batch {}, --oracle-batches {}",
+            args.oracle, args.replay_batch, args.oracle_batches
         ));
     }
     if args.replay > 0 && (args.replay < 4 || args.replay_batch == 0) {
@@ -134,12 +139,7 @@ fn run(args: &Args) -> Result<(), String> {
             for (l, stats) in out.moe_stats.iter().enumerate() {
                 per_batch[l].push(stats.max_violation);
                 margins[l].extend(stats.median_margin);
-                let loads = &mut pooled[l];
-                loads.resize(stats.tokens_per_expert.len(), 0);
-                loads
-                    .iter_mut()
-                    .zip(&stats.tokens_per_expert)
-                    .for_each(|(a, b)| *a += b);
+                add_loads(&mut pooled[l], stats);
             }
         }
         for (l, (v, loads)) in per_batch.iter().zip(&pooled).enumerate() {
@@ -176,39 +176,72 @@ fn load<B: Backend>(args: &Args, config: &KimiConfig) -> Result<KimiForCausalLM<
 /// (as in training: on an autodiff backend, so the balancer counts), starting from the
 /// checkpoint's bias.
 fn replay(args: &Args, config: &KimiConfig, task: &Mqar) -> Result<(), String> {
-    type B = Autodiff<NdArray<f32>>;
-    let device = Default::default();
-    let mut config = config.clone();
-    config.moe.balancer = BalancerKind::quantile();
-    let model = load::<B>(args, &config)?;
+    let model = load_training(args, config, BalancerKind::quantile())?;
     let mut rng = SeededRng::new(args.seed ^ 0x7e91a7);
     let mut per_layer: Vec<Vec<f32>> = Vec::new();
     for i in 0..args.replay {
-        let data = task.sample_batch(args.replay_batch, &mut rng);
-        let (ids, _) = data.to_tensors::<B>(&device);
-        let out = model.forward_with_stats(ids).map_err(|e| e.to_string())?;
-        // Release the autodiff graph the forward recorded (nothing is trained). Burn 0.21 frees
-        // graph nodes only in a backward: without it, 64 replayed batches held 14 GB, not 0.27 GB.
-        let _ = out.logits.sum().backward();
+        let stats = route_training(&model, task, args.replay_batch, &mut rng)?;
         model.update_balance();
-        per_layer.resize(out.moe_stats.len(), Vec::new());
+        per_layer.resize(stats.len(), Vec::new());
         if i >= args.replay / 4 {
-            for (l, stats) in out.moe_stats.iter().enumerate() {
-                per_layer[l].push(stats.max_violation);
+            for (v, s) in per_layer.iter_mut().zip(&stats) {
+                v.push(s.max_violation);
             }
         }
     }
     for (l, v) in per_layer.iter().enumerate() {
-        let mean = v.iter().sum::<f32>() / v.len() as f32;
-        let max = v.iter().copied().fold(0.0f32, f32::max);
-        let over = v.iter().filter(|&&x| x > 0.3).count();
         println!(
-            "replayed QB, moe{l}, batch {}: {mean:.3} / {max:.3}; above 0.3 in {over} of {}",
+            "replayed QB, moe{l}, batch {}: {}",
             args.replay_batch,
-            v.len()
+            violation_summary(v)
         );
     }
     Ok(())
+}
+
+/// The checkpoint on the autodiff backend with `balancer`, so that its forwards count for the
+/// balancer as training forwards do.
+fn load_training(
+    args: &Args,
+    config: &KimiConfig,
+    balancer: BalancerKind,
+) -> Result<KimiForCausalLM<Ad>, String> {
+    let mut config = config.clone();
+    config.moe.balancer = balancer;
+    load::<Ad>(args, &config)
+}
+
+/// Routes one fresh batch of `batch` sequences through `model` as a training forward (the
+/// balancer counts it) and returns every MoE layer's load statistics.
+fn route_training(
+    model: &KimiForCausalLM<Ad>,
+    task: &Mqar,
+    batch: usize,
+    rng: &mut SeededRng,
+) -> Result<Vec<MoeStats>, String> {
+    let data = task.sample_batch(batch, rng);
+    let (ids, _) = data.to_tensors::<Ad>(&Default::default());
+    let out = model.forward_with_stats(ids).map_err(|e| e.to_string())?;
+    // Release the autodiff graph the forward recorded (nothing is trained). Burn 0.21 frees
+    // graph nodes only in a backward: without it, 64 replayed batches held 14 GB, not 0.27 GB.
+    let _ = out.logits.sum().backward();
+    Ok(out.moe_stats)
+}
+
+/// `acc += stats.tokens_per_expert`, growing `acc` to the number of experts.
+fn add_loads(acc: &mut Vec<u64>, stats: &MoeStats) {
+    acc.resize(stats.tokens_per_expert.len(), 0);
+    acc.iter_mut()
+        .zip(&stats.tokens_per_expert)
+        .for_each(|(a, b)| *a += b);
+}
+
+/// `"mean / max; above 0.3 in N of M"` for per-batch max violations.
+fn violation_summary(v: &[f32]) -> String {
+    let mean = v.iter().sum::<f32>() / v.len().max(1) as f32;
+    let max = v.iter().copied().fold(0.0f32, f32::max);
+    let over = v.iter().filter(|&&x| x > 0.3).count();
+    format!("{mean:.3} / {max:.3}; above 0.3 in {over} of {}", v.len())
 }
 
 /// Fits every layer's bias on `--oracle` pooled held-out sequences, then routes
@@ -219,12 +252,8 @@ fn replay(args: &Args, config: &KimiConfig, task: &Mqar) -> Result<(), String> {
 /// (a full QB step overshoots when experts compete for tokens crowded at the cut); the sweep
 /// whose pooled loads were the most even, over all layers, gives the frozen bias.
 fn oracle(args: &Args, config: &KimiConfig, task: &Mqar) -> Result<(), String> {
-    type B = Autodiff<NdArray<f32>>;
-    let device = Default::default();
-    let mut config = config.clone();
     // Fine bins: the deeper layers' tokens crowd within about 0.005 of their cut.
-    config.moe.balancer = BalancerKind::Quantile { bins: 20_000 };
-    let model = load::<B>(args, &config)?;
+    let model = load_training(args, config, BalancerKind::Quantile { bins: 20_000 })?;
     let moes: Vec<_> = model
         .layers
         .iter()
@@ -233,30 +262,24 @@ fn oracle(args: &Args, config: &KimiConfig, task: &Mqar) -> Result<(), String> {
             Ffn::Dense(_) => None,
         })
         .collect();
-    let route = |rng: &mut SeededRng| -> Result<Vec<MoeStats>, String> {
-        let data = task.sample_batch(args.replay_batch, rng);
-        let (ids, _) = data.to_tensors::<B>(&device);
-        let out = model.forward_with_stats(ids).map_err(|e| e.to_string())?;
-        // Frees the recorded graph (see `replay`).
-        let _ = out.logits.sum().backward();
-        Ok(out.moe_stats)
-    };
     let biases = || {
         moes.iter()
             .map(|m| m.balance.bias_host())
             .collect::<Vec<_>>()
     };
+    let fit_batches = args.oracle / args.replay_batch;
+    // (worst pooled violation over the layers, the biases that gave it, per-layer pooled).
     let mut best = (f32::INFINITY, biases(), Vec::new());
     for _ in 0..ORACLE_SWEEPS {
+        // The same fit sequences in every sweep.
         let mut rng = SeededRng::new(args.seed ^ 0xac1e);
         let mut loads: Vec<Vec<u64>> = vec![Vec::new(); moes.len()];
-        for _ in 0..args.oracle / args.replay_batch {
-            for (acc, s) in loads.iter_mut().zip(route(&mut rng)?) {
-                acc.resize(s.tokens_per_expert.len(), 0);
-                acc.iter_mut()
-                    .zip(&s.tokens_per_expert)
-                    .for_each(|(a, b)| *a += b);
-            }
+        for _ in 0..fit_batches {
+            let stats = route_training(&model, task, args.replay_batch, &mut rng)?;
+            loads
+                .iter_mut()
+                .zip(&stats)
+                .for_each(|(acc, s)| add_loads(acc, s));
         }
         let pooled: Vec<f32> = loads
             .into_iter()
@@ -279,20 +302,18 @@ fn oracle(args: &Args, config: &KimiConfig, task: &Mqar) -> Result<(), String> {
     let mut rng = SeededRng::new(args.seed ^ 0x005e_ed0a);
     let mut per_layer: Vec<Vec<f32>> = vec![Vec::new(); moes.len()];
     for _ in 0..args.oracle_batches {
-        for (v, s) in per_layer.iter_mut().zip(route(&mut rng)?) {
-            v.push(s.max_violation);
-        }
+        let stats = route_training(&model, task, args.replay_batch, &mut rng)?;
+        per_layer
+            .iter_mut()
+            .zip(&stats)
+            .for_each(|(v, s)| v.push(s.max_violation));
     }
     for (l, v) in per_layer.iter().enumerate() {
-        let mean = v.iter().sum::<f32>() / v.len() as f32;
-        let max = v.iter().copied().fold(0.0f32, f32::max);
-        let over = v.iter().filter(|&&x| x > 0.3).count();
         println!(
-            "fitted bias, moe{l}, batch {}: {mean:.3} / {max:.3}; above 0.3 in {over} of {} \
-             (the {} fit sequences pooled: {:.3})",
+            "fitted bias, moe{l}, batch {}: {} (the {} fit sequences pooled: {:.3})",
             args.replay_batch,
-            v.len(),
-            args.oracle,
+            violation_summary(v),
+            fit_batches * args.replay_batch,
             best.2.get(l).copied().unwrap_or(f32::NAN)
         );
     }
