@@ -19,49 +19,84 @@ pub const MODE_SITU_CAPPED: u32 = 1;
 /// `A(g) = g·σ(g)`, `B(v) = v` (SwiGLU).
 pub const MODE_SWIGLU: u32 = 2;
 
-/// `tanh` with its argument clamped to ±15, where f32 `tanh` is already ±1: some shader compilers
-/// evaluate `tanh` through `exp(2x)`, which overflows to NaN for large `|x|`.
+/// Below this `|x|`, `tanh(x)` is the odd Taylor polynomial up to `x⁹` (truncation error below
+/// 1e−8 relative): `(1 − e^{−2|x|})/(1 + e^{−2|x|})` would cancel there, and shader `tanh` is
+/// often written through `exp(2x)`, which cancels the same way (and overflows for large `|x|`).
+const TANH_SERIES_BELOW: f32 = 0.25;
+
+/// `(tanh(x), 1 − tanh²(x))` without cancellation or overflow anywhere: with `e = e^{−2|x|}`,
+/// `tanh(x) = sign(x)·(1 − e)/(1 + e)` (a polynomial near 0) and `1 − tanh²(x) = 4e/(1 + e)²`,
+/// which keeps its relative precision where `tanh` has saturated to ±1.
 #[cube]
-fn tanh_safe(x: f32) -> f32 {
-    f32::tanh(f32::min(f32::max(x, -15.0), 15.0))
+pub fn tanh_sech2(x: f32) -> (f32, f32) {
+    let a = f32::abs(x);
+    let e = f32::exp(-2.0 * a);
+    let d = 1.0 + e;
+    let mut t = (1.0 - e) / d;
+    if a < TANH_SERIES_BELOW {
+        let a2 = a * a;
+        let p = 62.0 / 2835.0;
+        let p = p * a2 - 17.0 / 315.0;
+        let p = p * a2 + 2.0 / 15.0;
+        let p = p * a2 - 1.0 / 3.0;
+        t = a + a * a2 * p;
+    }
+    if x < 0.0 {
+        t = -t;
+    }
+    (t, 4.0 * e / (d * d))
 }
 
-/// `σ(g) = ½·(1 + tanh(g/2))`: the same formula as the reference path, and it cannot overflow.
+/// `(σ(g), 1 − σ(g))` from `e = e^{−|g|}`: `1/(1 + e)` and `e/(1 + e)`, swapped for `g < 0`.
+/// Neither overflows, and neither is formed by a subtraction, so both keep their relative
+/// precision in the tails (σ(−20) ≈ 2e−9, where `½ + ½·tanh(g/2)` returns rounding noise).
 #[cube]
-fn sigmoid(g: f32) -> f32 {
-    0.5 + 0.5 * tanh_safe(g * 0.5)
+pub fn sigmoid_pair(g: f32) -> (f32, f32) {
+    let e = f32::exp(-f32::abs(g));
+    let r = 1.0 / (1.0 + e);
+    let mut s = r;
+    let mut c = e * r;
+    if g < 0.0 {
+        s = e * r;
+        c = r;
+    }
+    (s, c)
 }
 
 /// The gate branch `A(g)`.
 #[cube]
 pub fn glu_a(g: f32, beta1: f32, #[comptime] mode: u32) -> f32 {
-    if comptime!(mode == MODE_SWIGLU) {
-        g * sigmoid(g)
-    } else {
-        beta1 * tanh_safe(g / beta1) * sigmoid(g)
+    let (s, _c) = sigmoid_pair(g);
+    let mut a = g * s;
+    if comptime!(mode != MODE_SWIGLU) {
+        let (t, _d) = tanh_sech2(g / beta1);
+        a = beta1 * t * s;
     }
+    a
 }
 
-/// `dA/dg`.
+/// `dA/dg`: `σ·(1 + g·(1 − σ))` for SwiGLU, `(1 − t²)·σ + β1·t·σ·(1 − σ)` with `t = tanh(g/β1)`
+/// for SiTU, with `1 − σ` and `1 − t²` from [`sigmoid_pair`] and [`tanh_sech2`].
 #[cube]
 pub fn glu_da(g: f32, beta1: f32, #[comptime] mode: u32) -> f32 {
-    let s = sigmoid(g);
-    if comptime!(mode == MODE_SWIGLU) {
-        s + g * s * (1.0 - s)
-    } else {
-        let t = tanh_safe(g / beta1);
-        (1.0 - t * t) * s + beta1 * t * s * (1.0 - s)
+    let (s, c) = sigmoid_pair(g);
+    let mut d = s * (1.0 + g * c);
+    if comptime!(mode != MODE_SWIGLU) {
+        let (t, sech2) = tanh_sech2(g / beta1);
+        d = sech2 * s + beta1 * t * s * c;
     }
+    d
 }
 
 /// The linear branch `B(v)`.
 #[cube]
 pub fn glu_b(v: f32, beta2: f32, #[comptime] mode: u32) -> f32 {
+    let mut b = v;
     if comptime!(mode == MODE_SITU_CAPPED) {
-        beta2 * tanh_safe(v / beta2)
-    } else {
-        v
+        let (t, _d) = tanh_sech2(v / beta2);
+        b = beta2 * t;
     }
+    b
 }
 
 /// `dB/dv`.
@@ -69,8 +104,8 @@ pub fn glu_b(v: f32, beta2: f32, #[comptime] mode: u32) -> f32 {
 pub fn glu_db(v: f32, beta2: f32, #[comptime] mode: u32) -> f32 {
     let mut d = 1.0f32;
     if comptime!(mode == MODE_SITU_CAPPED) {
-        let t = tanh_safe(v / beta2);
-        d = 1.0 - t * t;
+        let (_t, sech2) = tanh_sech2(v / beta2);
+        d = sech2;
     }
     d
 }

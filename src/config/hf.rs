@@ -102,8 +102,14 @@ impl KimiConfig {
     /// model nested under `text_config`), e.g. `KimiConfig::from_hf_config("Kimi-Linear-48B-A3B/config.json")`.
     ///
     /// Errors name the offending field: a missing required value, a value of the wrong type, or a
-    /// value this crate does not support (e.g. `hidden_act = "gelu"`, `mla_use_nope = false`). The
-    /// balancer is not part of the file: it defaults to Quantile Balancing for sigmoid routers.
+    /// value this crate does not support (e.g. `hidden_act = "gelu"`, `mla_use_nope = false`).
+    ///
+    /// The load balancer is a training choice that published checkpoints do not record. The crate
+    /// writes it as `load_balancer` ([`to_hf_json`](Self::to_hf_json)) and reads it back; without
+    /// that field a sigmoid router gets its family's published rule: the sign update (γ = 1e-3)
+    /// for Kimi-Linear, whose checkpoint carries the bias that rule trains
+    /// (`e_score_correction_bias`, as in Moonlight and DeepSeek-V3), and Quantile Balancing for K3
+    /// (a `text_config` document). A softmax router gets none.
     pub fn from_hf_config(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
@@ -218,10 +224,7 @@ impl KimiConfig {
                 topk_group: f.opt_usize("topk_group")?.unwrap_or(1),
                 weights_from_biased_scores: false,
             },
-            balancer: match scoring {
-                Scoring::Sigmoid => BalancerKind::quantile(),
-                Scoring::Softmax => BalancerKind::None,
-            },
+            balancer: balancer_of(&f, prefix == "text_config.", scoring)?,
         };
 
         let la_obj = obj
@@ -341,6 +344,7 @@ impl KimiConfig {
             "num_expert_group": self.moe.router.n_group,
             "topk_group": self.moe.router.topk_group,
             "topk_method": "noaux_tc",
+            "load_balancer": self.moe.balancer,
             "linear_attn_config": {
                 "full_attn_layers": full,
                 "kda_layers": kda,
@@ -371,6 +375,24 @@ fn one_based(layers: &[usize], num_layers: usize, field: &str) -> Result<Vec<usi
         .collect()
 }
 
+/// The balancer of a `config.json` (see [`KimiConfig::from_hf_config`]): the crate's own
+/// `load_balancer` field when present, else the family's published rule for a sigmoid router.
+fn balancer_of(f: &Fields<'_>, k3: bool, scoring: Scoring) -> Result<BalancerKind> {
+    if let Some(v) = f.obj.get("load_balancer") {
+        return serde_json::from_value(v.clone()).map_err(|e| {
+            Error::config(
+                f.name("load_balancer"),
+                format!("expected a balancer such as {{\"Quantile\": {{\"bins\": 1000}}}}, {{\"Sign\": {{\"gamma\": 0.001}}}} or \"None\": {e}"),
+            )
+        });
+    }
+    Ok(match (scoring, k3) {
+        (Scoring::Softmax, _) => BalancerKind::None,
+        (Scoring::Sigmoid, true) => BalancerKind::quantile(),
+        (Scoring::Sigmoid, false) => BalancerKind::Sign { gamma: 1e-3 },
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -399,10 +421,35 @@ mod tests {
 
     #[test]
     fn kimi_linear_config_json_gives_the_preset() {
+        // The whole value, balancer included: the file has none, so Kimi-Linear's sign rule.
         let parsed = KimiConfig::from_hf_json(&kimi_linear_json()).unwrap();
-        let mut preset = KimiConfig::kimi_linear_48b();
-        preset.moe.balancer = parsed.moe.balancer;
-        assert_eq!(parsed, preset);
+        assert_eq!(parsed, KimiConfig::kimi_linear_48b());
+    }
+
+    #[test]
+    fn the_balancer_defaults_by_family_and_round_trips_when_written() {
+        let mut nested = json!({ "text_config": kimi_linear_json() });
+        let k3_default = KimiConfig::from_hf_json(&nested).unwrap().moe.balancer;
+        assert_eq!(k3_default, BalancerKind::quantile());
+        nested["text_config"]["moe_router_activation_func"] = json!("softmax");
+        let softmax = KimiConfig::from_hf_json(&nested).unwrap().moe.balancer;
+        assert_eq!(softmax, BalancerKind::None);
+        for balancer in [
+            BalancerKind::Quantile { bins: 37 },
+            BalancerKind::Sign { gamma: 0.25 },
+            BalancerKind::None,
+        ] {
+            let mut config = KimiConfig::kimi_linear_48b();
+            config.moe.balancer = balancer;
+            assert_eq!(
+                KimiConfig::from_hf_json(&config.to_hf_json()).unwrap(),
+                config
+            );
+        }
+        let e = error_with(|o| {
+            o.insert("load_balancer".into(), json!("Median"));
+        });
+        assert!(e.contains("load_balancer") && e.contains("Median"), "{e}");
     }
 
     #[test]

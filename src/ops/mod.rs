@@ -7,6 +7,7 @@ pub(crate) mod cpu;
 pub mod dispatch;
 pub mod fused;
 pub mod kda;
+pub mod layout;
 pub mod mla;
 pub mod norm;
 pub mod precision;

@@ -237,9 +237,10 @@ pub fn situ<B: Backend, const D: usize>(g: Tensor<B, D>, beta1: f32) -> Tensor<B
     soft_cap(g.clone(), beta1).mul(sigmoid(g))
 }
 
-/// `β·tanh(x/β)`: a cap at ±β whose gradient never vanishes (unlike a clamp).
+/// `β·tanh(x/β)`: a cap at ±β whose gradient never vanishes (unlike a clamp), with the
+/// cancellation-free [`tanh`](super::precision::tanh).
 pub fn soft_cap<B: Backend, const D: usize>(x: Tensor<B, D>, beta: f32) -> Tensor<B, D> {
-    x.div_scalar(beta).tanh().mul_scalar(beta)
+    super::precision::tanh(x.div_scalar(beta)).mul_scalar(beta)
 }
 
 /// The SwiGLU activation `SiLU(gate) ⊙ up`, for comparison with [`situ_glu`]; computed in f32 like it

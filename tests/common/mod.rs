@@ -202,3 +202,104 @@ pub fn on_reference<T>(op: kimi_burn::ops::FusedOp, f: impl FnOnce() -> T) -> T 
 pub fn bits<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<u32> {
     t.into_data().iter::<f32>().map(f32::to_bits).collect()
 }
+
+/// The SiTU-GLU test points (SPEC §1): zero of both signs, tiny values, both sides of `±β1 = ±4`
+/// and `±β2 = ±25`, the minimum of `A` near −1.219, the sigmoid's tails and `|x|` up to 1e4.
+/// Every value is exactly representable in f32, so f32 inputs and the f64 formula see one point.
+pub const SITU_POINTS: [f64; 28] = [
+    -1e4,
+    -100.0,
+    -30.0,
+    -25.5,
+    -25.0,
+    -24.5,
+    -20.0,
+    -5.0,
+    -4.125,
+    -4.0,
+    -3.875,
+    -1.21875,
+    -0.0009765625,
+    -0.0,
+    0.0,
+    0.0009765625,
+    0.5,
+    2.0,
+    3.875,
+    4.0,
+    4.125,
+    6.0,
+    24.5,
+    25.0,
+    25.5,
+    30.0,
+    100.0,
+    1e4,
+];
+
+/// Every pair of [`SITU_POINTS`] as `(gate, up)`.
+pub fn situ_grid() -> (Vec<f64>, Vec<f64>) {
+    let mut g = Vec::new();
+    let mut v = Vec::new();
+    for &a in &SITU_POINTS {
+        for &b in &SITU_POINTS {
+            g.push(a);
+            v.push(b);
+        }
+    }
+    (g, v)
+}
+
+/// `(σ(x), 1 − σ(x))` in f64, each from `e^{−|x|}` (no subtraction).
+pub fn sigmoid_pair64(x: f64) -> (f64, f64) {
+    let e = (-x.abs()).exp();
+    let (big, small) = (1.0 / (1.0 + e), e / (1.0 + e));
+    if x >= 0.0 {
+        (big, small)
+    } else {
+        (small, big)
+    }
+}
+
+/// The logistic sigmoid in f64.
+pub fn sigmoid64(x: f64) -> f64 {
+    sigmoid_pair64(x).0
+}
+
+/// `(tanh(x), 1 − tanh²(x))` in f64, the second as `1/cosh²` (no subtraction).
+pub fn tanh_sech2_64(x: f64) -> (f64, f64) {
+    let c = x.cosh();
+    (x.tanh(), if c.is_finite() { 1.0 / (c * c) } else { 0.0 })
+}
+
+/// SiTU-GLU in f64, written from SPEC §1 independently of the crate: `(y, ∂y/∂gate, ∂y/∂up)` of
+/// `y = A(gate)·B(up)`, `A(g) = β1·tanh(g/β1)·σ(g)`, `B(v) = β2·tanh(v/β2)` (or `v`).
+pub fn situ64(g: f64, v: f64, b1: f64, b2: Option<f64>) -> (f64, f64, f64) {
+    let ((tg, sech_g), (s, c)) = (tanh_sech2_64(g / b1), sigmoid_pair64(g));
+    let a = b1 * tg * s;
+    let da = sech_g * s + b1 * tg * s * c;
+    let (b, db) = match b2 {
+        Some(b2) => {
+            let (tv, sech_v) = tanh_sech2_64(v / b2);
+            (b2 * tv, sech_v)
+        }
+        None => (v, 1.0),
+    };
+    (a * b, b * da, a * db)
+}
+
+/// SwiGLU in f64: `(y, ∂y/∂gate, ∂y/∂up)` of `y = g·σ(g)·v`.
+pub fn swiglu64(g: f64, v: f64) -> (f64, f64, f64) {
+    let (s, c) = sigmoid_pair64(g);
+    (g * s * v, s * (1.0 + g * c) * v, g * s)
+}
+
+/// Fails unless the device can store `dtype`: a storage test must check the dtype it names, never
+/// pass without checking anything. Tests of a dtype that CI's device lacks are `#[ignore]`d with a
+/// reason that names it.
+pub fn require_dtype<B: Backend>(device: &B::Device, dtype: burn::tensor::DType) {
+    assert!(
+        B::supports_dtype(device, dtype),
+        "{dtype:?} storage is not supported by this device: run this test where it is"
+    );
+}

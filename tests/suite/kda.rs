@@ -11,6 +11,7 @@ use kimi_burn::ops::kda::{
     kda_gate, rms_norm_gated, try_chunk_kda, try_fused_recurrent_kda, try_kda_gate,
     try_naive_recurrent_kda,
 };
+use kimi_burn::ops::with_kernels;
 use kimi_burn::{Error, KimiConfig};
 use rand::rngs::StdRng;
 
@@ -32,6 +33,31 @@ struct Inputs<B: Backend> {
     g: Tensor<B, 4>,
     beta: Tensor<B, 3>,
     h0: Tensor<B, 4>,
+}
+
+impl<B: Backend> Inputs<B> {
+    /// The same values on the ndarray reference backend (where every reference below is computed:
+    /// a reference run on the backend under test would share its defects).
+    fn to_cpu(&self) -> Inputs<Cpu> {
+        let d = Default::default();
+        let c4 = |t: &Tensor<B, 4>| from_f64::<Cpu, 4>(&host(t.clone()), t.dims(), &d);
+        Inputs {
+            q: c4(&self.q),
+            k: c4(&self.k),
+            v: c4(&self.v),
+            g: c4(&self.g),
+            beta: from_f64::<Cpu, 3>(&host(self.beta.clone()), self.beta.dims(), &d),
+            h0: c4(&self.h0),
+        }
+    }
+}
+
+/// Moves a tensor's values to another backend.
+fn moved<A: Backend, B: Backend, const D: usize>(
+    t: &Tensor<A, D>,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    from_f64::<B, D>(&host(t.clone()), t.dims(), device)
 }
 
 fn log_sigmoid(x: f64) -> f64 {
@@ -111,7 +137,8 @@ fn run<B: Backend>(op: Op<B>, x: &Inputs<B>, opts: KdaOptions<B>) -> (Vec<f64>, 
     (host(o), host(s.expect("final state requested")))
 }
 
-/// Compares `op` against the naive recurrence on one case.
+/// Compares `op` against the naive recurrence on ndarray, on one case: `op` with the kernels on
+/// and off (its reference form on `B`), and the naive recurrence itself on `B`.
 fn check_against_naive<B: Backend>(
     op: Op<B>,
     seed: u64,
@@ -121,11 +148,29 @@ fn check_against_naive<B: Backend>(
     device: &B::Device,
 ) {
     let x = inputs::<B>(&mut rng(seed), (b, t, h, kd, vd), gates, b, device);
-    let (o_ref, s_ref) = run(naive_recurrent_kda, &x, KdaOptions::default());
-    let (o, s) = run(op, &x, KdaOptions::default().with_chunk_size(chunk));
+    let (o_ref, s_ref) = run(naive_recurrent_kda, &x.to_cpu(), KdaOptions::default());
     let what = format!("B={b} T={t} H={h} K={kd} V={vd} {gates:?} C={chunk}");
-    assert_close(&format!("output, {what}"), &o_ref, &o, 1e-5);
-    assert_close(&format!("final state, {what}"), &s_ref, &s, 1e-5);
+    for kernels in [true, false] {
+        let (o, s) = with_kernels(kernels, || {
+            run(op, &x, KdaOptions::default().with_chunk_size(chunk))
+        });
+        let what = format!("{what}, kernels {kernels}");
+        assert_close(&format!("output, {what}"), &o_ref, &o, 1e-5);
+        assert_close(&format!("final state, {what}"), &s_ref, &s, 1e-5);
+    }
+    let (o, s) = run(naive_recurrent_kda, &x, KdaOptions::default());
+    assert_close(
+        &format!("naive output on this backend, {what}"),
+        &o_ref,
+        &o,
+        1e-5,
+    );
+    assert_close(
+        &format!("naive final state on this backend, {what}"),
+        &s_ref,
+        &s,
+        1e-5,
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -320,8 +365,10 @@ fn check_packed<B: Backend>(lengths: &[usize], device: &B::Device) {
     );
     let mut o_ref = Vec::new();
     let mut s_ref = Vec::new();
+    let cpu = x.to_cpu();
     for (i, w) in cu.windows(2).enumerate() {
-        let part = |t: Tensor<B, 4>| t.narrow(1, w[0], w[1] - w[0]);
+        let x = &cpu;
+        let part = |t: Tensor<Cpu, 4>| t.narrow(1, w[0], w[1] - w[0]);
         let xi = Inputs {
             q: part(x.q.clone()),
             k: part(x.k.clone()),
@@ -340,9 +387,23 @@ fn check_packed<B: Backend>(lengths: &[usize], device: &B::Device) {
         ("fused", fused_recurrent_kda),
         ("naive", naive_recurrent_kda),
     ] {
-        let (o, s) = run(op, &x, KdaOptions::default().with_cu_seqlens(cu.clone()));
-        assert_close(&format!("{name} packed output"), &o_ref, &o, 1e-5);
-        assert_close(&format!("{name} packed states"), &s_ref, &s, 1e-5);
+        for kernels in [true, false] {
+            let (o, s) = with_kernels(kernels, || {
+                run(op, &x, KdaOptions::default().with_cu_seqlens(cu.clone()))
+            });
+            assert_close(
+                &format!("{name} packed output, kernels {kernels}"),
+                &o_ref,
+                &o,
+                1e-5,
+            );
+            assert_close(
+                &format!("{name} packed states, kernels {kernels}"),
+                &s_ref,
+                &s,
+                1e-5,
+            );
+        }
     }
     let (o, s) = run(
         chunk_kda,
@@ -403,7 +464,8 @@ fn grads<B: AutodiffBackend>(
 
 const GRAD_NAMES: [&str; 6] = ["dq", "dk", "dv", "dg", "dbeta", "dh0"];
 
-/// Gradients of the chunked op equal those of the recurrence's autodiff.
+/// Gradients of the chunked and fused ops (kernels on and off) and of the naive recurrence on `B`
+/// equal those of the naive recurrence's autodiff on ndarray.
 fn check_grads_against_naive<B: AutodiffBackend>(
     device: &B::Device,
     (b, t, h, kd, vd): Dims,
@@ -416,21 +478,40 @@ fn check_grads_against_naive<B: AutodiffBackend>(
     let x = inputs::<B>(&mut r, (b, t, h, kd, vd), gates, n, device);
     let d_o = randn(&mut r, [b, t, h, vd], 1.0, device);
     let d_s = randn(&mut r, [n, h, kd, vd], 1.0, device);
-    let opts = || {
+    fn opts<B: Backend>(chunk: usize, cu: &Option<Vec<usize>>) -> KdaOptions<B> {
         let o = KdaOptions::default().with_chunk_size(chunk);
-        match &cu {
+        match cu {
             Some(c) => o.with_cu_seqlens(c.clone()),
             None => o,
         }
+    }
+    let cpu: burn::tensor::Device<CpuAd> = Default::default();
+    let x_cpu = x.to_cpu();
+    let x_cpu = Inputs::<CpuAd> {
+        q: Tensor::from_inner(x_cpu.q),
+        k: Tensor::from_inner(x_cpu.k),
+        v: Tensor::from_inner(x_cpu.v),
+        g: Tensor::from_inner(x_cpu.g),
+        beta: Tensor::from_inner(x_cpu.beta),
+        h0: Tensor::from_inner(x_cpu.h0),
     };
-    let reference = grads(naive_recurrent_kda, &x, &d_o, &d_s, opts());
-    for (name, op) in [
-        ("chunk", chunk_kda as Op<B>),
-        ("fused", fused_recurrent_kda),
-    ] {
-        let got = grads(op, &x, &d_o, &d_s, opts());
+    let reference = grads(
+        naive_recurrent_kda,
+        &x_cpu,
+        &moved(&d_o, &cpu),
+        &moved(&d_s, &cpu),
+        opts(chunk, &cu),
+    );
+    let mut runs = vec![("naive on this backend", naive_recurrent_kda as Op<B>, true)];
+    for kernels in [true, false] {
+        runs.push(("chunk", chunk_kda as Op<B>, kernels));
+        runs.push(("fused", fused_recurrent_kda, kernels));
+    }
+    for (name, op, kernels) in runs {
+        let got = with_kernels(kernels, || grads(op, &x, &d_o, &d_s, opts(chunk, &cu)));
         for ((what, r), g) in GRAD_NAMES.iter().zip(&reference).zip(&got) {
-            assert_close(&format!("{name} {what} T={t} {gates:?}"), r, g, 1e-5);
+            let label = format!("{name} {what} T={t} {gates:?}, kernels {kernels}");
+            assert_close(&label, r, g, 1e-5);
         }
     }
 }
@@ -1073,9 +1154,10 @@ fn check_half_inputs<B: Backend>(device: &B::Device) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The same checks on wgpu (small shapes: CI runs lavapipe, a software Vulkan).
+// The same checks on every backend, ndarray and wgpu, each against references computed on ndarray
+// (small shapes: CI runs lavapipe, a software Vulkan).
 
-fn wgpu_ops<B: AutodiffBackend>(device: &B::Device) {
+fn small_op_checks<B: AutodiffBackend>(device: &B::Device) {
     check_against_naive::<B>(
         chunk_kda,
         600,
@@ -1092,20 +1174,39 @@ fn wgpu_ops<B: AutodiffBackend>(device: &B::Device) {
         16,
         device,
     );
+    // Several sequences and heads at once: the shape where the naive recurrence once went wrong
+    // on wgpu (see `broadcast_over_swapped_unit_dims`).
+    check_against_naive::<B>(
+        chunk_kda,
+        602,
+        (2, 9, 3, 16, 8),
+        Gates::LogSigmoid(1.0),
+        16,
+        device,
+    );
+    check_against_naive::<B>(
+        fused_recurrent_kda,
+        603,
+        (2, 5, 3, 8, 16),
+        Gates::Extreme(0.1),
+        16,
+        device,
+    );
     check_packed::<B>(&[1, 15, 20], device);
 }
-on_backends!(ops_on_backends, wgpu_ops);
+on_backends!(ops_on_backends, small_op_checks);
 
-fn wgpu_grads<B: AutodiffBackend>(device: &B::Device) {
+fn small_gradient_checks<B: AutodiffBackend>(device: &B::Device) {
     check_grads_against_naive::<B>(device, (1, 20, 1, 8, 8), Gates::LogSigmoid(1.0), 16, None);
+    check_grads_against_naive::<B>(device, (2, 11, 3, 8, 4), Gates::Safe, 16, None);
 }
-on_backends!(grads_on_backends, wgpu_grads);
+on_backends!(grads_on_backends, small_gradient_checks);
 
-fn wgpu_layer<B: AutodiffBackend>(device: &B::Device) {
+fn small_layer_checks<B: AutodiffBackend>(device: &B::Device) {
     check_prefill_then_decode::<B>(&small_configs()[1], 60, 5, device);
     check_layer_gradients::<B>(device);
 }
-on_backends!(layer_on_backends, wgpu_layer);
+on_backends!(layer_on_backends, small_layer_checks);
 
 #[cfg(feature = "wgpu")]
 #[test]

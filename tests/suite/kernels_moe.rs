@@ -13,38 +13,12 @@ type Gpu = crate::common::Gpu;
 type GpuAd = burn::backend::Autodiff<Gpu>;
 
 use crate::common::{
-    assert_close, bits, from_f64, host, on_kernel, on_reference, randn, rng, uniform,
+    assert_close, bits, from_f64, host, on_kernel, on_reference, randn, require_dtype, rng, situ64,
+    situ_grid, uniform,
 };
-use burn::tensor::{backend::Backend, DType, FloatDType, Tensor};
+use burn::tensor::{DType, FloatDType, Tensor};
 use kimi_burn::ops::{last_path, FusedOp, KernelPath};
 use kimi_burn::ops::{situ::swiglu, situ_glu, situ_glu_weighted};
-
-const POINTS: [f64; 8] = [-30.0, -5.0, -1.219, 0.0, 0.5, 2.0, 6.0, 30.0];
-
-fn sigmoid64(x: f64) -> f64 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-/// SPEC §1 in f64: `(y, dG, dV)` for `dY = 1`.
-fn situ64(g: f64, v: f64, b1: f64, b2: f64) -> (f64, f64, f64) {
-    let (tg, s, tv) = ((g / b1).tanh(), sigmoid64(g), (v / b2).tanh());
-    let a = b1 * tg * s;
-    let b = b2 * tv;
-    let da = (1.0 - tg * tg) * s + b1 * tg * s * (1.0 - s);
-    (a * b, b * da, a * (1.0 - tv * tv))
-}
-
-fn grid() -> (Vec<f64>, Vec<f64>) {
-    let mut g = Vec::new();
-    let mut v = Vec::new();
-    for &a in &POINTS {
-        for &b in &POINTS {
-            g.push(a);
-            v.push(b);
-        }
-    }
-    (g, v)
-}
 
 mod situ {
     use super::*;
@@ -52,7 +26,7 @@ mod situ {
     #[test]
     fn forward_backward_at_spec_points() {
         let device = Default::default();
-        let (g, v) = grid();
+        let (g, v) = situ_grid();
         let n = g.len();
         let gate = from_f64::<GpuAd, 1>(&g, [n], &device).require_grad();
         let up = from_f64::<GpuAd, 1>(&v, [n], &device).require_grad();
@@ -63,7 +37,7 @@ mod situ {
         let expect: Vec<(f64, f64, f64)> = g
             .iter()
             .zip(&v)
-            .map(|(&g, &v)| situ64(g, v, 4.0, 25.0))
+            .map(|(&g, &v)| situ64(g, v, 4.0, Some(25.0)))
             .collect();
         let col = |i: usize| {
             expect
@@ -92,7 +66,7 @@ mod situ {
         let expect: Vec<f64> = g
             .iter()
             .zip(&v)
-            .map(|(&g, &v)| situ64(g, v, 4.0, 25.0).0)
+            .map(|(&g, &v)| situ64(g, v, 4.0, Some(25.0)).0)
             .collect();
         assert_close("y at |g| >= 100", &expect, &host(y), 1e-5);
     }
@@ -212,49 +186,73 @@ mod situ {
         assert_eq!(run(), run());
     }
 
-    /// f16 / bf16 storage (f32 math inside) against the f32 reference within 5e-3, for each half
-    /// type the adapter supports; says which ones it covered.
-    #[test]
-    fn half_storage() {
+    /// f16 / bf16 storage (f32 math inside) on the SPEC §1 grid: the value and both gradients within
+    /// one unit in the last place of the storage type of the f64 formula of the rounded inputs
+    /// (f16: 2⁻¹⁰ relative, or its subnormal spacing 6e-8; bf16: 2⁻⁷), so the kernel loses nothing
+    /// to cancellation beyond the final rounding. Where the exact value is a near-zero difference
+    /// of O(1) terms (dA/dg at the minimum of A, g ≈ −1.22) f32 leaves an absolute error of a few
+    /// 1e-8 of those terms: 1e-6 of the largest value allows it.
+    fn half_storage_in(name: &str, dtype: DType, fdtype: FloatDType) {
         let device = Default::default();
-        let mut r = rng(41);
-        let g = randn::<Gpu, 2>(&mut r, [17, 32], 3.0, &device);
-        let v = randn::<Gpu, 2>(&mut r, [17, 32], 10.0, &device);
-        let reference = host(on_reference(FusedOp::SituGlu, || {
-            situ_glu(g.clone(), v.clone(), 4.0, Some(25.0))
-        }));
-        let mut covered = vec!["f32"];
-        for (name, dtype, fdtype) in [
-            ("f16", DType::F16, FloatDType::F16),
-            ("bf16", DType::BF16, FloatDType::BF16),
-        ] {
-            if !Gpu::supports_dtype(&device, dtype) {
-                eprintln!("half_storage: {name} not supported by this adapter, not covered");
-                continue;
+        require_dtype::<Gpu>(&device, dtype);
+        let (g, v) = situ_grid();
+        let n = g.len();
+        let (ulp, floor) = if dtype == DType::F16 {
+            (2f64.powi(-10), 6e-8)
+        } else {
+            (2f64.powi(-7), 0.0)
+        };
+        let gate = from_f64::<GpuAd, 1>(&g, [n], &device)
+            .cast(fdtype)
+            .require_grad();
+        let up = from_f64::<GpuAd, 1>(&v, [n], &device)
+            .cast(fdtype)
+            .require_grad();
+        let (gr, vr) = (host(gate.clone()), host(up.clone()));
+        let y = on_kernel(FusedOp::SituGlu, 1, || {
+            situ_glu(gate.clone(), up.clone(), 4.0, Some(25.0))
+        });
+        assert_eq!(y.dtype(), dtype, "{name} output dtype");
+        let grads = on_kernel(FusedOp::SituGluBackward, 1, || y.clone().sum().backward());
+        let outs = [
+            host(y),
+            host(gate.grad(&grads).expect("dgate")),
+            host(up.grad(&grads).expect("dup")),
+        ];
+        for (i, (what, out)) in ["y", "dgate", "dup"].iter().zip(&outs).enumerate() {
+            let expect: Vec<f64> = (0..n)
+                .map(|j| {
+                    let e = situ64(gr[j], vr[j], 4.0, Some(25.0));
+                    [e.0, e.1, e.2][i]
+                })
+                .collect();
+            let largest = expect.iter().fold(0.0f64, |m, e| m.max(e.abs()));
+            for j in 0..n {
+                let expect = expect[j];
+                let err = (out[j] - expect).abs();
+                assert!(
+                    err <= ulp * expect.abs() + floor + 1e-6 * largest && out[j].is_finite(),
+                    "{name} {what} at gate {} up {}: {} vs {expect}",
+                    gr[j],
+                    vr[j],
+                    out[j]
+                );
             }
-            let y = on_kernel(FusedOp::SituGlu, 1, || {
-                situ_glu(
-                    g.clone().cast(fdtype),
-                    v.clone().cast(fdtype),
-                    4.0,
-                    Some(25.0),
-                )
-            });
-            assert_eq!(y.dtype(), dtype, "{name} output dtype");
-            // The reference for half storage is the f32 result of the rounded inputs.
-            let rounded = host(on_reference(FusedOp::SituGlu, || {
-                situ_glu(
-                    g.clone().cast(fdtype).cast(FloatDType::F32),
-                    v.clone().cast(fdtype).cast(FloatDType::F32),
-                    4.0,
-                    Some(25.0),
-                )
-            }));
-            assert_close(&format!("{name} storage"), &rounded, &host(y), 5e-3);
-            covered.push(name);
         }
-        eprintln!("half_storage: SiTU-GLU kernel covered dtypes {covered:?}");
-        assert!(!reference.is_empty());
+    }
+
+    #[test]
+    fn half_storage_f16() {
+        half_storage_in("f16", DType::F16, FloatDType::F16);
+    }
+
+    #[test]
+    #[cfg_attr(
+        not(feature = "cuda"),
+        ignore = "bf16 storage: lavapipe (wgpu in CI) has none; scripts/cuda-check.sh runs it on CUDA"
+    )]
+    fn half_storage_bf16() {
+        half_storage_in("bf16", DType::BF16, FloatDType::BF16);
     }
 }
 

@@ -5,12 +5,14 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod attn_res;
 mod data;
 mod kda;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod kernels_kda;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod kernels_moe;
+mod layout;
 mod mla;
 mod model;
 mod moe;

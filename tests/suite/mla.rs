@@ -5,11 +5,9 @@ use burn::module::{Module, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, Tensor, TensorData};
 use kimi_burn::nn::mla::AttentionKind;
-use kimi_burn::nn::{AttnResConfig, AttnResMix, GatedMla, MlaCache, MlaConfig};
-use kimi_burn::ops::attn_res::attn_res;
+use kimi_burn::nn::{GatedMla, MlaCache, MlaConfig};
 use kimi_burn::KimiConfig;
 use rand::rngs::StdRng;
-use rand::Rng;
 
 const TOL: f64 = 1e-5;
 
@@ -505,113 +503,3 @@ fn presets_give_the_published_mla_shapes() {
     let err = bad.validate().expect_err("rope 0").to_string();
     assert!(err.contains("qk_rope_head_dim"), "{err}");
 }
-
-// ---------------------------------------------------------------------------------------------
-// AttnRes (SPEC §6)
-
-/// Host f64 evaluation of the SPEC §6 formula.
-fn attn_res_reference(sources: &[Vec<f64>], w_proj: &[f64], w_norm: &[f64], eps: f64) -> Vec<f64> {
-    let d = w_proj.len();
-    let tokens = sources[0].len() / d;
-    let mut out = vec![0.0; sources[0].len()];
-    for t in 0..tokens {
-        let scores: Vec<f64> = sources
-            .iter()
-            .map(|v| {
-                let row = &v[t * d..(t + 1) * d];
-                let inv = 1.0 / (row.iter().map(|x| x * x).sum::<f64>() / d as f64 + eps).sqrt();
-                (0..d).map(|k| row[k] * inv * w_norm[k] * w_proj[k]).sum()
-            })
-            .collect();
-        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-        let z: f64 = e.iter().sum();
-        for (v, en) in sources.iter().zip(&e) {
-            for k in 0..d {
-                out[t * d + k] += en / z * v[t * d + k];
-            }
-        }
-    }
-    out
-}
-
-fn random_sources<B: Backend>(
-    rng: &mut StdRng,
-    n: usize,
-    shape: [usize; 3],
-    device: &B::Device,
-) -> Vec<Tensor<B, 3>> {
-    // Sources of very different scales, as residual streams are.
-    (0..n)
-        .map(|_| {
-            let scale = rng.random_range(0.2..4.0);
-            randn(rng, shape, scale, device)
-        })
-        .collect()
-}
-
-/// At init the mix is the mean of its sources; with random parameters it follows the formula.
-fn attn_res_matches_formula<B: AutodiffBackend>(device: &B::Device) {
-    let mut rng = rng(21);
-    let shape = [2, 3, 10];
-    for n in [1, 2, 4] {
-        let sources = random_sources::<B>(&mut rng, n, shape, device);
-        let (partial, blocks) = sources.split_last().expect("n ≥ 1");
-        let mix: AttnResMix<B> = AttnResConfig::new(10).init(device);
-        let hosts: Vec<Vec<f64>> = sources.iter().map(|s| host(s.clone())).collect();
-        let mean: Vec<f64> = (0..hosts[0].len())
-            .map(|k| hosts.iter().map(|h| h[k]).sum::<f64>() / n as f64)
-            .collect();
-        assert_close(
-            &format!("mean of {n}"),
-            &mean,
-            &host(mix.forward(partial.clone(), blocks)),
-            TOL,
-        );
-        let w_proj = randn::<B, 1>(&mut rng, [10], 1.0, device);
-        let w_norm = uniform::<B, 1>(&mut rng, [10], 0.5, 2.0, device);
-        let expected =
-            attn_res_reference(&hosts, &host(w_proj.clone()), &host(w_norm.clone()), 1e-5);
-        let out = attn_res(partial.clone(), blocks, w_proj, w_norm, 1e-5);
-        assert_close(
-            &format!("formula with {n} sources"),
-            &expected,
-            &host(out),
-            TOL,
-        );
-    }
-}
-on_backends!(attn_res_formula, attn_res_matches_formula);
-
-/// From the zero-query init, the pseudo-query gets a non-zero gradient (so training can leave
-/// the mean); once it is non-zero, so does the norm gain.
-fn attn_res_parameters_learn<B: AutodiffBackend>(device: &B::Device) {
-    let mut rng = rng(22);
-    let shape = [2, 3, 10];
-    let sources = random_sources::<B>(&mut rng, 3, shape, device);
-    let (partial, blocks) = sources.split_last().expect("3 sources");
-    let weights = randn::<B, 3>(&mut rng, shape, 1.0, device);
-    let mut mix: AttnResMix<B> = AttnResConfig::new(10).init(device);
-    let grads = mix
-        .forward(partial.clone(), blocks)
-        .mul(weights.clone())
-        .sum()
-        .backward();
-    let g_proj = host(mix.proj.grad(&grads).expect("proj grad"));
-    assert!(
-        g_proj.iter().all(|v| v.is_finite()) && g_proj.iter().any(|v| v.abs() > 1e-6),
-        "proj gradient {g_proj:?}"
-    );
-    mix.proj = Param::from_tensor(randn(&mut rng, [10], 0.5, device));
-    let grads = mix
-        .forward(partial.clone(), blocks)
-        .mul(weights)
-        .sum()
-        .backward();
-    let g_norm = host(mix.norm.grad(&grads).expect("norm grad"));
-    assert!(
-        g_norm.iter().all(|v| v.is_finite()) && g_norm.iter().any(|v| v.abs() > 1e-6),
-        "norm gradient {g_norm:?}"
-    );
-}
-on_backends!(attn_res_gradients, attn_res_parameters_learn);

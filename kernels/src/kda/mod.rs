@@ -148,12 +148,11 @@ pub fn kda_recurrent(
 /// Units per cube of the row-wise norm kernels (a power of two).
 pub const NORM_CUBE: u32 = 32;
 
-/// `σ(x) = ½ + ½·tanh(x/2)`, the reference path's formula; cannot overflow.
-// `f32::clamp` is not part of CubeCL's cube-function surface; min/max is.
-#[allow(clippy::manual_clamp)]
+/// `σ(x)` in the reference path's cancellation-free form ([`crate::situ::sigmoid_pair`]).
 #[cube]
 fn sigmoid(x: f32) -> f32 {
-    0.5 + 0.5 * f32::tanh(f32::min(f32::max(x * 0.5, -15.0), 15.0))
+    let (s, _c) = crate::situ::sigmoid_pair(x);
+    s
 }
 
 /// Sum of `x` over the cube, by a fixed-order tree in shared memory (every unit gets the result).

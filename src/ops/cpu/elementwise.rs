@@ -4,36 +4,53 @@
 //! In tensor ops each of these is a chain of four to twelve ops, and on ndarray `tanh` rounds
 //! through f64 (tens of nanoseconds per element): the activations alone cost more than the matrix
 //! products of the tiny model. The kernels compute the same functions in `f32` from `exp` and
-//! `exp_m1`, so no cancellation appears near zero and nothing overflows:
+//! `exp_m1` in forms that neither cancel nor overflow anywhere (docs/design.md, "Numerics of the
+//! activations"):
 //!
 //! ```text
-//! σ(x) = 1 / (1 + e^{−x})  (x ≥ 0),   e^{x} / (1 + e^{x})  (x < 0)
-//! tanh(x) = −sign(x) · m / (2 + m),   m = expm1(−2|x|)
+//! e = e^{−|x|}:      σ(x) = 1/(1+e), 1 − σ(x) = e/(1+e)  (x ≥ 0; swapped for x < 0)
+//! m = expm1(−2|x|), e₂ = e^{−2|x|}:  tanh(x) = −sign(x)·m/(1+e₂),  1 − tanh²(x) = 4e₂/(1+e₂)²
 //! ```
+//!
+//! `1 − σ` and `1 − tanh²` are never formed by a subtraction: near saturation that subtraction
+//! returns rounding noise (σ(−20) ≈ 2e−9 is below f32's spacing at ½).
 
 use super::{HostOp, HostTensor};
+
+/// `(σ(x), 1 − σ(x))` in `f32`, each accurate to a few ulp for every `x`.
+#[inline]
+pub(crate) fn sigmoid_pair(x: f32) -> (f32, f32) {
+    let e = (-x.abs()).exp();
+    let r = 1.0 / (1.0 + e);
+    let (big, small) = (r, e * r);
+    if x >= 0.0 {
+        (big, small)
+    } else {
+        (small, big)
+    }
+}
 
 /// The logistic sigmoid in `f32`, accurate to a few ulp for every `x`.
 #[inline]
 pub(crate) fn sigmoid(x: f32) -> f32 {
-    if x >= 0.0 {
-        1.0 / (1.0 + (-x).exp())
-    } else {
-        let e = x.exp();
-        e / (1.0 + e)
-    }
+    sigmoid_pair(x).0
+}
+
+/// `(tanh(x), 1 − tanh²(x))` in `f32` through `expm1`: accurate near zero, and the derivative
+/// keeps its relative precision where `tanh` has saturated to ±1.
+#[inline]
+pub(crate) fn tanh_sech2(x: f32) -> (f32, f32) {
+    let a = -2.0 * x.abs();
+    let (m, e2) = (a.exp_m1(), a.exp());
+    let d = 1.0 + e2;
+    ((-m / d).copysign(x), 4.0 * e2 / (d * d))
 }
 
 /// `tanh` in `f32` through `expm1`, accurate near zero and saturating cleanly for large `|x|`.
+#[cfg(test)]
 #[inline]
 pub(crate) fn tanh(x: f32) -> f32 {
-    let m = (-2.0 * x.abs()).exp_m1();
-    let t = -m / (2.0 + m);
-    if x < 0.0 {
-        -t
-    } else {
-        t
-    }
+    tanh_sech2(x).0
 }
 
 /// `y = f(x)` elementwise for a differentiable scalar `f`.
@@ -54,10 +71,10 @@ impl Unary {
     }
 
     fn derivative(self, x: f32) -> f32 {
-        let s = sigmoid(x);
+        let (s, c) = sigmoid_pair(x);
         match self {
-            Self::Sigmoid => s * (1.0 - s),
-            Self::Silu => s * (1.0 + x * (1.0 - s)),
+            Self::Sigmoid => s * c,
+            Self::Silu => s * (1.0 + x * c),
         }
     }
 }
@@ -101,19 +118,16 @@ pub(crate) struct SituGlu {
 impl SituGlu {
     /// `(A(g), A'(g))`.
     fn gate(&self, g: f32) -> (f32, f32) {
-        let (t, s) = (tanh(g / self.beta1), sigmoid(g));
-        (
-            self.beta1 * t * s,
-            (1.0 - t * t) * s + self.beta1 * t * s * (1.0 - s),
-        )
+        let ((t, sech2), (s, c)) = (tanh_sech2(g / self.beta1), sigmoid_pair(g));
+        (self.beta1 * t * s, sech2 * s + self.beta1 * t * s * c)
     }
 
     /// `(B(v), B'(v))`.
     fn up(&self, v: f32) -> (f32, f32) {
         match self.beta2 {
             Some(b2) => {
-                let t = tanh(v / b2);
-                (b2 * t, 1.0 - t * t)
+                let (t, sech2) = tanh_sech2(v / b2);
+                (b2 * t, sech2)
             }
             None => (v, 1.0),
         }
@@ -179,6 +193,29 @@ mod tests {
                 tanh(x)
             );
         }
+        for i in -400..=400 {
+            // Near saturation: 1 − σ and 1 − tanh² keep their relative precision.
+            let x = i as f32 * 0.25 + 0.003;
+            let xd = x as f64;
+            let c = 1.0 / (1.0 + xd.exp());
+            let sech2 = 1.0 / xd.cosh().powi(2);
+            let (_, c32) = sigmoid_pair(x);
+            let (_, s32) = tanh_sech2(x);
+            // Down to f32's smallest normal number; below it the spacing is absolute.
+            if c > 1e-37 {
+                assert!(
+                    (c32 as f64 - c).abs() <= 5e-7 * c,
+                    "1 − σ({x}) = {c32} vs {c}"
+                );
+            }
+            if sech2 > 1e-37 {
+                assert!(
+                    (s32 as f64 - sech2).abs() <= 1e-6 * sech2,
+                    "sech²({x}) = {s32} vs {sech2}"
+                );
+            }
+        }
+        assert_eq!(tanh(-0.0).to_bits(), (-0.0f32).to_bits());
         assert_eq!(sigmoid(-200.0), 0.0);
         assert_eq!(sigmoid(200.0), 1.0);
         assert_eq!(tanh(1e-20), 1e-20);

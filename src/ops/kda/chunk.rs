@@ -194,7 +194,7 @@ fn run<B: Backend>(p: Prepared<B>, c: usize) -> (Tensor<B, 4>, Option<Tensor<B, 
         flat(p.k),
         flat(p.v),
         flat(p.g),
-        flat(p.beta.unsqueeze_dim(3)).reshape([m, c]),
+        flat(crate::ops::layout::unsqueeze_dim(p.beta, 3)).reshape([m, c]),
     );
     let Intra {
         a_qk,

@@ -84,7 +84,7 @@ fn run<B: Backend>(p: Prepared<B>) -> (Tensor<B, 4>, Option<Tensor<B, 4>>) {
         out_dtype,
         output_final_state,
     } = p;
-    let beta = beta.unsqueeze_dim::<4>(3);
+    let beta = crate::ops::layout::unsqueeze_dim::<B, 3, 4>(beta, 3);
     let (q, k, v, g, beta) = match &seqs {
         None => (q, k, v, g, beta),
         Some(seqs) => (

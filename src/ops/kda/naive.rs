@@ -4,6 +4,7 @@ use burn::tensor::{backend::Backend, Tensor};
 
 use super::{prepare, unbind, KdaOptions, Prepared};
 use crate::error::Result;
+use crate::ops::layout;
 use crate::ops::precision::restore;
 
 /// KDA by its definition, one token at a time (SPEC §4.1), per sequence and head:
@@ -95,7 +96,8 @@ fn recurrence<B: Backend>(
         let col = |x: Tensor<B, 4>| x.swap_dims(1, 2).swap_dims(2, 3);
         let (qt, kt, gt) = (col(qt), col(kt), col(gt));
         let vt = vt.swap_dims(1, 2);
-        let bt = bt.swap_dims(1, 2).unsqueeze_dim::<4>(3);
+        // Not `unsqueeze_dim`: see `ops::layout` (wrong strides on CubeCL backends).
+        let bt = layout::unsqueeze_dim::<B, 3, 4>(bt.swap_dims(1, 2), 3);
         s = s.mul(gt.exp());
         let predicted = s.clone().mul(kt.clone()).sum_dim(2);
         let delta = vt.sub(predicted).mul(bt);
