@@ -130,8 +130,8 @@ fn bench_gpu_experts<G: burn::tensor::backend::Backend>(
 ) {
     use burn::tensor::{Int, TensorData};
     use kimi_burn::data::SeededRng;
+    use kimi_burn::nn::GluActivation;
     use kimi_burn::ops::dispatch::{dispatch, dispatch_fused, DispatchPlan, StackedExperts};
-    use kimi_burn::ops::fused::FusedActivation;
     use kimi_burn::ops::route::{select_top_k, TopKOptions};
     type GAd<G> = Autodiff<G>;
     let device = G::Device::default();
@@ -164,7 +164,7 @@ fn bench_gpu_experts<G: burn::tensor::backend::Backend>(
     let weights =
         Tensor::<GAd<G>, 2>::random([tokens, k], Distribution::Uniform(0.1, 0.5), &device)
             .require_grad();
-    let activation = FusedActivation::from(experts[0].activation);
+    let activation = experts[0].activation;
     let stacked = || StackedExperts {
         w1: Tensor::stack::<3>(experts.iter().map(|e| e.w1.weight.val()).collect(), 0),
         w3: Tensor::stack::<3>(experts.iter().map(|e| e.w3.weight.val()).collect(), 0),

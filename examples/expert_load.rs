@@ -13,7 +13,7 @@
 //! sweeps on their pooled histogram), freezes it and routes fresh batches of `--replay-batch`
 //! sequences. The bias then fits the population of batches, not the last one, and the model
 //! does not move: what is left is each batch's own noise, which any bias set before the batch is
-//! seen (any causal balancer, SPEC §3) carries into training.
+//! seen (any causal balancer, design §3) carries into training.
 //!
 //! ```text
 //! cargo run --release --example expert_load -- runs/train_tiny
@@ -248,7 +248,7 @@ fn violation_summary(v: &[f32]) -> String {
 /// `--oracle-batches` fresh batches with that bias frozen and prints their per-batch violation.
 ///
 /// The fit: [`ORACLE_SWEEPS`] sweeps over the same sequences, each pooling the QB histogram over
-/// all of them (counts add across batches, SPEC §3) and moving every bias half-way to QB's set
+/// all of them (counts add across batches, design §3) and moving every bias half-way to QB's set
 /// (a full QB step overshoots when experts compete for tokens crowded at the cut); the sweep
 /// whose pooled loads were the most even, over all layers, gives the frozen bias.
 fn oracle(args: &Args, config: &KimiConfig, task: &Mqar) -> Result<(), String> {

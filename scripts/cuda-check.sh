@@ -12,7 +12,7 @@
 # What runs: `tests/suite/kernels_moe.rs` and `tests/suite/kernels_kda.rs` (the `kernels_moe::`
 # and `kernels_kda::` tests of the suite binary) on `Cuda` (every kernel against the reference path
 # on the same device, f32 ≤ 1e-5, half storage ≤ 5e-3 where supported, bit-for-bit repeatability,
-# exact QB counts, KDA against the naive recurrence on the SPEC §4.5 grid, the chunked KDA
+# exact QB counts, KDA against the naive recurrence on the design §4.5 grid, the chunked KDA
 # backward against the reference autodiff, prefill then decode,
 # and a check that the kernel path ran), and the CUDA groups of the `moe` and `kda` criterion
 # benches (kernel vs reference path in the same run; KDA also at H = 64, K = V = 128, T = 16384). Exit status: non-zero if any test failed.

@@ -26,3 +26,12 @@ fi
 
 # lavapipe is slow on big dispatches; tests keep their shapes small. Two threads match CI.
 cargo test --workspace --features wgpu,autodiff "$@"
+
+# The crate as a Burn project uses it (downstream/): Burn's default features on, where
+# `burn::backend::Wgpu` is `Fusion<CubeBackend<…>>`, and off. Each trains a few steps on lavapipe and
+# fails unless every fused op ran its kernel. Same target folder: the dependencies they share with
+# the crate's own build are compiled once.
+for config in fusion plain; do
+    echo "downstream: Burn's default features $([ "$config" = fusion ] && echo on || echo off)"
+    cargo run --manifest-path downstream/Cargo.toml -p "downstream-$config" --target-dir target
+done

@@ -1,5 +1,5 @@
 //! Decode state of the whole model: per layer the KDA recurrent state and conv tail, or the MLA
-//! latent cache (SPEC §4.4, §5).
+//! latent cache (design §4.4, §5).
 
 use burn::tensor::backend::Backend;
 

@@ -1,4 +1,4 @@
-//! Model configuration and the presets `tiny`, `kimi_linear_48b` and `k3` (SPEC §2, §4, §5, §7).
+//! Model configuration and the presets `tiny`, `kimi_linear_48b` and `k3` (design §2, §4, §5, §7).
 //!
 //! Field names follow the Hugging Face `config.json` of Kimi-Linear / K3 wherever one exists, so
 //! that [`KimiConfig`] reads like the published configs.
@@ -103,7 +103,7 @@ pub struct KimiConfig {
     pub mla: MlaFields,
 }
 
-/// The 3:1 KDA:MLA pattern of SPEC §7: MLA at every fourth layer and at the last one (0-based).
+/// The 3:1 KDA:MLA pattern of design §7: MLA at every fourth layer and at the last one (0-based).
 pub fn hybrid_pattern(num_layers: usize) -> Vec<usize> {
     let mut mla: Vec<usize> = (0..num_layers).filter(|i| (i + 1) % 4 == 0).collect();
     if num_layers > 0 && mla.last() != Some(&(num_layers - 1)) {

@@ -1,6 +1,8 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub mod backends;
 pub mod cache;
 pub mod config;
 pub mod data;

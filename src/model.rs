@@ -1,4 +1,4 @@
-//! The hybrid causal language model (SPEC §6, §7): embedding, decoder layers with a KDA or MLA
+//! The hybrid causal language model (design §6, §7): embedding, decoder layers with a KDA or MLA
 //! mixer and a dense or MoE FFN, optional Attention Residuals, final norm, untied `lm_head`.
 //!
 //! Read top to bottom: [`KimiForCausalLM::try_forward`] is the whole forward pass, for training, prefill and
@@ -137,7 +137,7 @@ pub struct CausalLmOutput<B: Backend> {
     pub moe_stats: Vec<MoeStats>,
 }
 
-/// The AttnRes state between layers (SPEC §6): the completed block sums and the running partial sum.
+/// The AttnRes state between layers (design §6): the completed block sums and the running partial sum.
 struct Residual<B: Backend> {
     blocks: Vec<Tensor<B, 3>>,
     block_size: Option<usize>,
@@ -209,7 +209,7 @@ impl<B: Backend> KimiForCausalLM<B> {
         Ok(CausalLmOutput { logits, moe_stats })
     }
 
-    /// One decoder layer with the AttnRes bookkeeping of SPEC §6, or plain pre-norm residuals.
+    /// One decoder layer with the AttnRes bookkeeping of design §6, or plain pre-norm residuals.
     fn layer(
         &self,
         index: usize,

@@ -1,4 +1,4 @@
-//! Safetensors import and export with the Hugging Face names of SPEC §7.
+//! Safetensors import and export with the Hugging Face names of design §7.
 //!
 //! A checkpoint is read into a [`SafeTensorsReader`] (one `.safetensors` file, or a folder with a
 //! `model.safetensors.index.json` for sharded checkpoints). Modules then pull their tensors by name
@@ -372,7 +372,7 @@ impl Saver {
     }
 }
 
-/// A module's table of checkpoint names (SPEC §7): how to load it from and save it to a
+/// A module's table of checkpoint names (design §7): how to load it from and save it to a
 /// Hugging Face checkpoint under a name prefix such as `model.layers.3.`.
 pub trait HfCheckpoint<B: Backend>: Sized {
     /// Replaces this module's tensors with those under `prefix`.

@@ -36,7 +36,7 @@ use kimi_burn::optim::{KimiOptimizerConfig, ParamRoles};
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
 enum TaskKind {
-    /// Multi-query associative recall (SPEC §10).
+    /// Multi-query associative recall (design §10).
     Mqar,
     /// Reproduce a random sequence reversed.
     Palindrome,
@@ -46,7 +46,7 @@ enum TaskKind {
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Pattern {
-    /// 3 KDA layers then 1 MLA layer, the last layer MLA (SPEC §7).
+    /// 3 KDA layers then 1 MLA layer, the last layer MLA (design §7).
     Hybrid,
     /// KDA in every layer.
     Kda,
@@ -56,7 +56,7 @@ enum Pattern {
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Balancer {
-    /// Quantile Balancing (SPEC §3).
+    /// Quantile Balancing (design §3).
     Qb,
     /// The sign rule, γ = 1e-3.
     Sign,
@@ -102,7 +102,7 @@ impl Filler {
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Optimiser {
-    /// Per-head Muon for hidden matrices, AdamW for the rest (SPEC §8).
+    /// Per-head Muon for hidden matrices, AdamW for the rest (design §8).
     Muon,
     /// AdamW for everything.
     Adamw,
@@ -160,7 +160,7 @@ struct Args {
     /// Load balancer of the MoE layers.
     #[arg(long, value_enum, default_value_t = Balancer::Qb)]
     balancer: Balancer,
-    /// QB histogram bins (default 1000, SPEC §3).
+    /// QB histogram bins (default 1000, design §3).
     #[arg(long)]
     qb_bins: Option<usize>,
     /// Optimiser.

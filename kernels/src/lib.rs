@@ -1,13 +1,13 @@
 //! CubeCL kernels for kimi-burn: the fused ops behind `kimi_burn::ops` on the CubeCL backends
 //! (wgpu, CUDA). Kernels only: no Burn types, no modules; `kimi-burn` launches them.
 //!
-//! * [`situ`]: fused SiTU-GLU forward and backward (SPEC §1), with an optional per-row routing
+//! * [`situ`]: fused SiTU-GLU forward and backward (design §1), with an optional per-row routing
 //!   weight folded in.
-//! * [`qb_histogram`]: top-k routing and the Quantile Balancing histogram in one pass (SPEC §2, §3).
-//! * [`kda`]: Kimi Delta Attention (SPEC §4): the recurrent decode kernel, the chunked forward and
+//! * [`qb_histogram`]: top-k routing and the Quantile Balancing histogram in one pass (design §2, §3).
+//! * [`kda`]: Kimi Delta Attention (design §4): the recurrent decode kernel, the chunked forward and
 //!   backward, and the gated output norm forward and backward.
 //! * [`moe`]: dropless dispatch: a stable device-side sort of the routed pairs by expert, a grouped
-//!   matmul over the expert segments (one launch for all experts) and the un-permute (SPEC §2).
+//!   matmul over the expert segments (one launch for all experts) and the un-permute (design §2).
 //!
 //! Every kernel computes in f32 whatever the storage dtype (f32, f16, bf16) and avoids float
 //! atomics, so repeated runs on the same input are bit-identical.

@@ -1,4 +1,4 @@
-//! Dropless MoE dispatch on the device (SPEC §2): a stable counting sort of the `(token, expert)`
+//! Dropless MoE dispatch on the device (design §2): a stable counting sort of the `(token, expert)`
 //! pairs by expert, a grouped (segmented) matmul over the expert-contiguous rows, and the
 //! un-permute as a gather-sum.
 //!

@@ -1,4 +1,4 @@
-//! Top-k routing and the Quantile Balancing histogram in one pass (SPEC §2, §3).
+//! Top-k routing and the Quantile Balancing histogram in one pass (design §2, §3).
 //!
 //! One unit per token keeps the `k + 1` largest biased scores `s_j + b_j` in a small sorted local
 //! array (insertion with a strict `>`, so among equal values the lower expert index stays ahead,

@@ -1,4 +1,4 @@
-//! Fused SiTU-GLU (SPEC §1): one pass over `gate` and `up`, f32 math whatever the storage dtype.
+//! Fused SiTU-GLU (design §1): one pass over `gate` and `up`, f32 math whatever the storage dtype.
 //!
 //! ```text
 //! A(g) = β1·tanh(g/β1)·σ(g)          dA/dg = (1 − t_g²)·σ + β1·t_g·σ·(1 − σ)

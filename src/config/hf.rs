@@ -1,4 +1,4 @@
-//! Reading and writing the Hugging Face `config.json` of Kimi-Linear and K3 (SPEC §7).
+//! Reading and writing the Hugging Face `config.json` of Kimi-Linear and K3 (design §7).
 //!
 //! Kimi-Linear keeps its fields at the top level (`model_type: "kimi_linear"`); K3 nests the text
 //! model under `text_config`. Values this crate cannot honour (an unknown activation, RoPE, multi-token

@@ -1,4 +1,4 @@
-//! Synthetic tasks for small-scale validation (SPEC §10), generated in Rust, no downloads.
+//! Synthetic tasks for small-scale validation (design §10), generated in Rust, no downloads.
 //!
 //! Every task is a [`Task`]: it knows its vocabulary and sequence length and fills batches of
 //! `inputs` and `targets` (`[batch, seq]`, row-major `i64`) from a [`SeededRng`]. Targets follow

@@ -1,13 +1,13 @@
-//! Multi-query associative recall (SPEC §10), in the Zoology convention (Arora et al. 2023,
+//! Multi-query associative recall (design §10), in the Zoology convention (Arora et al. 2023,
 //! `zoology/data/associative_recall.py`, `multiquery_ar`).
 
 use super::{SeededRng, Task};
 use crate::error::{Error, Result};
 
-/// The standard MQAR grid (SPEC §10): `(seq_len, num_pairs)`.
+/// The standard MQAR grid (design §10): `(seq_len, num_pairs)`.
 pub const MQAR_GRID: [(usize, usize); 4] = [(64, 4), (128, 8), (256, 16), (512, 64)];
 
-/// The vocabulary size of the standard grid (SPEC §10).
+/// The vocabulary size of the standard grid (design §10).
 pub const MQAR_VOCAB: usize = 8192;
 
 /// Multi-query associative recall: `num_pairs` key–value pairs, then a query of every key.
@@ -107,7 +107,7 @@ impl Mqar {
         })
     }
 
-    /// The standard grid [`MQAR_GRID`] at vocabulary `vocab_size` ([`MQAR_VOCAB`] in SPEC §10).
+    /// The standard grid [`MQAR_GRID`] at vocabulary `vocab_size` ([`MQAR_VOCAB`] in design §10).
     pub fn standard_grid(vocab_size: usize) -> Result<Vec<Self>> {
         MQAR_GRID
             .iter()

@@ -1,4 +1,4 @@
-//! Palindrome (SPEC §10): read a random sequence, then emit it reversed.
+//! Palindrome (design §10): read a random sequence, then emit it reversed.
 
 use super::{SeededRng, Task, IGNORE_INDEX};
 use crate::error::{Error, Result};

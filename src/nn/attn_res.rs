@@ -1,4 +1,4 @@
-//! One Attention Residuals mix (SPEC §6): a learned softmax over depth that replaces a residual
+//! One Attention Residuals mix (design §6): a learned softmax over depth that replaces a residual
 //! sum in K3's block form.
 
 use burn::config::Config;
@@ -59,11 +59,11 @@ impl AttnResConfig {
 }
 
 /// One AttnRes pseudo-query pair: `out = Σ_n softmax_n(RMSNorm_norm(V_n) · proj) · V_n` over the
-/// sources `V = [blocks…, partial]` (SPEC §6, [`attn_res`]).
+/// sources `V = [blocks…, partial]` (design §6, [`attn_res`]).
 ///
 /// **Parameterisation.** `norm` is the gain of the RMSNorm that makes the keys and starts at
-/// **one**; `proj` is the pseudo-query and starts at **zero** (SPEC: "the pseudo-queries start at
-/// zero"). At that point every score is 0 and the mix is the mean of its sources, as SPEC §6
+/// **one**; `proj` is the pseudo-query and starts at **zero** (design §6: "the pseudo-queries start at
+/// zero"). At that point every score is 0 and the mix is the mean of its sources, as design §6
 /// requires. Zero for both would also give the mean, but every gradient would then vanish
 /// (`∂score/∂proj = K⊙norm = 0` and `∂score/∂norm = K⊙proj = 0`), and the mix could never leave
 /// the mean; with `norm = 1`, `proj` receives `K`-weighted gradients from the first step and

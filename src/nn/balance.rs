@@ -1,4 +1,4 @@
-//! Load balancing for sigmoid routers (SPEC §3): Quantile Balancing (QB) and the sign-update rule.
+//! Load balancing for sigmoid routers (design §3): Quantile Balancing (QB) and the sign-update rule.
 //!
 //! Both balancers keep integer statistics on the host that **add** across micro-batches and across
 //! data-parallel replicas ([`Balancer::merge`]), and turn them into a new expert bias once per
@@ -132,7 +132,7 @@ fn add_counts(dst: &mut [u64], src: &[u64]) -> Result<()> {
     Ok(())
 }
 
-/// The per-token cut `α_i = (k+1)`-th largest of `s_i + b` (SPEC §3).
+/// The per-token cut `α_i = (k+1)`-th largest of `s_i + b` (design §3).
 fn cutoff(row: &[f32], bias: &[f32], k: usize, buf: &mut Vec<f32>) -> f32 {
     buf.clear();
     buf.extend(row.iter().zip(bias).map(|(s, b)| s + b));
@@ -151,7 +151,7 @@ pub fn bounds_for_bias(bias: &[f32]) -> (f32, f32) {
     }
 }
 
-/// QB recovery step (SPEC §3): turns the integer histogram of `r_ij = α_i − s_ij` into the new bias.
+/// QB recovery step (design §3): turns the integer histogram of `r_ij = α_i − s_ij` into the new bias.
 ///
 /// `counts` is `[experts, bins]` row-major, gathered over `bounds = (lo, hi)`; `k` is the number of
 /// experts per token. Returns the centred bias `b = b̂ − mean(b̂)` and the bounds for the next step,
@@ -247,7 +247,7 @@ pub fn quantile_bias_exact(batch: &RoutedBatch<'_>) -> Result<Vec<f32>> {
     Ok(raw.iter().map(|b| (b - mean) as f32).collect())
 }
 
-/// Quantile Balancing, histogram form (SPEC §3): absolute, learning-rate free, causal.
+/// Quantile Balancing, histogram form (design §3): absolute, learning-rate free, causal.
 ///
 /// [`counts`](Balancer::counts) is the integer histogram `[experts, bins]` over the bounds implied by
 /// the current bias ([`bounds_for_bias`]).
@@ -415,7 +415,7 @@ impl Balancer for QuantileBalancer {
     }
 }
 
-/// The DeepSeek-V3 / K2 loss-free rule `b_j += γ·sign(mean_load − load_j)` (SPEC §3), the baseline
+/// The DeepSeek-V3 / K2 loss-free rule `b_j += γ·sign(mean_load − load_j)` (design §3), the baseline
 /// QB is compared with. [`counts`](Balancer::counts) are the per-expert loads `[experts]`.
 #[derive(Debug, Clone)]
 pub struct SignBalancer {
@@ -501,7 +501,7 @@ impl Balancer for SignBalancer {
 /// Which balancer a MoE layer uses.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 pub enum BalancerKind {
-    /// Quantile Balancing with this many histogram bins (SPEC §3; default 1000).
+    /// Quantile Balancing with this many histogram bins (design §3; default 1000).
     Quantile {
         /// Histogram bins.
         bins: usize,
@@ -653,7 +653,7 @@ impl<B: Backend> BalanceState<B> {
     }
 }
 
-/// Per-step load statistics of one MoE layer (SPEC §2).
+/// Per-step load statistics of one MoE layer (design §2).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct MoeStats {
     /// Tokens routed to each expert (valid tokens only), `[experts]`.

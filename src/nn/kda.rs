@@ -1,4 +1,4 @@
-//! The Kimi Delta Attention layer (SPEC §4.2): projections, short convolutions, gates, the KDA
+//! The Kimi Delta Attention layer (design §4.2): projections, short convolutions, gates, the KDA
 //! op, the gated output norm and the output projection.
 
 use burn::config::Config;
@@ -130,7 +130,7 @@ impl KdaConfig {
 
     /// Builds the layer, or reports an invalid config.
     ///
-    /// Initialisation (SPEC §4.2): projections as Burn's `Linear`; `A_log = log U(1, 16)`;
+    /// Initialisation (design §4.2): projections as Burn's `Linear`; `A_log = log U(1, 16)`;
     /// `dt_bias = softplus⁻¹(dt)` with `dt ~ logU(1e-3, 0.1)` floored at 1e-4; conv taps
     /// `U(−1/√W, 1/√W)` (PyTorch's `Conv1d` default, a reconstruction); `o_norm` weight one. All
     /// random draws use Burn's seeded generator (`B::seed`).
@@ -240,7 +240,7 @@ impl<B: Backend> KdaCache<B> {
     }
 }
 
-/// Kimi Delta Attention (SPEC §4.2):
+/// Kimi Delta Attention (design §4.2):
 ///
 /// ```text
 /// q = L2Norm(SiLU(Conv(W_q x)));  k = L2Norm(SiLU(Conv(W_k x)));  v = SiLU(Conv(W_v x))

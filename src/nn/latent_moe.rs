@@ -1,4 +1,4 @@
-//! Stable LatentMoE (SPEC §2): routed experts in a narrower latent space, an RMSNorm on their
+//! Stable LatentMoE (design §2): routed experts in a narrower latent space, an RMSNorm on their
 //! aggregate, full-width shared experts, and a balanced sigmoid router.
 
 use burn::config::Config;
@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::ops::dispatch::{
     dispatch, dispatch_fused, fused_available, DispatchPlan, StackedExperts,
 };
-use crate::ops::fused::FusedActivation;
+
 use crate::ops::route::to_host_f32;
 
 /// Where the routed experts run.
@@ -180,7 +180,7 @@ pub struct MoeOutput<B: Backend> {
     pub stats: MoeStats,
 }
 
-/// Stable LatentMoE (SPEC §2):
+/// Stable LatentMoE (design §2):
 ///
 /// ```text
 /// h = W_down x;   u = Σ_{i∈T} p_i · E_i(h);   y = W_up · RMSNorm(u) + SharedFFN(x)
@@ -338,7 +338,7 @@ impl<B: Backend> LatentMoe<B> {
         if !uniform || !fused_available::<B>() {
             return None;
         }
-        let activation = FusedActivation::from(first.activation);
+        let activation = first.activation;
         let stack = |f: fn(&SituGlu<B>) -> &Linear<B>| {
             Tensor::stack::<3>(self.experts.iter().map(|e| f(e).weight.val()).collect(), 0)
         };

@@ -1,4 +1,4 @@
-//! Gated NoPE Multi-head Latent Attention (SPEC §5): Kimi-Linear's and K3's full-attention layer.
+//! Gated NoPE Multi-head Latent Attention (design §5): Kimi-Linear's and K3's full-attention layer.
 //!
 //! ```text
 //! q      = W_q x   or   W_qb RMSNorm(W_qa x)                 # per head [q_nope (dn) | q_pe (dr)]
@@ -27,7 +27,7 @@ use crate::ops::precision::sigmoid;
 
 pub use crate::ops::mla::AttentionKind;
 
-/// Configuration of [`GatedMla`]; the defaults are K3's head geometry (SPEC §5).
+/// Configuration of [`GatedMla`]; the defaults are K3's head geometry (design §5).
 #[derive(Config, Debug)]
 pub struct MlaConfig {
     /// Model width `d` (`hidden_size`).
@@ -181,7 +181,7 @@ impl MlaConfig {
     }
 
     /// Values cached per token in decode: `kv_lora_rank + qk_rope_head_dim` (576, i.e. 1152 bytes
-    /// in bf16, SPEC §5).
+    /// in bf16, design §5).
     pub fn cache_width(&self) -> usize {
         self.kv_lora_rank + self.qk_rope_head_dim
     }
@@ -215,7 +215,7 @@ impl MlaConfig {
     }
 }
 
-/// Gated NoPE MLA (SPEC §5). Field names are the Hugging Face checkpoint names under
+/// Gated NoPE MLA (design §5). Field names are the Hugging Face checkpoint names under
 /// `model.layers.{i}.self_attn.` (Burn's `Linear` weights are `[in, out]`, the transpose of
 /// PyTorch's).
 #[derive(Module, Debug)]
@@ -349,7 +349,7 @@ impl<B: Backend> GatedMla<B> {
     }
 
     /// Decode / prefill through a latent cache: appends the new tokens' `c` and `k_pe` to `cache`
-    /// and attends over all cached tokens in the absorbed form (SPEC §5), causal within the new
+    /// and attends over all cached tokens in the absorbed form (design §5), causal within the new
     /// tokens. Equals [`forward`](Self::forward) over the whole sequence, position by position.
     ///
     /// `x: [B, T_new, d]`, `padding: [B, T_new]` (`true` = padding, remembered in the cache so

@@ -4,7 +4,7 @@ use burn::tensor::{backend::Backend, Bool, Tensor};
 
 use crate::error::{Error, Result};
 
-/// Per-token decode cache of one [`GatedMla`](super::GatedMla) layer (SPEC §5): the normalised
+/// Per-token decode cache of one [`GatedMla`](super::GatedMla) layer (design §5): the normalised
 /// latent `c: [B, T, kv_lora_rank]` and the shared key slice `k_pe: [B, T, qk_rope_head_dim]`,
 /// 576 values per token and layer in the real models, against `H·(dn + dv)` for a per-head cache.
 ///

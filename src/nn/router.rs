@@ -1,4 +1,4 @@
-//! The auxiliary-loss-free router (SPEC §2).
+//! The auxiliary-loss-free router (design §2).
 
 use burn::config::Config;
 use burn::module::Module;
@@ -123,7 +123,7 @@ pub struct Routing<B: Backend> {
     pub histogram: Option<Vec<u64>>,
 }
 
-/// Sigmoid (or softmax) router with a selection-only balance bias (SPEC §2):
+/// Sigmoid (or softmax) router with a selection-only balance bias (design §2):
 ///
 /// ```text
 /// s = σ(W_r x)  (f32)      T = top_k(s + b)      p_i = s_i / (Σ_{j∈T} s_j + 1e-20) · routed_scaling_factor

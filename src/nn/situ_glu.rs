@@ -1,86 +1,12 @@
-//! The gated FFN used by every Kimi K3 FFN (dense layer, shared and routed experts), SPEC §1.
+//! The gated FFN used by every Kimi K3 FFN (dense layer, shared and routed experts), design §1.
 
+use crate::error::{Error, Result};
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::{backend::Backend, Tensor};
-use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
-use crate::ops::situ::{situ_glu, swiglu};
-
-/// The gated activation of a GLU FFN.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub enum GluActivation {
-    /// SiTU-GLU `β1·tanh(g/β1)·σ(g) ⊙ β2·tanh(v/β2)` (K3; `β1 = 4`, `β2 = Some(25)`).
-    Situ {
-        /// Gate cap `activation_situ_beta`.
-        beta1: f32,
-        /// Linear-branch cap `activation_situ_linear_beta`; `None` leaves the branch linear.
-        beta2: Option<f32>,
-    },
-    /// SwiGLU `SiLU(g) ⊙ v` (Kimi-Linear, DeepSeek-V3).
-    SwiGlu,
-}
-
-/// The same activation as the fused kernels name it.
-impl From<GluActivation> for crate::ops::fused::FusedActivation {
-    fn from(a: GluActivation) -> Self {
-        match a {
-            GluActivation::Situ { beta1, beta2 } => Self::Situ { beta1, beta2 },
-            GluActivation::SwiGlu => Self::SwiGlu,
-        }
-    }
-}
-
-impl Default for GluActivation {
-    fn default() -> Self {
-        Self::situ()
-    }
-}
-
-impl GluActivation {
-    /// SiTU-GLU with the K3 constants `β1 = 4`, `β2 = 25`.
-    pub fn situ() -> Self {
-        Self::Situ {
-            beta1: 4.0,
-            beta2: Some(25.0),
-        }
-    }
-
-    /// Checks that the caps are finite and positive.
-    pub fn validate(&self) -> Result<()> {
-        if let Self::Situ { beta1, beta2 } = *self {
-            if !(beta1.is_finite() && beta1 > 0.0) {
-                return Err(Error::config(
-                    "activation_situ_beta",
-                    format!("must be finite and positive, got {beta1}"),
-                ));
-            }
-            if let Some(b2) = beta2 {
-                if !(b2.is_finite() && b2 > 0.0) {
-                    return Err(Error::config(
-                        "activation_situ_linear_beta",
-                        format!("must be finite and positive, got {b2}"),
-                    ));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Applies the activation to the gate and up projections (same shape).
-    pub fn apply<B: Backend, const D: usize>(
-        &self,
-        gate: Tensor<B, D>,
-        up: Tensor<B, D>,
-    ) -> Tensor<B, D> {
-        match *self {
-            Self::Situ { beta1, beta2 } => situ_glu(gate, up, beta1, beta2),
-            Self::SwiGlu => swiglu(gate, up),
-        }
-    }
-}
+pub use crate::ops::situ::GluActivation;
 
 /// Configuration of [`SituGlu`].
 #[derive(Config, Debug)]
@@ -129,7 +55,7 @@ impl SituGluConfig {
     }
 }
 
-/// A GLU FFN `y = W2 · act(W1 x, W3 x)` (SPEC §1).
+/// A GLU FFN `y = W2 · act(W1 x, W3 x)` (design §1).
 ///
 /// Checkpoint names: `w1` gate / `w3` up / `w2` down for experts, `gate_proj` / `up_proj` /
 /// `down_proj` for dense and shared FFNs.

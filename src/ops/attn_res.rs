@@ -1,11 +1,11 @@
-//! Attention Residuals (SPEC §6): a softmax mix over depth replacing the residual sum.
+//! Attention Residuals (design §6): a softmax mix over depth replacing the residual sum.
 
 use burn::tensor::activation::softmax;
 use burn::tensor::{backend::Backend, Tensor};
 
 use super::precision::{restore, widen};
 
-/// The block-form AttnRes mix of SPEC §6, in f32 (f64 stays f64):
+/// The block-form AttnRes mix of design §6, in f32 (f64 stays f64):
 ///
 /// ```text
 /// V = [blocks…, partial];   K_n = V_n / sqrt(mean_d(V_n²) + eps)

@@ -1,4 +1,4 @@
-//! Dropless, routed-only MoE dispatch (SPEC §2), reference form in tensor ops.
+//! Dropless, routed-only MoE dispatch (design §2), reference form in tensor ops.
 //!
 //! The `(token, expert)` pairs are sorted by expert on the host (a counting sort, so pairs keep
 //! their token order within an expert), each expert gathers the rows of its own contiguous segment
@@ -12,9 +12,10 @@
 
 use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor, TensorData};
 
-use super::fused::{self, FusedActivation, FusedOp, KernelPath};
+use super::fused::{self, FusedOp, KernelPath};
 use super::precision::restore;
 use super::route::Selection;
+use super::situ::GluActivation;
 
 /// The host-side plan of a dispatch: pairs in expert order and each expert's segment.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -137,7 +138,7 @@ pub struct StackedExperts<B: Backend> {
     /// Down projections `W2: [n, m_e, ℓ]`.
     pub w2: Tensor<B, 3>,
     /// The experts' activation.
-    pub activation: FusedActivation,
+    pub activation: GluActivation,
 }
 
 /// Whether [`dispatch_fused`] runs on `B` now (a CubeCL backend with the kernels enabled), so
@@ -146,7 +147,7 @@ pub fn fused_available<B: Backend>() -> bool {
     fused::available::<B>()
 }
 
-/// The routed experts by the fused kernels (SPEC §2, dropless and routed-only):
+/// The routed experts by the fused kernels (design §2, dropless and routed-only):
 /// `out[t] = Σ_{(t,e,p)} p · W2[e]ᵀ·act(W1[e]ᵀ·h[t], W3[e]ᵀ·h[t])`, the same as [`dispatch`] with
 /// SiTU-GLU experts, in a fixed number of launches whatever `n`: the pairs are sorted by expert on
 /// the device (stable, so the order matches [`DispatchPlan`]), gate/up/down run as grouped matmuls

@@ -1,4 +1,4 @@
-//! Causal softmax attention for Gated NoPE MLA (SPEC §5): the plain `softmax(QKᵀ)V` form, the
+//! Causal softmax attention for Gated NoPE MLA (design §5): the plain `softmax(QKᵀ)V` form, the
 //! dispatch to Burn's fused attention op, and the absorbed latent form used by decode.
 //!
 //! Masks follow Burn's convention: `true` marks a position that must **not** be attended to.
@@ -85,7 +85,7 @@ pub fn masked_softmax<B: Backend, const D: usize>(
     restore(e.div(den), dtype)
 }
 
-/// Plain attention `softmax(scale·q·kᵀ, masked)·v` (SPEC §5, the reference form).
+/// Plain attention `softmax(scale·q·kᵀ, masked)·v` (design §5, the reference form).
 ///
 /// `q: [B, H, tq, dqk]`, `k: [B, H, tk, dqk]`, `v: [B, H, tk, dv]`, `mask: [B, 1 or H, tq, tk]`
 /// (`true` = not attended) → `[B, H, tq, dv]`. Rows with every key masked give zeros.
@@ -137,7 +137,7 @@ pub fn causal_attention<B: Backend>(
     }
 }
 
-/// Attention in the absorbed latent form (SPEC §5, decode): the keys and values are never
+/// Attention in the absorbed latent form (design §5, decode): the keys and values are never
 /// expanded per head. Per head `h`:
 ///
 /// ```text

@@ -1,4 +1,4 @@
-//! RMS normalisation with f32 statistics (a precision island, SPEC §0).
+//! RMS normalisation with f32 statistics (a precision island, design §0).
 
 use burn::tensor::{backend::Backend, Tensor};
 

@@ -1,4 +1,4 @@
-//! Precision islands (SPEC §0): parts of the model that are computed in f32 even when the model runs
+//! Precision islands (design §0): parts of the model that are computed in f32 even when the model runs
 //! in bf16/f16. Tensors already in f32 or f64 are left alone, so f64 gradient checks stay exact.
 
 use burn::tensor::{backend::Backend, DType, FloatDType, Tensor};
@@ -89,7 +89,7 @@ pub fn tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     signed.mask_where(small, series)
 }
 
-/// `softplus(x) = log(1 + e^x)`, equal to `x` for `x > 20` (SPEC §4.2), computed without overflow
+/// `softplus(x) = log(1 + e^x)`, equal to `x` for `x > 20` (design §4.2), computed without overflow
 /// as `max(x, 0) + log1p(e^{−|x|})`.
 pub fn softplus<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     let tail = x.clone().abs().neg().exp().log1p();

@@ -1,4 +1,4 @@
-//! Top-k expert selection and routing weights (SPEC §2).
+//! Top-k expert selection and routing weights (design §2).
 //!
 //! Selection is a discrete decision, so the reference path makes it on the host with an exact,
 //! backend-independent tie-break (the lower expert index wins); the routing weights are then
@@ -86,7 +86,7 @@ fn better(a: (f32, usize), b: (f32, usize)) -> std::cmp::Ordering {
     b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
 }
 
-/// Selects each token's top-k experts by `scores + bias` (SPEC §2), on the host.
+/// Selects each token's top-k experts by `scores + bias` (design §2), on the host.
 ///
 /// `scores: [m, n]` row-major, `bias: [n]`. With `n_group > 1`, a group's score is the sum of its
 /// two best biased scores (its best one for groups of one expert), only the `topk_group` best
@@ -191,7 +191,7 @@ pub struct FusedRouting<B: Backend> {
     pub counts: Option<Vec<u64>>,
 }
 
-/// Top-k selection, and optionally the QB histogram (SPEC §3), by one fused kernel on the CubeCL
+/// Top-k selection, and optionally the QB histogram (design §3), by one fused kernel on the CubeCL
 /// backends; `None` elsewhere (or with the kernels switched off), where the caller runs the host
 /// path ([`select_top_k`], `QuantileBalancer::observe`).
 ///

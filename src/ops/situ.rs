@@ -1,12 +1,77 @@
-//! SiTU-GLU activation (SPEC §1).
+//! SiTU-GLU activation (design §1).
 
 use burn::tensor::{backend::Backend, Tensor, TensorPrimitive};
 
 use super::cpu::elementwise::SituGlu as SituGluKernel;
-use super::fused::{self, FusedActivation, FusedKernels, FusedOp, KernelOp, KernelPath};
+use super::fused::{self, FusedKernels, FusedOp, KernelOp, KernelPath};
 use super::precision::{restore, sigmoid, widen};
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
 
-/// The SiTU-GLU gated activation `A(gate) ⊙ B(up)` (SPEC §1):
+/// The gated activation of a GLU FFN.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum GluActivation {
+    /// SiTU-GLU `β1·tanh(g/β1)·σ(g) ⊙ β2·tanh(v/β2)` (K3; `β1 = 4`, `β2 = Some(25)`).
+    Situ {
+        /// Gate cap `activation_situ_beta`.
+        beta1: f32,
+        /// Linear-branch cap `activation_situ_linear_beta`; `None` leaves the branch linear.
+        beta2: Option<f32>,
+    },
+    /// SwiGLU `SiLU(g) ⊙ v` (Kimi-Linear, DeepSeek-V3).
+    SwiGlu,
+}
+
+impl Default for GluActivation {
+    fn default() -> Self {
+        Self::situ()
+    }
+}
+
+impl GluActivation {
+    /// SiTU-GLU with the K3 constants `β1 = 4`, `β2 = 25`.
+    pub fn situ() -> Self {
+        Self::Situ {
+            beta1: 4.0,
+            beta2: Some(25.0),
+        }
+    }
+
+    /// Checks that the caps are finite and positive.
+    pub fn validate(&self) -> Result<()> {
+        if let Self::Situ { beta1, beta2 } = *self {
+            if !(beta1.is_finite() && beta1 > 0.0) {
+                return Err(Error::config(
+                    "activation_situ_beta",
+                    format!("must be finite and positive, got {beta1}"),
+                ));
+            }
+            if let Some(b2) = beta2 {
+                if !(b2.is_finite() && b2 > 0.0) {
+                    return Err(Error::config(
+                        "activation_situ_linear_beta",
+                        format!("must be finite and positive, got {b2}"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies the activation to the gate and up projections (same shape).
+    pub fn apply<B: Backend, const D: usize>(
+        &self,
+        gate: Tensor<B, D>,
+        up: Tensor<B, D>,
+    ) -> Tensor<B, D> {
+        match *self {
+            Self::Situ { beta1, beta2 } => situ_glu(gate, up, beta1, beta2),
+            Self::SwiGlu => swiglu(gate, up),
+        }
+    }
+}
+
+/// The SiTU-GLU gated activation `A(gate) ⊙ B(up)` (design §1):
 ///
 /// ```text
 /// A(g) = β1 · tanh(g / β1) · σ(g)        # "SiTU", range (−0.2698, β1)
@@ -18,7 +83,7 @@ use super::precision::{restore, sigmoid, widen};
 /// K3 uses `β1 = 4`, `β2 = Some(25)`. As `β → ∞` it tends to SwiGLU (`SiLU(g)·v`).
 ///
 /// On the CubeCL backends (see [`fused`]) this runs one fused kernel forward and one
-/// backward (SPEC §1 derivatives); elsewhere the tensor ops below.
+/// backward (design §1 derivatives); elsewhere the tensor ops below.
 ///
 /// # Panics
 /// If `beta1` or `beta2` is not finite and positive, or the shapes differ. Configs validate these
@@ -35,14 +100,14 @@ pub fn situ_glu<B: Backend, const D: usize>(
         up.dims(),
         "situ_glu: gate and up must have the same shape"
     );
-    let act = FusedActivation::Situ { beta1, beta2 };
+    let act = GluActivation::Situ { beta1, beta2 };
     match try_fused(FusedGlu { gate, up, act }) {
         Ok(y) => y,
         Err(FusedGlu { gate, up, .. }) => situ_glu_reference(gate, up, beta1, beta2),
     }
 }
 
-/// SiTU-GLU with a per-row routing weight folded in: `y = p ⊙ A(gate)·B(up)` (SPEC §1), as the
+/// SiTU-GLU with a per-row routing weight folded in: `y = p ⊙ A(gate)·B(up)` (design §1), as the
 /// routed experts use it.
 ///
 /// `gate`, `up`: `[rows, h]`; `weight`: `[rows]`. Returns `[rows, h]` in the input dtype. On the
@@ -69,7 +134,7 @@ pub fn situ_glu_weighted<B: Backend>(
         gate.dims()[0],
         "situ_glu_weighted: weight must be [rows]"
     );
-    let act = FusedActivation::Situ { beta1, beta2 };
+    let act = GluActivation::Situ { beta1, beta2 };
     let op = FusedWeightedGlu {
         gate,
         up,
@@ -129,7 +194,7 @@ fn rows_of<const D: usize>(dims: [usize; D]) -> [usize; 2] {
 struct FusedGlu<B: Backend, const D: usize> {
     gate: Tensor<B, D>,
     up: Tensor<B, D>,
-    act: FusedActivation,
+    act: GluActivation,
 }
 
 impl<B: Backend, const D: usize> KernelOp<B> for FusedGlu<B, D> {
@@ -156,7 +221,7 @@ struct FusedWeightedGlu<B: Backend> {
     gate: Tensor<B, 2>,
     up: Tensor<B, 2>,
     weight: Tensor<B, 1>,
-    act: FusedActivation,
+    act: GluActivation,
 }
 
 impl<B: Backend> KernelOp<B> for FusedWeightedGlu<B> {
@@ -254,7 +319,7 @@ pub fn swiglu<B: Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) 
     let (gate, up) = match try_fused(FusedGlu {
         gate,
         up,
-        act: FusedActivation::SwiGlu,
+        act: GluActivation::SwiGlu,
     }) {
         Ok(y) => return y,
         Err(FusedGlu { gate, up, .. }) => (gate, up),

@@ -1,4 +1,4 @@
-//! Muon with per-head (block) orthogonalisation (SPEC §8, per head), as a Burn `SimpleOptimizer`.
+//! Muon with per-head (block) orthogonalisation (design §8, per head), as a Burn `SimpleOptimizer`.
 //!
 //! Burn's own `Muon` handles whole 2-D matrices; this one adds what it lacks: orthogonalising each
 //! head block of a projection on its own, and stacked (≥3-D) weights as a batch of matrices.
@@ -12,7 +12,7 @@ use super::newton_schulz::newton_schulz_batched;
 use super::roles::HeadSplit;
 
 /// The Moonlight scale `0.2·sqrt(max(A, B))` of an `[A, B]` matrix (or block), which matches the
-/// update RMS of AdamW so both groups can share a learning rate (SPEC §8).
+/// update RMS of AdamW so both groups can share a learning rate (design §8).
 pub fn moonlight_scale(rows: usize, cols: usize) -> f64 {
     0.2 * (rows.max(cols) as f64).sqrt()
 }
@@ -22,7 +22,7 @@ pub fn moonlight_scale(rows: usize, cols: usize) -> f64 {
 ///
 /// With `split = None` the blocks are the whole matrices; with a [`HeadSplit`] each matrix is cut
 /// into its head blocks, each block is orthogonalised on its own and they are put back in place.
-/// Reconstruction (SPEC §8): the scale uses the block's own `[A, B]`. A split that does not
+/// Reconstruction (design §8): the scale uses the block's own `[A, B]`. A split that does not
 /// divide the matrix falls back to the whole matrix ([`super::ParamRoles::validate`] rejects it
 /// up front).
 ///
@@ -65,7 +65,7 @@ pub fn orthogonalised_update<B: Backend, const D: usize>(
 }
 
 /// Muon over head blocks (or stacked matrices): `M ← μM + G` (Nesterov optional),
-/// `W ← W(1 − ηλ) − η·U` with `U` = [`orthogonalised_update`]`(M)` (SPEC §8).
+/// `W ← W(1 − ηλ) − η·U` with `U` = [`orthogonalised_update`]`(M)` (design §8).
 #[derive(Clone)]
 pub struct HeadMuon<B: Backend> {
     momentum: Momentum<B>,

@@ -1,5 +1,5 @@
 //! The Kimi optimiser: Muon (whole matrix or per head) for hidden matrices, AdamW for the rest,
-//! each parameter routed by its [`ParamRole`] (SPEC §8).
+//! each parameter routed by its [`ParamRole`] (design §8).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::marker::PhantomData;
@@ -20,7 +20,7 @@ use super::head_muon::HeadMuon;
 use super::roles::{HeadSplit, ParamRole, ParamRoles};
 use crate::error::{Error, Result};
 
-/// Configuration of [`KimiOptimizer`]. Defaults follow Moonlight (SPEC §8): μ = 0.95 without
+/// Configuration of [`KimiOptimizer`]. Defaults follow Moonlight (design §8): μ = 0.95 without
 /// Nesterov, 5 Newton–Schulz steps, weight decay 0.1 in both groups, one shared learning rate.
 #[derive(Config, Debug)]
 pub struct KimiOptimizerConfig {
@@ -129,7 +129,7 @@ type HeadMuonAdaptor<M, B> = OptimizerAdaptor<HeadMuon<<B as AutodiffBackend>::I
 type HeadMuonRecord<M, B> = AdaptorRecordOf<HeadMuon<<B as AutodiffBackend>::InnerBackend>, M, B>;
 
 /// Muon for hidden matrices and AdamW for everything else, each parameter routed by its
-/// [`ParamRole`] (SPEC §8). Implements Burn's [`Optimizer`], so it drops into any training loop.
+/// [`ParamRole`] (design §8). Implements Burn's [`Optimizer`], so it drops into any training loop.
 ///
 /// Each step splits the gradients by role and hands each group to a Burn `OptimizerAdaptor`:
 ///
@@ -137,7 +137,7 @@ type HeadMuonRecord<M, B> = AdaptorRecordOf<HeadMuon<<B as AutodiffBackend>::Inn
 ///   `W ← W(1 − ηλ) − η·0.2·sqrt(max(A, B))·NS(M)`;
 /// - per-head splits and stacked (≥3-D) matrices: [`HeadMuon`], one adaptor per distinct split,
 ///   each head block orthogonalised on its own with its own `0.2·sqrt(max(A, B))`
-///   (reconstruction, SPEC §8);
+///   (reconstruction, design §8);
 /// - everything else: Burn's `AdamW`.
 ///
 /// Both Muon paths use momentum `μ`, decoupled decay `λ` and the learning rate
@@ -145,7 +145,7 @@ type HeadMuonRecord<M, B> = AdaptorRecordOf<HeadMuon<<B as AutodiffBackend>::Inn
 ///
 /// A parameter without a gradient (frozen, or a buffer such as the MoE balance bias) is never
 /// touched. Two differences between the Muon paths, both negligible in practice: Burn's Muon
-/// normalises by `max(‖X‖_F, 1e-7)` where SPEC §8 (and [`HeadMuon`]) use `‖X‖_F + 1e-7`, and it
+/// normalises by `max(‖X‖_F, 1e-7)` where design §8 (and [`HeadMuon`]) use `‖X‖_F + 1e-7`, and it
 /// iterates in the parameter's dtype where [`HeadMuon`] widens half precision to f32.
 ///
 /// The record is the tuple `(muon, head_muon, adamw)` of the adaptors' per-parameter states;

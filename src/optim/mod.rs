@@ -1,4 +1,4 @@
-//! Muon per head with AdamW for the rest (SPEC §8), on Burn's optimiser API.
+//! Muon per head with AdamW for the rest (design §8), on Burn's optimiser API.
 //!
 //! - [`newton_schulz`]: the orthogonalisation itself.
 //! - [`ParamRoles`]: which parameters get Muon (whole matrix or per head, [`HeadSplit`]) and which

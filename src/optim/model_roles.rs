@@ -1,4 +1,4 @@
-//! The SPEC §8 optimiser grouping of the Kimi model.
+//! The design §8 optimiser grouping of the Kimi model.
 
 use burn::tensor::backend::AutodiffBackend;
 
@@ -6,7 +6,7 @@ use super::{HeadSplit, ParamRole, ParamRoles};
 use crate::model::{KimiForCausalLM, Mixer};
 
 impl<B: AutodiffBackend> KimiForCausalLM<B> {
-    /// The SPEC §8 grouping: Muon for every ≥2-D hidden matrix; **per head** for the Q, K and V
+    /// The design §8 grouping: Muon for every ≥2-D hidden matrix; **per head** for the Q, K and V
     /// projections (KDA `q/k/v_proj` split into `H` column blocks; MLA `q_proj`/`q_b_proj` into `H`
     /// blocks of `dn + dr`, `kv_b_proj` into `H` blocks of `dn + dv`); AdamW for the embedding,
     /// `lm_head`, the depthwise conv kernels and every 1-D tensor (norms, AttnRes vectors, `A_log`,

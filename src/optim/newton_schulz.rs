@@ -1,22 +1,22 @@
-//! Newton–Schulz orthogonalisation (SPEC §8), the core of Muon.
+//! Newton–Schulz orthogonalisation (design §8), the core of Muon.
 
 use burn::tensor::{backend::Backend, Tensor};
 
 use crate::ops::precision::{restore, widen};
 
-/// The quintic's coefficients `(a, b, c)` (SPEC §8, Keller Jordan's Muon).
+/// The quintic's coefficients `(a, b, c)` (design §8, Keller Jordan's Muon).
 pub const NS_COEFFICIENTS: (f64, f64, f64) = (3.4445, -4.7750, 2.0315);
 
-/// The number of iterations Muon runs (SPEC §8).
+/// The number of iterations Muon runs (design §8).
 pub const NS_STEPS: usize = 5;
 
-/// Added to the Frobenius norm before normalising, so a zero matrix stays zero (SPEC §8).
+/// Added to the Frobenius norm before normalising, so a zero matrix stays zero (design §8).
 pub const NS_EPSILON: f64 = 1e-7;
 
 /// Approximately orthogonalises `x: [rows, cols]` (replaces its singular values by values near
 /// 1, keeping its singular vectors); returns `[rows, cols]`.
 ///
-/// SPEC §8: transpose when `rows > cols`, `X ← X / (‖X‖_F + 1e-7)`, then `steps` times
+/// design §8: transpose when `rows > cols`, `X ← X / (‖X‖_F + 1e-7)`, then `steps` times
 /// `A = X Xᵀ; X = a·X + (b·A + c·A²)·X` with `(a, b, c) =` [`NS_COEFFICIENTS`], and transpose back.
 /// After 5 steps a singular value `σ ≥ 0.005·‖X‖_F` lands in about `[0.68, 1.16]` (the iteration
 /// trades exactness for a steep slope at 0); smaller ones are only pushed up.

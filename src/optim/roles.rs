@@ -1,4 +1,4 @@
-//! Which optimiser each parameter gets (SPEC §8): Muon (whole matrix or per head) or AdamW.
+//! Which optimiser each parameter gets (design §8): Muon (whole matrix or per head) or AdamW.
 
 use std::collections::HashMap;
 
@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-/// How a projection weight splits into per-head blocks for Muon (SPEC §8, per head).
+/// How a projection weight splits into per-head blocks for Muon (design §8, per head).
 ///
 /// The matrix is the last two dims of the weight, in Burn's `[d_in, d_out]` layout; leading dims
 /// (stacked experts) are a batch of such matrices. Blocks are equal and contiguous.
@@ -59,7 +59,7 @@ impl HeadSplit {
     }
 }
 
-/// The optimiser of one parameter (SPEC §8).
+/// The optimiser of one parameter (design §8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ParamRole {
     /// Muon: momentum, Newton–Schulz orthogonalisation, the Moonlight `0.2·sqrt(max(A, B))`
@@ -85,7 +85,7 @@ impl ParamRole {
 
 /// A map `ParamId → ParamRole`; parameters not in the map get [`ParamRole::AdamW`].
 ///
-/// The model's own visitor will provide the SPEC §8 grouping; [`ParamRoles::from_module`] is the
+/// The model's own visitor will provide the design §8 grouping; [`ParamRoles::from_module`] is the
 /// generic default and [`ParamRoles::with`] overrides single parameters.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ParamRoles {
@@ -103,7 +103,7 @@ impl ParamRoles {
     /// such as the MoE balance bias, a `RunningState`) are left out: they never have a gradient,
     /// so no optimiser ever touches them.
     ///
-    /// Embeddings and the lm_head are matrices too; SPEC §8 gives them to AdamW, so override them
+    /// Embeddings and the lm_head are matrices too; design §8 gives them to AdamW, so override them
     /// with [`ParamRoles::with`] (the model's visitor does).
     pub fn from_module<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Self {
         let mut roles = Self::default();

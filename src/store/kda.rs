@@ -1,4 +1,4 @@
-//! Checkpoint names of Kimi Delta Attention (SPEC §7, prefix `model.layers.{i}.self_attn.`).
+//! Checkpoint names of Kimi Delta Attention (design §7, prefix `model.layers.{i}.self_attn.`).
 
 use burn::tensor::backend::Backend;
 

@@ -1,4 +1,4 @@
-//! Checkpoint names of Gated MLA (SPEC §7, prefix `model.layers.{i}.self_attn.`) and of the AttnRes
+//! Checkpoint names of Gated MLA (design §7, prefix `model.layers.{i}.self_attn.`) and of the AttnRes
 //! pseudo-queries.
 
 use burn::tensor::backend::Backend;

@@ -1,4 +1,4 @@
-//! Checkpoint names of the whole model (SPEC §7) and the `from_safetensors` / `save_safetensors`
+//! Checkpoint names of the whole model (design §7) and the `from_safetensors` / `save_safetensors`
 //! entry points.
 
 use std::path::Path;

@@ -1,4 +1,4 @@
-//! Checkpoint names of the FFN side (SPEC §7): dense `mlp.*`, and `block_sparse_moe.*` with the
+//! Checkpoint names of the FFN side (design §7): dense `mlp.*`, and `block_sparse_moe.*` with the
 //! router, the balance bias, routed and shared experts and the K3 latent projections.
 
 use burn::tensor::backend::Backend;

@@ -1,4 +1,4 @@
-//! Shared test helpers: backends, seeded random inputs and the SPEC §0 error metric.
+//! Shared test helpers: backends, seeded random inputs and the design §0 error metric.
 #![allow(dead_code, unused_macros, unused_imports)]
 
 use burn::backend::{Autodiff, NdArray};
@@ -110,7 +110,7 @@ pub fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
     t.into_data().iter::<f64>().collect()
 }
 
-/// The SPEC §0 error `rms(ref − out) / (rms(ref) + 1e-8)`.
+/// The design §0 error `rms(ref − out) / (rms(ref) + 1e-8)`.
 pub fn rel_err(reference: &[f64], out: &[f64]) -> f64 {
     assert_eq!(reference.len(), out.len(), "length mismatch");
     let n = reference.len().max(1) as f64;
@@ -125,7 +125,7 @@ pub fn rel_err(reference: &[f64], out: &[f64]) -> f64 {
     diff / (base + 1e-8)
 }
 
-/// SPEC §0 check: passes when `max|ref − out| ≤ 1e-6` or the relative RMS error is below `tol`;
+/// design §0 check: passes when `max|ref − out| ≤ 1e-6` or the relative RMS error is below `tol`;
 /// always fails on NaN or infinity.
 pub fn assert_close(what: &str, reference: &[f64], out: &[f64], tol: f64) {
     assert_eq!(
@@ -203,7 +203,7 @@ pub fn bits<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<u32> {
     t.into_data().iter::<f32>().map(f32::to_bits).collect()
 }
 
-/// The SiTU-GLU test points (SPEC §1): zero of both signs, tiny values, both sides of `±β1 = ±4`
+/// The SiTU-GLU test points (design §1): zero of both signs, tiny values, both sides of `±β1 = ±4`
 /// and `±β2 = ±25`, the minimum of `A` near −1.219, the sigmoid's tails and `|x|` up to 1e4.
 /// Every value is exactly representable in f32, so f32 inputs and the f64 formula see one point.
 pub const SITU_POINTS: [f64; 28] = [
@@ -272,7 +272,7 @@ pub fn tanh_sech2_64(x: f64) -> (f64, f64) {
     (x.tanh(), if c.is_finite() { 1.0 / (c * c) } else { 0.0 })
 }
 
-/// SiTU-GLU in f64, written from SPEC §1 independently of the crate: `(y, ∂y/∂gate, ∂y/∂up)` of
+/// SiTU-GLU in f64, written from design §1 independently of the crate: `(y, ∂y/∂gate, ∂y/∂up)` of
 /// `y = A(gate)·B(up)`, `A(g) = β1·tanh(g/β1)·σ(g)`, `B(v) = β2·tanh(v/β2)` (or `v`).
 pub fn situ64(g: f64, v: f64, b1: f64, b2: Option<f64>) -> (f64, f64, f64) {
     let ((tg, sech_g), (s, c)) = (tanh_sech2_64(g / b1), sigmoid_pair64(g));

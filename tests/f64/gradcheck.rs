@@ -1,4 +1,4 @@
-//! Gradient checks in f64 (SPEC §0): autodiff against central finite differences and analytic
+//! Gradient checks in f64 (design §0): autodiff against central finite differences and analytic
 //! derivatives.
 //!
 //! These live in their own test binary on purpose: Burn 0.21 keys each device's default dtype by the
@@ -51,8 +51,8 @@ fn situ_backward_matches_analytic_and_finite_differences_f64() {
         })
         .unzip();
     // Burn rounds scalar operands (1/β2) through f32 even on f64 tensors, hence 1e-7 rather than 1e-15.
-    assert_close("dG vs SPEC derivative", &eg, &dg, 1e-7);
-    assert_close("dV vs SPEC derivative", &ev, &dv, 1e-7);
+    assert_close("dG vs the analytic derivative", &eg, &dg, 1e-7);
+    assert_close("dV vs the analytic derivative", &ev, &dv, 1e-7);
 
     // Central differences of the op itself, elementwise (the op is elementwise).
     let f = |g: &[f64], v: &[f64]| -> Vec<f64> {

@@ -1,4 +1,4 @@
-//! f64 finite-difference checks of Gated MLA (SPEC §5) and AttnRes (SPEC §6).
+//! f64 finite-difference checks of Gated MLA (design §5) and AttnRes (design §6).
 //!
 //! A separate test binary on purpose: Burn 0.21 keys a device's default float dtype by the
 //! device type, and `NdArray<f32>` and `NdArray<f64>` share `NdArrayDevice::Cpu`. Whichever

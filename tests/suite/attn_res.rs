@@ -1,4 +1,4 @@
-//! Attention Residuals (SPEC §6): the mix against a host formula and its gradients, on every
+//! Attention Residuals (design §6): the mix against a host formula and its gradients, on every
 //! backend.
 
 use crate::common::*;
@@ -10,10 +10,10 @@ use kimi_burn::ops::attn_res::attn_res;
 use rand::rngs::StdRng;
 use rand::Rng;
 
-/// SPEC §0: f32 against an f64 reference.
+/// design §0: f32 against an f64 reference.
 const TOL: f64 = 1e-5;
 
-/// Host f64 evaluation of the SPEC §6 formula.
+/// Host f64 evaluation of the design §6 formula.
 fn attn_res_reference(sources: &[Vec<f64>], w_proj: &[f64], w_norm: &[f64], eps: f64) -> Vec<f64> {
     let d = w_proj.len();
     let tokens = sources[0].len() / d;

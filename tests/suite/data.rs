@@ -1,4 +1,4 @@
-//! Synthetic tasks (SPEC §10): structure, determinism, errors, accuracy and the masked loss.
+//! Synthetic tasks (design §10): structure, determinism, errors, accuracy and the masked loss.
 
 use std::collections::{HashMap, HashSet};
 

@@ -1,4 +1,4 @@
-//! KDA ops and layer (SPEC §4.5): chunked vs recurrent, packed sequences, decode, gradients,
+//! KDA ops and layer (design §4.5): chunked vs recurrent, packed sequences, decode, gradients,
 //! gate helpers and input validation.
 
 use crate::common::*;
@@ -174,9 +174,9 @@ fn check_against_naive<B: Backend>(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Chunked and fused recurrent ops against the naive recurrence (f32, SPEC §0 metric ≤ 1e-5).
+// Chunked and fused recurrent ops against the naive recurrence (f32, design §0 metric ≤ 1e-5).
 
-/// A covering set of SPEC §4.5: every T, every head dim as K and as V, both head counts, every
+/// A covering set of design §4.5: every T, every head dim as K and as V, both head counts, every
 /// gate law; initial state random, final state compared.
 #[test]
 fn chunk_matches_recurrence() {

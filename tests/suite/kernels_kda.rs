@@ -1,5 +1,5 @@
-//! The KDA CubeCL kernels against the reference ops on the same backend (SPEC §0 tolerances,
-//! SPEC §4.5 grid): the recurrent decode kernel, the chunked forward kernels and the gated output
+//! The KDA CubeCL kernels against the reference ops on the same backend (design §0 tolerances,
+//! design §4.5 grid): the recurrent decode kernel, the chunked forward kernels and the gated output
 //! norm.
 //!
 //! Every check asserts that the kernel path actually ran ([`kernel_calls`]), so a GPU test cannot
@@ -24,7 +24,7 @@ use kimi_burn::ops::{kernel_calls, last_path, with_kernels, FusedOp, KernelPath}
 use rand::rngs::StdRng;
 use rand::Rng;
 
-/// How the log decays are drawn (SPEC §4.5).
+/// How the log decays are drawn (design §4.5).
 #[derive(Clone, Copy, Debug)]
 enum Gates {
     /// `logsigmoid(randn) / normaliser`.
@@ -170,7 +170,7 @@ mod recurrent {
     }
 
     /// The recurrent kernel against the naive recurrence: T not a multiple of anything, K and V
-    /// in {32, 60, 64, 128}, every gate law of SPEC §4.5, random initial state.
+    /// in {32, 60, 64, 128}, every gate law of design §4.5, random initial state.
     #[test]
     fn matches_naive_on_the_spec_grid() {
         let device = Default::default();
@@ -215,7 +215,7 @@ mod recurrent {
     }
 
     /// Prefill by the chunked kernels, then decode token by token with the recurrent kernel,
-    /// equals one pass of the naive recurrence over the whole sequence (SPEC §4.4).
+    /// equals one pass of the naive recurrence over the whole sequence (design §4.4).
     #[test]
     fn prefill_then_decode_equals_one_pass() {
         let device = Default::default();
@@ -372,7 +372,7 @@ mod chunked {
     }
 
     /// The chunked kernels against the naive recurrence and against the reference `chunk_kda`
-    /// (tensor ops, same backend) on the SPEC §4.5 grid: T ∈ {1, 63, 64, 65, 160}, K and V in
+    /// (tensor ops, same backend) on the design §4.5 grid: T ∈ {1, 63, 64, 65, 160}, K and V in
     /// {32, 60, 64, 128}, every gate law (−1000 gates, safe gate), random initial state.
     #[test]
     fn matches_naive_and_reference_on_the_spec_grid() {
@@ -402,7 +402,7 @@ mod chunked {
         }
     }
 
-    /// Packed sequences of lengths 1, 15, 63, 64, 65, 130 against per-sequence naive runs (SPEC
+    /// Packed sequences of lengths 1, 15, 63, 64, 65, 130 against per-sequence naive runs (design
     /// §4.4), per-sequence initial and final states.
     #[test]
     fn packed_sequences() {
@@ -497,7 +497,7 @@ mod chunked {
     const GRAD_NAMES: [&str; 6] = ["dq", "dk", "dv", "dg", "dβ", "dS_0"];
 
     /// The fused backward against the autodiff of the reference `chunk_kda` (tensor ops, same
-    /// backend) on the SPEC §4.5 grid, with the in-op L2 norm of q and k in the graph.
+    /// backend) on the design §4.5 grid, with the in-op L2 norm of q and k in the graph.
     #[test]
     fn gradients_match_reference_on_the_spec_grid() {
         let device = Default::default();
@@ -686,7 +686,7 @@ mod chunked {
     }
 
     /// The fused backward with f16 / bf16 q, k, v against the reference autodiff of the rounded
-    /// inputs in f32: SPEC §0's half tolerances (dq, dk, dv, dS_0 8e-3; dg, dβ 2e-2).
+    /// inputs in f32: design §0's half tolerances (dq, dk, dv, dS_0 8e-3; dg, dβ 2e-2).
     fn half_storage_gradients_in(name: &str, dtype: DType, fdtype: FloatDType) {
         let device = Default::default();
         let x = Inputs::<GpuAd>::new(&mut rng(19), [1, 70, 2, 32, 32], 1, Gates::Safe, &device);

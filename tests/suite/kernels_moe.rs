@@ -1,5 +1,5 @@
 //! The fused MoE-side CubeCL kernels against the reference path on the same wgpu backend, and
-//! against the SPEC formulas (SPEC §0 tolerances): SiTU-GLU forward/backward, top-k + QB histogram,
+//! against the design formulas (design §0 tolerances): SiTU-GLU forward/backward, top-k + QB histogram,
 //! the dropless grouped-matmul dispatch inside `LatentMoe`.
 //!
 //! Every check asserts that the kernel path actually ran ([`kernel_calls`]), so a GPU test cannot
@@ -150,7 +150,7 @@ mod situ {
         for (i, name) in ["y", "dG", "dV", "dp"].iter().enumerate() {
             assert_close(&format!("weighted {name}"), &rf[i], &k[i], 1e-5);
         }
-        // dp against SPEC §1 directly: dp_row = Σ dY ⊙ A·B with dY = w.
+        // dp against design §1 directly: dp_row = Σ dY ⊙ A·B with dY = w.
         let ab = host(situ_glu(g.clone(), v.clone(), 4.0, Some(25.0)));
         let wh = host(w.clone());
         let dp: Vec<f64> = (0..rows)
@@ -186,7 +186,7 @@ mod situ {
         assert_eq!(run(), run());
     }
 
-    /// f16 / bf16 storage (f32 math inside) on the SPEC §1 grid: the value and both gradients within
+    /// f16 / bf16 storage (f32 math inside) on the design §1 grid: the value and both gradients within
     /// one unit in the last place of the storage type of the f64 formula of the rounded inputs
     /// (f16: 2⁻¹⁰ relative, or its subnormal spacing 6e-8; bf16: 2⁻⁷), so the kernel loses nothing
     /// to cancellation beyond the final rounding. Where the exact value is a near-zero difference
@@ -386,9 +386,9 @@ mod dispatch {
     use super::*;
     use burn::module::AutodiffModule;
     use burn::tensor::{Bool, TensorData};
+    use kimi_burn::nn::GluActivation;
     use kimi_burn::nn::{LatentMoe, LatentMoeConfig, MoeLayout};
     use kimi_burn::ops::dispatch::{dispatch, dispatch_fused, DispatchPlan, StackedExperts};
-    use kimi_burn::ops::fused::FusedActivation;
     use kimi_burn::ops::route::Selection;
     use rand::Rng;
 
@@ -463,7 +463,7 @@ mod dispatch {
                     w1: w1.clone(),
                     w3: w3.clone(),
                     w2: w2.clone(),
-                    activation: FusedActivation::Situ {
+                    activation: GluActivation::Situ {
                         beta1: 4.0,
                         beta2: Some(25.0),
                     },
@@ -545,7 +545,7 @@ mod dispatch {
             w1: float3(c.w1.clone().inner()),
             w3: float3(c.w3.clone().inner()),
             w2: float3(c.w2.clone().inner()),
-            activation: FusedActivation::Situ {
+            activation: GluActivation::Situ {
                 beta1: 4.0,
                 beta2: Some(25.0),
             },

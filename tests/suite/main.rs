@@ -7,6 +7,8 @@ mod common;
 
 mod attn_res;
 mod data;
+#[cfg(feature = "wgpu")]
+mod fusion;
 mod kda;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod kernels_kda;

@@ -1,4 +1,4 @@
-//! Gated NoPE MLA (SPEC §5) and Attention Residuals (SPEC §6) against independent references.
+//! Gated NoPE MLA (design §5) and Attention Residuals (design §6) against independent references.
 
 use crate::common::*;
 use burn::module::{Module, Param};
@@ -65,7 +65,7 @@ fn rows(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host f64 reference of the expanded layer, written from SPEC §5 with plain loops.
+// Host f64 reference of the expanded layer, written from design §5 with plain loops.
 
 fn vecmat(x: &[f64], w: &[f64], d_out: usize) -> Vec<f64> {
     let mut y = vec![0.0; d_out];

@@ -1,5 +1,5 @@
 //! The hybrid model: presets, incremental decoding, generation and Hugging Face checkpoints
-//! (SPEC §6, §7).
+//! (design §6, §7).
 
 use crate::common::*;
 use burn::module::Module;
@@ -8,7 +8,7 @@ use kimi_burn::model::{KimiConfig, KimiForCausalLM, Sampling};
 use rand::Rng;
 
 /// The tiny preset, shrunk further so that the wgpu (lavapipe) runs stay quick.
-fn small() -> KimiConfig {
+pub(crate) fn small() -> KimiConfig {
     let mut c = KimiConfig::tiny();
     c.vocab_size = 64;
     c
@@ -71,7 +71,7 @@ fn config_parameter_count_equals_the_built_model() {
     }
 }
 
-fn check_prefill_then_decode_equals_one_pass<B: AutodiffBackend>(device: &B::Device) {
+pub(crate) fn check_prefill_then_decode_equals_one_pass<B: AutodiffBackend>(device: &B::Device) {
     let mut r = rng(51);
     let config = small();
     let model = config.init::<B::InnerBackend>(device);
@@ -228,14 +228,14 @@ fn checkpoint_round_trip_and_mismatches_name_the_tensors() {
 
 /// Every float parameter of a module, by path: its value and, when gradients are given, its
 /// gradient (`None` when the parameter is not in the graph at all).
-struct ParamSnapshot<'a, B: AutodiffBackend> {
+pub(crate) struct ParamSnapshot<'a, B: AutodiffBackend> {
     path: Vec<String>,
     grads: Option<&'a B::Gradients>,
     params: Vec<(String, Vec<f64>, Option<Vec<f64>>)>,
 }
 
 impl<'a, B: AutodiffBackend> ParamSnapshot<'a, B> {
-    fn take<M: Module<B>>(
+    pub(crate) fn take<M: Module<B>>(
         model: &M,
         grads: Option<&'a B::Gradients>,
     ) -> Vec<(String, Vec<f64>, Option<Vec<f64>>)> {
@@ -267,7 +267,7 @@ impl<B: AutodiffBackend> burn::module::ModuleVisitor<B> for ParamSnapshot<'_, B>
 /// least one step, every float tensor of the model ends the run at a different value, and the loss
 /// falls. Two kinds of tensor get no gradient by design, and the test asserts that too: the balance
 /// biases (moved by `update_balance`, never by an optimiser) and the first layer's pre-mixer
-/// AttnRes mix (SPEC §6 applies it only once a block exists; it is kept so that checkpoints have
+/// AttnRes mix (design §6 applies it only once a block exists; it is kept so that checkpoints have
 /// the same names in every layer).
 #[test]
 fn a_few_training_steps_reach_every_parameter() {
@@ -406,7 +406,7 @@ fn optimiser_roles_follow_spec_8_and_leave_the_balance_bias_alone() {
 
 /// Logits and every parameter's gradient of one training forward and backward.
 #[cfg(feature = "wgpu")]
-fn logits_and_grads<B: AutodiffBackend>(
+pub(crate) fn logits_and_grads<B: AutodiffBackend>(
     model: &KimiForCausalLM<B>,
     ids: &[i64],
     [batch, t]: [usize; 2],

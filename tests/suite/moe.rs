@@ -1,4 +1,4 @@
-//! SiTU-GLU, router, balancers and Stable LatentMoE on the reference path (SPEC §1–§3).
+//! SiTU-GLU, router, balancers and Stable LatentMoE on the reference path (design §1–§3).
 
 use crate::common::*;
 use burn::module::{AutodiffModule, Module};
@@ -16,8 +16,8 @@ use kimi_burn::Error;
 use rand::Rng;
 
 /// SiTU-GLU (capped and uncapped), its routed form with a per-row weight and SwiGLU against the f64
-/// formula on the SPEC §1 grid ([`SITU_POINTS`]: zeros of both signs, both sides of ±β, the tails
-/// up to 1e4): value ≤ 1e-6, gradients ≤ 1e-5 (SPEC §0), no NaN or infinity, on the fast path of
+/// formula on the design §1 grid ([`SITU_POINTS`]: zeros of both signs, both sides of ±β, the tails
+/// up to 1e4): value ≤ 1e-6, gradients ≤ 1e-5 (design §0), no NaN or infinity, on the fast path of
 /// the backend (CubeCL kernel or CPU host kernel) and on the tensor-op reference.
 fn check_situ_numerics<B: AutodiffBackend>(device: &B::Device) {
     let (g, v) = situ_grid();
@@ -185,7 +185,7 @@ fn top_k_ties_go_to_the_lower_index_and_bias_only_selects() {
     assert_eq!(sel.indices, vec![5, 1]);
 }
 
-/// Brute-force reference of grouped top-k: enumerate groups, then experts, with the SPEC rules.
+/// Brute-force reference of grouped top-k: enumerate groups, then experts, with the design §2 rules.
 fn grouped_reference(row: &[f32], bias: &[f32], k: usize, groups: usize, keep: usize) -> Vec<u32> {
     let n = row.len();
     let per = n / groups;
@@ -359,7 +359,7 @@ fn qb_recovery_reproduces_the_spec_unit_vector() {
     assert!(empty.is_empty() && same == (-1.0, 1.0));
 }
 
-/// A skewed synthetic router (SPEC §3): sigmoid scores with a strong per-expert offset.
+/// A skewed synthetic router (design §3): sigmoid scores with a strong per-expert offset.
 struct SkewedRouter {
     offsets: Vec<f32>,
     rng: rand::rngs::StdRng,
@@ -433,7 +433,7 @@ fn max_violation(scores: &[f32], n: usize, bias: &[f32], k: usize) -> f32 {
     MoeStats::from_selection(&route(scores, n, bias, k), None).max_violation
 }
 
-/// SPEC §3's expectation on a skewed synthetic router (m = 8192, n = 64, k = 4). QB is causal: the
+/// design §3's expectation on a skewed synthetic router (m = 8192, n = 64, k = 4). QB is causal: the
 /// bias computed from one batch routes the next. The load of a *fresh* batch also carries the
 /// sampling noise of 8192 tokens (about 0.1-0.2 in max violation at n = 64), so the "a few steps"
 /// check measures how well the recovered bias balances the pooled batch it was computed from, and
@@ -1001,7 +1001,7 @@ fn num_params_counts_the_parameters_of_the_initialised_module() {
         let unselected = (cfg.n_experts - cfg.top_k) as u64;
         assert_eq!(active, total - unselected * per_expert, "active, {cfg:?}");
     }
-    // The published scale (SPEC §2): about 29.6B routed parameters per K3 MoE layer, about 1/56
+    // The published scale (design §2): about 29.6B routed parameters per K3 MoE layer, about 1/56
     // of them active; the shared experts, router and projections add well under 1%.
     let (total, active) = k3.num_params();
     assert!((29.5e9..29.9e9).contains(&(total as f64)), "{total}");

@@ -1,4 +1,4 @@
-//! Muon per head and the role-routed optimiser (SPEC §8), against host references in f64 and
+//! Muon per head and the role-routed optimiser (design §8), against host references in f64 and
 //! against Burn's own Muon and AdamW applied alone.
 
 use crate::common::*;
@@ -102,7 +102,7 @@ fn singular_values(x: &[f64], rows: usize, cols: usize) -> Vec<f64> {
     s
 }
 
-/// SPEC §8 Newton–Schulz on the host, on the matrix as given (no transpose: the result is the
+/// design §8 Newton–Schulz on the host, on the matrix as given (no transpose: the result is the
 /// same, which makes this an independent check of the crate's transposed path).
 fn ns_host(x: &[f64], rows: usize, cols: usize, steps: usize) -> Vec<f64> {
     let (a, b, c) = (3.4445, -4.7750, 2.0315);
@@ -129,7 +129,7 @@ fn randn_host(rng: &mut StdRng, len: usize) -> Vec<f64> {
     normal_vec(rng, len)
 }
 
-/// The 5-step band: SPEC §8's coefficients send every singular value σ ≥ 0.005·‖X‖_F into
+/// The 5-step band: design §8's coefficients send every singular value σ ≥ 0.005·‖X‖_F into
 /// about [0.682, 1.155] (scalar iteration, checked on a fine grid). A missing normalisation, a
 /// wrong coefficient or too few steps leaves values outside it.
 const BAND: (f64, f64) = (0.66, 1.18);

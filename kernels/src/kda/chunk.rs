@@ -1,4 +1,4 @@
-//! Chunked KDA forward (SPEC §4.3): gate sums, within-chunk matrices, the triangular solve, the
+//! Chunked KDA forward (design §4.3): gate sums, within-chunk matrices, the triangular solve, the
 //! sequential state pass and the parallel output. Layouts as in the [parent module](super);
 //! chunks never cross a sequence (`chunk_tok`, `chunk_len: [chunks]` give each chunk's first
 //! token and length).
@@ -30,14 +30,14 @@ pub fn chunk_state_columns(k: usize, chunk: usize) -> usize {
     vt
 }
 
-/// Rows of a sub-chunk: the anchoring block of the chunked kernels (SPEC §4.3).
+/// Rows of a sub-chunk: the anchoring block of the chunked kernels (design §4.3).
 pub const SUB: usize = 16;
 /// Units per cube of [`kda_chunk_intra`](fn@kda_chunk_intra).
 pub const INTRA_CUBE: u32 = 256;
 /// Units per cube of [`kda_chunk_solve`](fn@kda_chunk_solve).
 pub const SOLVE_CUBE: u32 = 64;
 
-/// Chunked KDA, step 0 (SPEC §4.3): the gate sums of every chunk, one unit per (chunk, head,
+/// Chunked KDA, step 0 (design §4.3): the gate sums of every chunk, one unit per (chunk, head,
 /// key channel `d`), walking the chunk's rows forward then backward.
 ///
 /// Every exponent formed here is a direct sum of gates over a range, hence ≤ 0 and accurate (no
@@ -126,7 +126,7 @@ pub fn kda_chunk_gates(
     }
 }
 
-/// Chunked KDA, steps 1 and 4a (SPEC §4.3): the within-chunk matrices, one cube of
+/// Chunked KDA, steps 1 and 4a (design §4.3): the within-chunk matrices, one cube of
 /// [`INTRA_CUBE`] units per (chunk, head), each unit a fixed set of entries `(i, j)`:
 ///
 /// ```text
@@ -212,7 +212,7 @@ pub fn kda_chunk_intra(
     }
 }
 
-/// Chunked KDA, steps 2 and 3 (SPEC §4.3): `W = T̃ (exp(G) ⊙ K)` and `U = T̃ V` with `T̃ = (I +
+/// Chunked KDA, steps 2 and 3 (design §4.3): `W = T̃ (exp(G) ⊙ K)` and `U = T̃ V` with `T̃ = (I +
 /// A_kk)^{-1} Diag(β)`, by forward substitution on the unit lower-triangular system `(I + A_kk) X =
 /// Diag(β) Y`, `col_blocks = ceil((kdim + vdim) / SOLVE_CUBE)` cubes per chunk·head of
 /// [`SOLVE_CUBE`] units, each unit solving one column of `Y = [we | V]` (no synchronisation: a
@@ -278,7 +278,7 @@ pub fn kda_chunk_solve(
 /// [`kda_chunk_state_backward`](fn@super::kda_chunk_state_backward).
 pub const STATE_CUBE: u32 = 256;
 
-/// Chunked KDA, step 4 (SPEC §4.3): the sequential pass over the chunks of each sequence, one
+/// Chunked KDA, step 4 (design §4.3): the sequential pass over the chunks of each sequence, one
 /// cube of [`STATE_CUBE`] units per (value tile, sequence·head) holding the state tile `[kdim, vt]`
 /// (f32) and the tile of `Vn` in shared memory. Per chunk, two phases separated by barriers, each
 /// spreading its entries over the cube:
@@ -435,7 +435,7 @@ pub(super) fn store_state_tile(
     }
 }
 
-/// Chunked KDA, step 5 (SPEC §4.3): the output of every chunk at once from the states stored by
+/// Chunked KDA, step 5 (design §4.3): the output of every chunk at once from the states stored by
 /// [`kda_chunk_state`](fn@kda_chunk_state), one unit per (chunk·head, row `i`, value column):
 ///
 /// ```text

@@ -1,4 +1,4 @@
-//! Chunked KDA backward (SPEC §4.3). The forward's per-chunk states `S_c` and `Vn` are kept;
+//! Chunked KDA backward (design §4.3). The forward's per-chunk states `S_c` and `Vn` are kept;
 //! the gate sums, within-chunk matrices and `W`, `U` are recomputed by the forward kernels. Then:
 //!
 //! ```text

@@ -1,4 +1,4 @@
-//! The causal depthwise short convolution in front of KDA's q, k and v, with its SiLU (SPEC §4.2),
+//! The causal depthwise short convolution in front of KDA's q, k and v, with its SiLU (design §4.2),
 //! over packed sequences with a carried tail (the last `width − 1` raw inputs of each sequence):
 //! prefill and decode in one launch, the tail update in another.
 //!

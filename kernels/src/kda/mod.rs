@@ -1,4 +1,4 @@
-//! Kimi Delta Attention kernels (SPEC §4): the token-by-token recurrence for decode, the chunked
+//! Kimi Delta Attention kernels (design §4): the token-by-token recurrence for decode, the chunked
 //! form for training and prefill (forward in `chunk`, backward in `chunk_backward`, re-exported
 //! here), the short convolution for prefill and decode (`conv`) and the gated output norm.
 //!
@@ -47,7 +47,7 @@ pub fn recurrent_window(kdim: usize, vt: usize) -> usize {
     (LOOP_BUDGET / per_token).max(1)
 }
 
-/// The KDA recurrence (SPEC §4.1), state in f32 and on chip, per sequence, head and tile of
+/// The KDA recurrence (design §4.1), state in f32 and on chip, per sequence, head and tile of
 /// value columns:
 ///
 /// ```text
@@ -176,7 +176,7 @@ fn cube_sum(x: f32, #[comptime] cube: u32) -> f32 {
     total
 }
 
-/// Gated RMSNorm forward (SPEC §4.2): per row of `cols`,
+/// Gated RMSNorm forward (design §4.2): per row of `cols`,
 /// `y = o / sqrt(mean(o²) + eps) · w ⊙ σ(z)`, statistics and gate in f32.
 ///
 /// `o, z, y: [rows, cols]` in `F`, `weight: [cols]` f32. One cube of [`NORM_CUBE`] units per row

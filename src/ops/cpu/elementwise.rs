@@ -105,7 +105,7 @@ impl HostOp<1> for Unary {
     }
 }
 
-/// SiTU-GLU `A(gate) · B(up)` (SPEC §1): `A(g) = β1·tanh(g/β1)·σ(g)`, `B(v) = β2·tanh(v/β2)` or
+/// SiTU-GLU `A(gate) · B(up)` (design §1): `A(g) = β1·tanh(g/β1)·σ(g)`, `B(v) = β2·tanh(v/β2)` or
 /// `v` without `β2`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct SituGlu {

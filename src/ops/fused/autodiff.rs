@@ -11,13 +11,13 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 
 use super::{
-    record, FusedActivation, FusedOp, HistogramSpec, KernelPath, MoeExpertsGrads, MoeExpertsInput,
+    record, FusedOp, GluActivation, HistogramSpec, KernelPath, MoeExpertsGrads, MoeExpertsInput,
     MoeKernels, MoeSaved,
 };
 
 /// SiTU-GLU without a routing weight: parents `[gate, up]`.
 #[derive(Debug)]
-struct SituBackward(FusedActivation);
+struct SituBackward(GluActivation);
 
 impl<B: MoeKernels> Backward<B, 2> for SituBackward {
     type State = (NodeId, NodeId);
@@ -45,7 +45,7 @@ impl<B: MoeKernels> Backward<B, 2> for SituBackward {
 
 /// SiTU-GLU with a per-row routing weight: parents `[gate, up, weight]`.
 #[derive(Debug)]
-struct WeightedSituBackward(FusedActivation);
+struct WeightedSituBackward(GluActivation);
 
 impl<B: MoeKernels> Backward<B, 3> for WeightedSituBackward {
     type State = (NodeId, NodeId, NodeId);
@@ -78,7 +78,7 @@ impl<B: MoeKernels> Backward<B, 3> for WeightedSituBackward {
 /// The routed experts: parents `[input, weights, w1, w3, w2]`; the integer routing rides in the
 /// state.
 #[derive(Debug)]
-struct MoeBackward(FusedActivation);
+struct MoeBackward(GluActivation);
 
 #[derive(Debug, Clone)]
 struct MoeState<B: MoeKernels> {
@@ -134,7 +134,7 @@ impl<B: MoeKernels, C: CheckpointStrategy> MoeKernels for Autodiff<B, C> {
         gate: FloatTensor<Self>,
         up: FloatTensor<Self>,
         weight: Option<FloatTensor<Self>>,
-        activation: FusedActivation,
+        activation: GluActivation,
     ) -> FloatTensor<Self> {
         match weight {
             None => {
@@ -193,7 +193,7 @@ impl<B: MoeKernels, C: CheckpointStrategy> MoeKernels for Autodiff<B, C> {
         up: FloatTensor<Self>,
         weight: Option<FloatTensor<Self>>,
         grad: FloatTensor<Self>,
-        activation: FusedActivation,
+        activation: GluActivation,
     ) -> (
         FloatTensor<Self>,
         FloatTensor<Self>,

@@ -11,21 +11,19 @@ use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, tensor_vector_size_parallel, CubeCount, CubeDim};
 use kimi_burn_kernels::{moe as kmoe, qb_histogram as kqb, situ as ksitu};
 
-use super::{
-    FusedActivation, HistogramSpec, MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved,
-};
+use super::{GluActivation, HistogramSpec, MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved};
 
 type T<R> = CubeTensor<R>;
 
 /// `(mode, β1, β2)` of the SiTU kernels.
-fn activation_params(act: FusedActivation) -> (u32, f32, f32) {
+fn activation_params(act: GluActivation) -> (u32, f32, f32) {
     match act {
-        FusedActivation::Situ {
+        GluActivation::Situ {
             beta1,
             beta2: Some(b2),
         } => (ksitu::MODE_SITU_CAPPED, beta1, b2),
-        FusedActivation::Situ { beta1, beta2: None } => (ksitu::MODE_SITU, beta1, 1.0),
-        FusedActivation::SwiGlu => (ksitu::MODE_SWIGLU, 1.0, 1.0),
+        GluActivation::Situ { beta1, beta2: None } => (ksitu::MODE_SITU, beta1, 1.0),
+        GluActivation::SwiGlu => (ksitu::MODE_SWIGLU, 1.0, 1.0),
     }
 }
 
@@ -115,7 +113,7 @@ fn situ_forward<R: CubeRuntime>(
     gate: T<R>,
     up: T<R>,
     weight: Option<T<R>>,
-    act: FusedActivation,
+    act: GluActivation,
 ) -> T<R> {
     let gate = into_contiguous(gate);
     let up = into_contiguous(cast(up, gate.dtype));
@@ -162,7 +160,7 @@ fn situ_backward<R: CubeRuntime>(
     up: T<R>,
     weight: Option<T<R>>,
     grad: T<R>,
-    act: FusedActivation,
+    act: GluActivation,
 ) -> (T<R>, T<R>, Option<T<R>>) {
     let gate = into_contiguous(gate);
     let dtype = gate.dtype;
@@ -641,7 +639,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> MoeKernels
         gate: T<R>,
         up: T<R>,
         weight: Option<T<R>>,
-        activation: FusedActivation,
+        activation: GluActivation,
     ) -> T<R> {
         situ_forward(gate, up, weight, activation)
     }
@@ -651,7 +649,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> MoeKernels
         up: T<R>,
         weight: Option<T<R>>,
         grad: T<R>,
-        activation: FusedActivation,
+        activation: GluActivation,
     ) -> (T<R>, T<R>, Option<T<R>>) {
         situ_backward(gate, up, weight, grad, activation)
     }

@@ -1,5 +1,5 @@
 //! The chunked KDA kernels on every CubeCL backend: the forward (optionally keeping the per-chunk
-//! states and `Vn` for the backward) and the backward (SPEC §4.3).
+//! states and `Vn` for the backward) and the backward (design §4.3).
 
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape};

@@ -54,7 +54,7 @@ pub struct KdaChunkGrads<B: Backend> {
     pub initial_state: FloatTensor<B>,
 }
 
-/// Backend extension with the KDA kernels (SPEC §4). Implemented for every CubeCL backend
+/// Backend extension with the KDA kernels (design §4). Implemented for every CubeCL backend
 /// (`CubeBackend<R, F, I, BT>`, features `wgpu` / `cuda`) and for `Autodiff<B>` over one.
 ///
 /// The KDA recurrence kernels (recurrent and chunked) take f32 inputs (the ops widen first) and
@@ -62,7 +62,7 @@ pub struct KdaChunkGrads<B: Backend> {
 /// with f32 math. A state given as `S_0` is updated in place when nothing else holds its buffer
 /// (else copied first).
 pub trait KdaKernels: Backend {
-    /// KDA by its recurrence (SPEC §4.1), one launch for every sequence, head and value tile per
+    /// KDA by its recurrence (design §4.1), one launch for every sequence, head and value tile per
     /// window of tokens, with the state on chip. Returns `o: [B, T, H, V]` f32 and
     /// `S_T: [N, H, K, V]` f32.
     ///
@@ -71,7 +71,7 @@ pub trait KdaKernels: Backend {
     fn kda_recurrent_forward(input: KdaKernelInput<Self>)
         -> (FloatTensor<Self>, FloatTensor<Self>);
 
-    /// Chunked KDA (SPEC §4.3) with chunks of `chunk` tokens (16, 32 or 64; 16-row sub-chunks)
+    /// Chunked KDA (design §4.3) with chunks of `chunk` tokens (16, 32 or 64; 16-row sub-chunks)
     /// that never cross a sequence: gate sums, within-chunk matrices, the triangular solve for `W`
     /// and `U`, the sequential state pass tiled over `V` (in windows of chunks), and the output of
     /// all chunks in parallel. Returns `o: [B, T, H, V]` f32 and `S_T: [N, H, K, V]` f32.
@@ -103,7 +103,7 @@ pub trait KdaKernels: Backend {
         grad_state: Option<FloatTensor<Self>>,
     ) -> KdaChunkGrads<Self>;
 
-    /// The gated output norm `y = o / sqrt(mean(o²) + eps) · weight ⊙ σ(z)` (SPEC §4.2) over the
+    /// The gated output norm `y = o / sqrt(mean(o²) + eps) · weight ⊙ σ(z)` (design §4.2) over the
     /// last dim: `o, z: [rows, V]` (same dtype), `weight: [V]`. Returns `[rows, V]` in `o`'s
     /// dtype. Differentiable on autodiff backends (fused backward).
     fn rms_norm_gated_forward(
@@ -124,7 +124,7 @@ pub trait KdaKernels: Backend {
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
-    /// The causal depthwise short convolution with its SiLU (SPEC §4.2) over packed sequences:
+    /// The causal depthwise short convolution with its SiLU (design §4.2) over packed sequences:
     /// `x: [tokens, P]` (f32, f16 or bf16), `weight: [P, W]`, `tail: [N, P, W − 1]` in `x`'s dtype
     /// (the last `W − 1` raw inputs before each sequence; `None`: zeros), `seq_starts: [N + 1]`
     /// token offsets. Returns `y: [tokens, P]` and the new tail `[N, P, W − 1]`, both in `x`'s

@@ -15,12 +15,12 @@
 //!
 //! | feature | backend types |
 //! |---|---|
-//! | `wgpu` | `Wgpu` (= `Wgpu<f32, i32, u32>`), `Wgpu<half::f16>` |
-//! | `cuda` | `Cuda` (f32), `Cuda<half::f16>`, `Cuda<half::bf16>` |
+//! | `wgpu` | `CubeBackend<WgpuRuntime, F, i32, u32>` for `F` = `f32`, `half::f16` |
+//! | `cuda` | `CubeBackend<CudaRuntime, F, i32, u8>` for `F` = `f32`, `half::f16`, `half::bf16` |
+//! | both | `Fusion<X>` of each of the above (what `burn::backend::Wgpu` / `Cuda` are with Burn's default `fusion` feature; the kernels join the fusion stream as custom operations) |
 //! | with `autodiff` | `Autodiff<X>` of each of the above, with and without `BalancedCheckpointing` |
 //!
-//! Anything else (ndarray, `Fusion<…>` wrappers from Burn's `fusion` feature, other CubeCL type
-//! parameters) runs the reference path. A user with another `CubeBackend` type can call the trait
+//! Anything else (ndarray, other CubeCL type parameters) runs the reference path. A user with another `CubeBackend` type can call the trait
 //! methods directly (`<MyBackend as MoeKernels>::situ_glu_forward(...)`): the implementation is
 //! generic over the runtime and element types.
 //!
@@ -50,26 +50,15 @@ mod cube;
 mod cube_kda;
 #[cfg(feature = "cubecl-kernels")]
 mod cube_kda_chunk;
+#[cfg(feature = "cubecl-kernels")]
+mod fusion;
 mod kda;
 
+pub(crate) use crate::ops::situ::GluActivation;
 pub(crate) use kda::{tracked_on_kernels, KdaForm, NormGatedOp, RecurrentOp, ShortConvOp};
 pub use kda::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
 
-/// The gated activation a fused kernel evaluates (SPEC §1), all in f32.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum FusedActivation {
-    /// SiTU-GLU: `A(g) = β1·tanh(g/β1)·σ(g)`, `B(v) = β2·tanh(v/β2)` (or `v` when `beta2` is None).
-    Situ {
-        /// The gate cap `β1`.
-        beta1: f32,
-        /// The linear-branch cap `β2`.
-        beta2: Option<f32>,
-    },
-    /// SwiGLU: `A(g) = g·σ(g)`, `B(v) = v`.
-    SwiGlu,
-}
-
-/// What the QB histogram is gathered over (SPEC §3): `bins` bins on `[lo, hi]`.
+/// What the QB histogram is gathered over (design §3): `bins` bins on `[lo, hi]`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct HistogramSpec {
     /// Lower bound of the margins `r = α − s`.
@@ -108,7 +97,7 @@ pub struct MoeExpertsInput<B: Backend> {
     /// Stacked down projections `W2: [n, m_e, ℓ]`.
     pub w2: FloatTensor<B>,
     /// The experts' activation.
-    pub activation: FusedActivation,
+    pub activation: GluActivation,
 }
 
 /// What the forward of the routed experts keeps for its backward
@@ -143,13 +132,13 @@ pub struct MoeExpertsGrads<B: Backend> {
 /// backward passes that call the backward kernels). Float inputs may be f32, f16 or bf16
 /// (callers check [`kernel_dtype`] first); math is f32 throughout.
 pub trait MoeKernels: Backend {
-    /// SiTU-GLU forward `y = p·A(gate)·B(up)` (SPEC §1). `gate`, `up`: `[rows, h]`, same dtype;
+    /// SiTU-GLU forward `y = p·A(gate)·B(up)` (design §1). `gate`, `up`: `[rows, h]`, same dtype;
     /// `weight`: optional per-row `p: [rows]`. Returns `[rows, h]` in the input dtype.
     fn situ_glu_forward(
         gate: FloatTensor<Self>,
         up: FloatTensor<Self>,
         weight: Option<FloatTensor<Self>>,
-        activation: FusedActivation,
+        activation: GluActivation,
     ) -> FloatTensor<Self>;
 
     /// The fused backward of [`situ_glu_forward`](Self::situ_glu_forward): given `grad = dY`
@@ -161,7 +150,7 @@ pub trait MoeKernels: Backend {
         up: FloatTensor<Self>,
         weight: Option<FloatTensor<Self>>,
         grad: FloatTensor<Self>,
-        activation: FusedActivation,
+        activation: GluActivation,
     ) -> (
         FloatTensor<Self>,
         FloatTensor<Self>,
@@ -169,7 +158,7 @@ pub trait MoeKernels: Backend {
     );
 
     /// Top-k of `scores + bias` per token (ties: lower expert index) and, optionally, the QB
-    /// histogram of the margins `r_ij = α_i − s_ij` (SPEC §3) over the valid tokens.
+    /// histogram of the margins `r_ij = α_i − s_ij` (design §3) over the valid tokens.
     ///
     /// `scores: [m, n]` f32, `bias: [n]` f32, `valid: [m]` (non-zero: counted). Returns the
     /// indices `[m, k]` (best first) and, with `histogram`, the integer counts `[n, bins]`.
@@ -182,7 +171,7 @@ pub trait MoeKernels: Backend {
         histogram: Option<HistogramSpec>,
     ) -> (IntTensor<Self>, Option<IntTensor<Self>>);
 
-    /// The routed experts of a dropless MoE (SPEC §2), in one pass over the routed pairs only:
+    /// The routed experts of a dropless MoE (design §2), in one pass over the routed pairs only:
     /// `u[t] = Σ_{(t,e,p)} p · W2[e]ᵀ·act(W1[e]ᵀ·h[t], W3[e]ᵀ·h[t])`, i.e. sort the pairs by expert
     /// on the device, gather rows, grouped matmuls over the expert segments, fold `p` into the
     /// activation, un-permute by a gather-sum. Returns `u: [m, ℓ]` in `h`'s dtype (zeros for
@@ -391,16 +380,27 @@ pub(crate) fn dispatch<B: Backend, O: KernelOp<B>>(op: O) -> Result<O::Output, O
             }
         };
     }
+    // Each CubeCL backend type plain and wrapped in `Fusion` (what `burn::backend::Wgpu` / `Cuda`
+    // name with Burn's default features): the aliases change meaning with Burn's features, the
+    // types do not.
+    macro_rules! with_fusion {
+        ($K:ty) => {
+            with_autodiff!($K);
+            with_autodiff!(burn_fusion::Fusion<$K>);
+        };
+    }
     #[cfg(feature = "wgpu")]
     {
-        with_autodiff!(burn::backend::Wgpu);
-        with_autodiff!(burn::backend::Wgpu<half::f16>);
+        use crate::backends::WgpuCube;
+        with_fusion!(WgpuCube<f32>);
+        with_fusion!(WgpuCube<half::f16>);
     }
     #[cfg(feature = "cuda")]
     {
-        with_autodiff!(burn::backend::Cuda);
-        with_autodiff!(burn::backend::Cuda<half::f16>);
-        with_autodiff!(burn::backend::Cuda<half::bf16>);
+        use crate::backends::CudaCube;
+        with_fusion!(CudaCube<f32>);
+        with_fusion!(CudaCube<half::f16>);
+        with_fusion!(CudaCube<half::bf16>);
     }
     let _ = id;
     Err(op)
@@ -461,7 +461,7 @@ pub(crate) struct MoeOp<B: Backend> {
     pub w1: burn::tensor::Tensor<B, 3>,
     pub w3: burn::tensor::Tensor<B, 3>,
     pub w2: burn::tensor::Tensor<B, 3>,
-    pub activation: FusedActivation,
+    pub activation: GluActivation,
 }
 
 impl<B: Backend> KernelOp<B> for MoeOp<B> {

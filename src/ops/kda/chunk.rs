@@ -1,4 +1,4 @@
-//! The chunked KDA algorithm (SPEC §4.3): dense intra-chunk work batched over every chunk, then a
+//! The chunked KDA algorithm (design §4.3): dense intra-chunk work batched over every chunk, then a
 //! short sequential pass over chunks that carries the state.
 
 use burn::tensor::{backend::Backend, Tensor};
@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::ops::fused::{self, FusedOp, KdaForm, KernelPath};
 use crate::ops::precision::restore;
 
-/// Chunked KDA (SPEC §4.3) for training and prefill; equal to
+/// Chunked KDA (design §4.3) for training and prefill; equal to
 /// [`naive_recurrent_kda`](super::naive_recurrent_kda) up to rounding.
 ///
 /// Per chunk of `C` tokens (`opts.chunk_size`, 64 by default; the last chunk of each sequence is

@@ -1,4 +1,4 @@
-//! The causal depthwise short convolution in front of KDA's q, k and v (SPEC §4.2).
+//! The causal depthwise short convolution in front of KDA's q, k and v (design §4.2).
 
 use burn::tensor::{backend::Backend, Tensor};
 
@@ -6,7 +6,7 @@ use super::gather_tokens;
 use crate::ops::fused::{self, FusedOp, KernelPath, ShortConvOp};
 use crate::ops::precision::silu;
 
-/// [`causal_conv1d`] followed by SiLU (SPEC §4.2), the form in front of KDA's q, k and v; the
+/// [`causal_conv1d`] followed by SiLU (design §4.2), the form in front of KDA's q, k and v; the
 /// new tail only when `want_tail` (a decode cache).
 ///
 /// On the CubeCL backends (see [`fused`](crate::ops::fused)) the convolution with its SiLU is one
@@ -60,7 +60,7 @@ pub(crate) fn causal_conv1d_silu<B: Backend>(
     (silu(y), want_tail.then_some(new_tail))
 }
 
-/// Causal depthwise convolution without bias, restarted at every sequence (SPEC §4.2):
+/// Causal depthwise convolution without bias, restarted at every sequence (design §4.2):
 ///
 /// ```text
 /// y[t, c] = Σ_{i=0}^{W−1} w[c, i] · x[t − W + 1 + i, c]

@@ -1,10 +1,10 @@
-//! The CPU kernel of KDA: the recurrence of SPEC §4.1 as one loop nest on the host, forward and
+//! The CPU kernel of KDA: the recurrence of design §4.1 as one loop nest on the host, forward and
 //! backward, for the CPU backends (see [`crate::ops::cpu`]).
 //!
 //! The recurrence is the ground truth of every KDA form, and on a CPU it is also the cheapest one:
 //! per token and head it costs two passes over the `K × V` state forward and four backward (two of
 //! them recomputing the states), with no cumulative sum of gates anywhere — each step multiplies by
-//! its own `exp(g_t) ≤ 1`, so the numerics of SPEC §4.3 hold trivially. The forward pass keeps the
+//! its own `exp(g_t) ≤ 1`, so the numerics of design §4.3 hold trivially. The forward pass keeps the
 //! state every [`CHECKPOINT`] tokens; the backward pass recomputes the states of one such span at
 //! a time and walks it backwards:
 //!
@@ -14,7 +14,7 @@
 //!            dk += S' dp;  dS' = dS + k dpᵀ;  dg = rowsum(S' ⊙ dS');  dS ← Diag(e^{g_t}) dS'
 //! ```
 //!
-//! With `l2norm`, `q` and `k` are normalised over the head dim first (`x / sqrt(Σx² + 1e-6)`, SPEC
+//! With `l2norm`, `q` and `k` are normalised over the head dim first (`x / sqrt(Σx² + 1e-6)`, design
 //! §4.2) and the backward pass goes through the norm: `dx = (dy − y (y·dy)) / r`.
 
 use super::super::cpu::{parallel_map, HostOp, HostTensor};

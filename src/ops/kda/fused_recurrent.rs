@@ -7,7 +7,7 @@ use crate::error::Result;
 use crate::ops::fused::{self, FusedOp, KdaForm, KernelPath};
 use crate::ops::precision::restore;
 
-/// KDA by its recurrence (SPEC §4.1), for short inputs (decode, speculative verification):
+/// KDA by its recurrence (design §4.1), for short inputs (decode, speculative verification):
 ///
 /// ```text
 /// S'  = Diag(exp(g_t)) · S_{t−1};   S_t = S' + β_t k_t (v_t − S'ᵀ k_t)ᵀ;   o_t = S_tᵀ (scale · q_t)

@@ -1,4 +1,4 @@
-//! The KDA forget gate and the gated output norm (SPEC §4.2).
+//! The KDA forget gate and the gated output norm (design §4.2).
 
 use burn::tensor::{backend::Backend, Tensor};
 
@@ -7,7 +7,7 @@ use crate::ops::fused::{self, FusedOp, KernelPath, NormGatedOp};
 use crate::ops::norm::rms_norm;
 use crate::ops::precision::{restore, sigmoid, softplus, widen};
 
-/// The per-channel log decay of KDA (SPEC §4.2), computed in f32 (f64 for f64 inputs):
+/// The per-channel log decay of KDA (design §4.2), computed in f32 (f64 for f64 inputs):
 ///
 /// ```text
 /// g = −exp(A_log[h]) · softplus(f + dt_bias)              (lower_bound = None)
@@ -65,7 +65,7 @@ pub fn try_kda_gate<B: Backend>(
     })
 }
 
-/// The fused output norm of KDA (SPEC §4.2): RMSNorm over the head dim first, then the sigmoid
+/// The fused output norm of KDA (design §4.2): RMSNorm over the head dim first, then the sigmoid
 /// gate (not swish):
 ///
 /// ```text

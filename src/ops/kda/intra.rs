@@ -1,4 +1,4 @@
-//! Steps 0–3 of SPEC §4.3 and the decayed products the sequential pass needs, batched over every
+//! Steps 0–3 of design §4.3 and the decayed products the sequential pass needs, batched over every
 //! chunk.
 //!
 //! # Accurate gate sums
@@ -13,7 +13,7 @@
 //! Every pair `j < i` of a chunk meets at exactly one level: the block of `2b` rows in which `i`
 //! and `j` fall into different halves (`b = 1, 2, 4, …, C/2`). Anchored on the first row `i0` of the
 //! upper half, `exp(G_i − G_j) = exp(Σ_{i0≤u≤i} g_u) · exp(Σ_{j<u<i0} g_u)`: two factors ≤ 1
-//! (nothing overflows, SPEC §4.3), so the `b × b` block of `A_qk` or `A_kk` is one matrix
+//! (nothing overflows, design §4.3), so the `b × b` block of `A_qk` or `A_kk` is one matrix
 //! product. The same recursion builds `(I + A_kk)^{-1}` bottom-up, from 1×1 blocks:
 //!
 //! ```text
@@ -38,7 +38,7 @@ pub(crate) struct Intra<B: Backend> {
     pub decay: Tensor<B, 3>,
 }
 
-/// Intra-chunk part of SPEC §4.3 (steps 0–3, plus `A_qk`) for `M` independent chunks.
+/// Intra-chunk part of design §4.3 (steps 0–3, plus `A_qk`) for `M` independent chunks.
 ///
 /// `q` (already scaled), `k`, `g`: `[M, C, K]`; `v: [M, C, V]`; `beta: [M, C]`; `C` a power of
 /// two. Padded positions must carry `g = 0`, `k = 0`, `β = 0`.

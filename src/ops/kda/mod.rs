@@ -1,11 +1,11 @@
-//! Kimi Delta Attention (KDA) ops, SPEC §4, in the layout of the reference Python library:
+//! Kimi Delta Attention (KDA) ops, design §4, in the layout of the reference Python library:
 //! `q, k: [B, T, H, K]`, `v: [B, T, H, V]`, `g: [B, T, H, K]` (log decay, ≤ 0), `beta: [B, T, H]`,
 //! states `[N, H, K, V]`.
 //!
 //! Three implementations of the same map, compared against each other by the tests:
 //!
-//! - [`naive_recurrent_kda`]: the token-by-token recurrence of SPEC §4.1, the ground truth;
-//! - [`chunk_kda`]: the chunked form of SPEC §4.3 for training and prefill;
+//! - [`naive_recurrent_kda`]: the token-by-token recurrence of design §4.1, the ground truth;
+//! - [`chunk_kda`]: the chunked form of design §4.3 for training and prefill;
 //! - [`fused_recurrent_kda`]: the recurrence batched over packed sequences, for decode.
 //!
 //! Every op computes in f32 (f64 when the inputs are f64) whatever the input dtype, returns the
@@ -13,7 +13,7 @@
 //! `try_` twin that reports bad input as an [`Error`].
 //!
 //! The gate helpers [`kda_gate`] and [`rms_norm_gated`] are the other two pieces of the layer's
-//! arithmetic (SPEC §4.2).
+//! arithmetic (design §4.2).
 
 mod chunk;
 pub(crate) mod conv;
@@ -182,7 +182,7 @@ pub(crate) fn check_cu_seqlens(cu: &[usize], b: usize, t: usize) -> Result<Vec<(
     Ok(cu.windows(2).map(|w| (w[0], w[1] - w[0])).collect())
 }
 
-/// `x / sqrt(Σ x² + 1e-6)` over the last dim (the L2 norm of SPEC §4.2).
+/// `x / sqrt(Σ x² + 1e-6)` over the last dim (the L2 norm of design §4.2).
 pub(crate) fn l2_norm<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     let inv = x
         .clone()

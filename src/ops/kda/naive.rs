@@ -1,4 +1,4 @@
-//! The token-by-token KDA recurrence (SPEC §4.1): the ground truth the other ops are tested against.
+//! The token-by-token KDA recurrence (design §4.1): the ground truth the other ops are tested against.
 
 use burn::tensor::{backend::Backend, Tensor};
 
@@ -7,7 +7,7 @@ use crate::error::Result;
 use crate::ops::layout;
 use crate::ops::precision::restore;
 
-/// KDA by its definition, one token at a time (SPEC §4.1), per sequence and head:
+/// KDA by its definition, one token at a time (design §4.1), per sequence and head:
 ///
 /// ```text
 /// S'  = Diag(exp(g_t)) · S_{t−1}

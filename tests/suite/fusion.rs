@@ -1,0 +1,109 @@
+//! The kernels on Burn's `Fusion` backend: what `burn::backend::Wgpu` is in a project with Burn's
+//! default features. Training takes the kernel path of every fused op forward and backward (with
+//! and without checkpointing) and gives the numbers of the plain `CubeBackend`; inference
+//! (prefill, then decode through the cache) matches one full pass.
+
+use crate::common::*;
+use crate::model::{check_prefill_then_decode_equals_one_pass, logits_and_grads, small};
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+use burn::backend::Autodiff;
+use burn::tensor::backend::AutodiffBackend;
+use kimi_burn::backends::{WgpuCube, WgpuFusion};
+use kimi_burn::model::KimiForCausalLM;
+use kimi_burn::ops::{kernel_calls, FusedOp};
+use rand::Rng;
+
+/// The fused ops a training step of the small model runs, forward and backward.
+const TRAINING_KERNELS: [FusedOp; 12] = [
+    FusedOp::SituGlu,
+    FusedOp::SituGluBackward,
+    FusedOp::RouteTopK,
+    FusedOp::QbHistogram,
+    FusedOp::MoeExperts,
+    FusedOp::MoeExpertsBackward,
+    FusedOp::KdaChunk,
+    FusedOp::KdaChunkBackward,
+    FusedOp::ShortConv,
+    FusedOp::ShortConvBackward,
+    FusedOp::RmsNormGated,
+    FusedOp::RmsNormGatedBackward,
+];
+
+type Snapshot = (Vec<f64>, Vec<(String, Vec<f64>, Option<Vec<f64>>)>);
+
+/// One training forward and backward of `file`'s weights on `B`, and how many times each training
+/// kernel ran in it.
+fn step<B: AutodiffBackend>(
+    file: &std::path::Path,
+    ids: &[i64],
+    shape: [usize; 2],
+) -> (Snapshot, Vec<u64>) {
+    let config = small();
+    let device = Default::default();
+    let model = KimiForCausalLM::<B>::from_safetensors(&config, file, &device).unwrap();
+    let before: Vec<u64> = TRAINING_KERNELS
+        .iter()
+        .map(|&op| kernel_calls(op))
+        .collect();
+    let out = logits_and_grads(&model, ids, shape, config.vocab_size, &device);
+    let ran = TRAINING_KERNELS
+        .iter()
+        .zip(before)
+        .map(|(&op, b)| kernel_calls(op) - b)
+        .collect();
+    (out, ran)
+}
+
+#[test]
+fn training_on_fusion_takes_every_kernel_and_matches_the_plain_backend() {
+    let config = small();
+    let dir = std::env::temp_dir().join(format!("kimi-burn-fusion-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("model.safetensors");
+    config
+        .init::<Cpu>(&Default::default())
+        .save_safetensors(&file)
+        .unwrap();
+    let mut r = rng(58);
+    let shape = [2, 13];
+    let ids: Vec<i64> = (0..26)
+        .map(|_| r.random_range(0..config.vocab_size as i64))
+        .collect();
+    let ((logits_ref, grads_ref), ran) = step::<Autodiff<WgpuCube>>(&file, &ids, shape);
+    assert!(ran.iter().all(|&n| n > 0), "plain backend kernels {ran:?}");
+    let runs = [
+        (
+            "Autodiff<Fusion>",
+            step::<Autodiff<WgpuFusion>>(&file, &ids, shape),
+        ),
+        (
+            "Autodiff<Fusion, BalancedCheckpointing>",
+            step::<Autodiff<WgpuFusion, BalancedCheckpointing>>(&file, &ids, shape),
+        ),
+    ];
+    for (name, ((logits, grads), ran)) in runs {
+        for (op, n) in TRAINING_KERNELS.iter().zip(&ran) {
+            assert!(*n > 0, "{name}: {op:?} did not run its kernel");
+        }
+        assert_close(&format!("{name} logits"), &logits_ref, &logits, 1e-5);
+        assert_eq!(grads.len(), grads_ref.len());
+        for ((param, _, want), (_, _, got)) in grads_ref.iter().zip(&grads) {
+            match (want, got) {
+                (Some(w), Some(g)) => assert_close(&format!("{name} d {param}"), w, g, 1e-5),
+                (None, None) => {}
+                _ => panic!("{name}: {param} has a gradient on one backend only"),
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn decoding_on_fusion_takes_the_recurrent_kernel_and_matches_one_pass() {
+    let before = kernel_calls(FusedOp::KdaRecurrent);
+    check_prefill_then_decode_equals_one_pass::<Autodiff<WgpuFusion>>(&Default::default());
+    assert!(
+        kernel_calls(FusedOp::KdaRecurrent) > before,
+        "decode did not run the recurrent kernel"
+    );
+}
