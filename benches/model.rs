@@ -69,7 +69,7 @@ fn bench_decode(c: &mut Criterion) {
     group.bench_function("cached", |b| {
         b.iter(|| {
             model
-                .generate(prompt.clone(), 64, kimi_burn::model::Sampling::Greedy)
+                .generate(prompt.clone(), 64, kimi_burn::generate::Sampling::Greedy)
                 .unwrap()
                 .into_data()
         })

@@ -130,9 +130,8 @@ fn bench_gpu_experts<G: burn::tensor::backend::Backend>(
 ) {
     use burn::tensor::{Int, TensorData};
     use kimi_burn::data::SeededRng;
-    use kimi_burn::nn::GluActivation;
-    use kimi_burn::ops::dispatch::{dispatch, dispatch_fused, DispatchPlan, StackedExperts};
-    use kimi_burn::ops::route::{select_top_k, TopKOptions};
+    use kimi_burn::ops::moe::dispatch::{dispatch, dispatch_fused, DispatchPlan, StackedExperts};
+    use kimi_burn::ops::moe::route::{select_top_k, TopKOptions};
     type GAd<G> = Autodiff<G>;
     let device = G::Device::default();
     let (n, k, l, me) = (16, 4, 64, 128);

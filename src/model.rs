@@ -11,7 +11,6 @@ use burn::tensor::{backend::Backend, Bool, ElementConversion, Int, Tensor};
 pub use crate::cache::{KimiCache, LayerCache};
 pub use crate::config::KimiConfig;
 use crate::error::{Error, Result};
-pub use crate::generate::Sampling;
 use crate::nn::attn_res::{AttnResConfig, AttnResMix};
 use crate::nn::{
     GatedMla, KimiDeltaAttention, LatentMoe, MoeStats, RmsNorm, RmsNormConfig, SituGlu,
@@ -138,9 +137,92 @@ pub struct CausalLmOutput<B: Backend> {
 }
 
 /// The AttnRes state between layers (design §6): the completed block sums and the running partial sum.
-struct Residual<B: Backend> {
+pub(crate) struct Residual<B: Backend> {
     blocks: Vec<Tensor<B, 3>>,
     block_size: Option<usize>,
+}
+
+impl<B: Backend> DecoderLayer<B> {
+    /// The layer on `x` (the partial sum of the current AttnRes block, or the residual stream),
+    /// with the AttnRes bookkeeping of design §6, or plain pre-norm residuals. `index` is the
+    /// layer's place in the stack.
+    pub(crate) fn forward(
+        &self,
+        index: usize,
+        x: Tensor<B, 3>,
+        res: &mut Residual<B>,
+        padding: Option<Tensor<B, 2, Bool>>,
+        cache: Option<&mut LayerCache<B>>,
+    ) -> Result<(Tensor<B, 3>, Option<MoeStats>)> {
+        let Some(size) = res.block_size else {
+            let h = x.clone().add(self.mixer(
+                self.input_layernorm.forward(x),
+                padding.clone(),
+                cache,
+            )?);
+            let (f, stats) = self.ffn(self.post_attention_layernorm.forward(h.clone()), padding)?;
+            return Ok((h.add(f), stats));
+        };
+        let (Some(attn_res), Some(mlp_res)) = (&self.attn_res, &self.mlp_res) else {
+            return Err(Error::config(
+                "attn_res_block_size",
+                format!("layer {index} has no AttnRes parameters"),
+            ));
+        };
+        // `x` is the partial sum of the current block (the embedding before layer 0).
+        let mut partial = Some(x.clone());
+        let mut h = x.clone();
+        if !res.blocks.is_empty() {
+            h = attn_res.forward(x.clone(), &res.blocks);
+        }
+        if index.is_multiple_of(size) {
+            res.blocks.push(x);
+            partial = None;
+        }
+        let a = self.mixer(self.input_layernorm.forward(h), padding.clone(), cache)?;
+        let partial = match partial {
+            Some(p) => p.add(a),
+            None => a,
+        };
+        let h = mlp_res.forward(partial.clone(), &res.blocks);
+        let (f, stats) = self.ffn(self.post_attention_layernorm.forward(h), padding)?;
+        Ok((partial.add(f), stats))
+    }
+
+    fn mixer(
+        &self,
+        x: Tensor<B, 3>,
+        padding: Option<Tensor<B, 2, Bool>>,
+        cache: Option<&mut LayerCache<B>>,
+    ) -> Result<Tensor<B, 3>> {
+        match (&self.mixer, cache) {
+            (Mixer::Kda(kda), None) => kda.try_forward(x, None, None),
+            (Mixer::Kda(kda), Some(LayerCache::Kda(c))) => kda.try_forward(x, None, Some(c)),
+            (Mixer::Mla(mla), None) => mla.try_forward(x, padding),
+            (Mixer::Mla(mla), Some(LayerCache::Mla(c))) if c.is_empty() => {
+                mla.try_prefill(x, padding, c)
+            }
+            (Mixer::Mla(mla), Some(LayerCache::Mla(c))) => mla.try_forward_cached(x, padding, c),
+            _ => Err(Error::argument(
+                "cache",
+                "layer kinds differ from the model's",
+            )),
+        }
+    }
+
+    fn ffn(
+        &self,
+        x: Tensor<B, 3>,
+        padding: Option<Tensor<B, 2, Bool>>,
+    ) -> Result<(Tensor<B, 3>, Option<MoeStats>)> {
+        match &self.ffn {
+            Ffn::Dense(glu) => Ok((glu.forward(x), None)),
+            Ffn::Moe(moe) => {
+                let out = moe.try_forward(x, padding)?;
+                Ok((out.output, Some(out.stats)))
+            }
+        }
+    }
 }
 
 impl<B: Backend> KimiForCausalLM<B> {
@@ -191,7 +273,7 @@ impl<B: Backend> KimiForCausalLM<B> {
         let mut moe_stats = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            let (next, stats) = self.layer(i, layer, x, &mut res, padding.clone(), layer_cache)?;
+            let (next, stats) = layer.forward(i, x, &mut res, padding.clone(), layer_cache)?;
             x = next;
             moe_stats.extend(stats);
         }
@@ -207,98 +289,6 @@ impl<B: Backend> KimiForCausalLM<B> {
             None => h.matmul(self.embed_tokens.weight.val().transpose().unsqueeze()),
         };
         Ok(CausalLmOutput { logits, moe_stats })
-    }
-
-    /// One decoder layer with the AttnRes bookkeeping of design §6, or plain pre-norm residuals.
-    fn layer(
-        &self,
-        index: usize,
-        layer: &DecoderLayer<B>,
-        x: Tensor<B, 3>,
-        res: &mut Residual<B>,
-        padding: Option<Tensor<B, 2, Bool>>,
-        cache: Option<&mut LayerCache<B>>,
-    ) -> Result<(Tensor<B, 3>, Option<MoeStats>)> {
-        let Some(size) = res.block_size else {
-            let h = x.clone().add(self.mixer(
-                layer,
-                layer.input_layernorm.forward(x),
-                padding.clone(),
-                cache,
-            )?);
-            let (f, stats) = self.ffn(
-                layer,
-                layer.post_attention_layernorm.forward(h.clone()),
-                padding,
-            )?;
-            return Ok((h.add(f), stats));
-        };
-        let (Some(attn_res), Some(mlp_res)) = (&layer.attn_res, &layer.mlp_res) else {
-            return Err(Error::config(
-                "attn_res_block_size",
-                format!("layer {index} has no AttnRes parameters"),
-            ));
-        };
-        // `x` is the partial sum of the current block (the embedding before layer 0).
-        let mut partial = Some(x.clone());
-        let mut h = x.clone();
-        if !res.blocks.is_empty() {
-            h = attn_res.forward(x.clone(), &res.blocks);
-        }
-        if index.is_multiple_of(size) {
-            res.blocks.push(x);
-            partial = None;
-        }
-        let a = self.mixer(
-            layer,
-            layer.input_layernorm.forward(h),
-            padding.clone(),
-            cache,
-        )?;
-        let partial = match partial {
-            Some(p) => p.add(a),
-            None => a,
-        };
-        let h = mlp_res.forward(partial.clone(), &res.blocks);
-        let (f, stats) = self.ffn(layer, layer.post_attention_layernorm.forward(h), padding)?;
-        Ok((partial.add(f), stats))
-    }
-
-    fn mixer(
-        &self,
-        layer: &DecoderLayer<B>,
-        x: Tensor<B, 3>,
-        padding: Option<Tensor<B, 2, Bool>>,
-        cache: Option<&mut LayerCache<B>>,
-    ) -> Result<Tensor<B, 3>> {
-        match (&layer.mixer, cache) {
-            (Mixer::Kda(kda), None) => kda.try_forward(x, None, None),
-            (Mixer::Kda(kda), Some(LayerCache::Kda(c))) => kda.try_forward(x, None, Some(c)),
-            (Mixer::Mla(mla), None) => mla.try_forward(x, padding),
-            (Mixer::Mla(mla), Some(LayerCache::Mla(c))) if c.is_empty() => {
-                mla.try_prefill(x, padding, c)
-            }
-            (Mixer::Mla(mla), Some(LayerCache::Mla(c))) => mla.try_forward_cached(x, padding, c),
-            _ => Err(Error::argument(
-                "cache",
-                "layer kinds differ from the model's",
-            )),
-        }
-    }
-
-    fn ffn(
-        &self,
-        layer: &DecoderLayer<B>,
-        x: Tensor<B, 3>,
-        padding: Option<Tensor<B, 2, Bool>>,
-    ) -> Result<(Tensor<B, 3>, Option<MoeStats>)> {
-        match &layer.ffn {
-            Ffn::Dense(glu) => Ok((glu.forward(x), None)),
-            Ffn::Moe(moe) => {
-                let out = moe.try_forward(x, padding)?;
-                Ok((out.output, Some(out.stats)))
-            }
-        }
     }
 
     fn check_ids(&self, ids: &Tensor<B, 2, Int>) -> Result<()> {

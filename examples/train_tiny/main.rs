@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kimi_burn::config::hybrid_pattern;
@@ -301,31 +301,7 @@ fn learning_rate(args: &Args, step: usize) -> f64 {
 }
 
 fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), String> {
-    if args.steps == 0 || args.batch == 0 {
-        return Err(format!(
-            "--steps and --batch must be positive, got {} and {}",
-            args.steps, args.batch
-        ));
-    }
-    if !(args.lr.is_finite() && args.lr > 0.0) {
-        return Err(format!("--lr must be finite and positive, got {}", args.lr));
-    }
-    if args.load_window == 0 {
-        return Err(
-            "--load-window must be at least 1 (1 repeats the per-step column), got 0".into(),
-        );
-    }
-    if args.filler_tokens.is_some()
-        && (args.task != TaskKind::Mqar || args.filler != Filler::Reserved)
-    {
-        return Err("--filler-tokens only applies to --task mqar with --filler reserved".into());
-    }
-    if let (Some(bins), false) = (args.qb_bins, matches!(args.balancer, Balancer::Qb)) {
-        return Err(format!(
-            "--qb-bins {bins} only applies to --balancer qb, got --balancer {:?}",
-            args.balancer
-        ));
-    }
+    check_args(args)?;
     let task = make_task(args)?;
     let short = short_phase(args)?;
     let config = model_config(args, task.vocab_size())?;
@@ -371,23 +347,8 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
         )
         .map_err(|e| e.to_string())?,
     );
-    let mut csv = String::from("step,loss,accuracy,tokens_per_s,lr");
     let moe_layers = config.num_hidden_layers - config.first_k_dense_replace;
-    for l in 0..moe_layers {
-        let _ = write!(csv, ",moe{l}_max_violation,moe{l}_dead_experts");
-    }
-    for l in 0..moe_layers {
-        let _ = write!(csv, ",moe{l}_window_violation");
-    }
-    for l in 0..moe_layers {
-        let _ = write!(csv, ",moe{l}_median_margin");
-    }
-    if args.reroute {
-        for l in 0..moe_layers {
-            let _ = write!(csv, ",moe{l}_rerouted_violation");
-        }
-    }
-    csv.push('\n');
+    let mut csv = csv_header(moe_layers, args.reroute);
     let mut recent_loads: Vec<VecDeque<Vec<u64>>> = vec![VecDeque::new(); moe_layers];
     let mut rows = Vec::new();
     let started = Instant::now();
@@ -430,47 +391,17 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
         window.correct += acc.correct;
         window.total += acc.total;
         let tps = (step + 1) as f64 * tokens_per_step / started.elapsed().as_secs_f64();
-        let load: Vec<(f64, usize)> = out
-            .moe_stats
-            .iter()
-            .map(|s| (s.max_violation as f64, s.dead_experts))
-            .collect();
-        let _ = write!(
-            csv,
-            "{step},{loss_value:.6},{:.6},{tps:.1},{lr:.3e}",
-            acc.fraction().unwrap_or(0.0)
+        let row = log_step(
+            &mut csv,
+            &mut recent_loads,
+            (step, loss_value, lr, tps),
+            &acc,
+            &out.moe_stats,
+            &rerouted,
+            args.load_window,
         );
-        for (v, d) in &load {
-            let _ = write!(csv, ",{v:.4},{d}");
-        }
-        let pooled: Vec<f64> = recent_loads
-            .iter_mut()
-            .zip(&out.moe_stats)
-            .map(|(recent, stats)| window_violation(recent, stats, args.load_window) as f64)
-            .collect();
-        for v in &pooled {
-            let _ = write!(csv, ",{v:.4}");
-        }
-        for stats in &out.moe_stats {
-            // Empty where a fused kernel selected on the device (the scores stayed there).
-            match stats.median_margin {
-                Some(m) => {
-                    let _ = write!(csv, ",{m:.5}");
-                }
-                None => csv.push(','),
-            }
-        }
-        for v in &rerouted {
-            let _ = write!(csv, ",{v:.4}");
-        }
-        csv.push('\n');
-        rows.push(plot::Row {
-            step,
-            loss: loss_value,
-            accuracy: acc.fraction().unwrap_or(0.0),
-            load: load.clone(),
-            window: pooled,
-        });
+        let load = row.load.clone();
+        rows.push(row);
         let worst = load.iter().map(|l| l.0).fold(0.0, f64::max);
         let dead: usize = load.iter().map(|l| l.1).sum();
         bar.set_message(format!(
@@ -487,18 +418,7 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
 
     // Held-out sequences, evaluated without autodiff.
     let eval = model.valid();
-    let mut test = Accuracy::default();
-    let mut left = args.test_sequences;
-    while left > 0 {
-        let n = left.min(args.batch);
-        let batch = task.sample_batch(n, &mut test_rng);
-        let (inputs, _) = batch.to_tensors(&device);
-        let acc = accuracy_from_logits(eval.forward(inputs), &batch.targets)
-            .map_err(|e| e.to_string())?;
-        test.correct += acc.correct;
-        test.total += acc.total;
-        left -= n;
-    }
+    let test = held_out_accuracy(&eval, task.as_ref(), args, &mut test_rng, &device)?;
     let write = |name: &str, text: &str| {
         let path = args.out.join(name);
         std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
@@ -513,6 +433,147 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
     let labelled = plot::register_font();
     plot::write_plots(&args.out, &rows, labelled, args.load_window)?;
 
+    report(args, &rows, train_time, tokens_per_step, &test, labelled);
+    Ok(())
+}
+
+/// Appends one step's row to `metrics.csv` (loss, accuracy, throughput, learning rate, and per MoE
+/// layer the max violation, dead experts, the pooled window violation, the median margin and,
+/// with `--reroute`, the rerouted violation) and returns the step's plot row.
+fn log_step(
+    csv: &mut String,
+    recent_loads: &mut [VecDeque<Vec<u64>>],
+    (step, loss_value, lr, tps): (usize, f64, f64, f64),
+    acc: &Accuracy,
+    stats: &[MoeStats],
+    rerouted: &[f32],
+    load_window: usize,
+) -> plot::Row {
+    let load: Vec<(f64, usize)> = stats
+        .iter()
+        .map(|s| (s.max_violation as f64, s.dead_experts))
+        .collect();
+    let _ = write!(
+        csv,
+        "{step},{loss_value:.6},{:.6},{tps:.1},{lr:.3e}",
+        acc.fraction().unwrap_or(0.0)
+    );
+    for (v, d) in &load {
+        let _ = write!(csv, ",{v:.4},{d}");
+    }
+    let pooled: Vec<f64> = recent_loads
+        .iter_mut()
+        .zip(stats)
+        .map(|(recent, stats)| window_violation(recent, stats, load_window) as f64)
+        .collect();
+    for v in &pooled {
+        let _ = write!(csv, ",{v:.4}");
+    }
+    for stats in stats {
+        // Empty where a fused kernel selected on the device (the scores stayed there).
+        match stats.median_margin {
+            Some(m) => {
+                let _ = write!(csv, ",{m:.5}");
+            }
+            None => csv.push(','),
+        }
+    }
+    for v in rerouted {
+        let _ = write!(csv, ",{v:.4}");
+    }
+    csv.push('\n');
+    plot::Row {
+        step,
+        loss: loss_value,
+        accuracy: acc.fraction().unwrap_or(0.0),
+        load,
+        window: pooled,
+    }
+}
+
+/// Rejects flag combinations that make no sense, naming the flags.
+fn check_args(args: &Args) -> Result<(), String> {
+    if args.steps == 0 || args.batch == 0 {
+        return Err(format!(
+            "--steps and --batch must be positive, got {} and {}",
+            args.steps, args.batch
+        ));
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        return Err(format!("--lr must be finite and positive, got {}", args.lr));
+    }
+    if args.load_window == 0 {
+        return Err(
+            "--load-window must be at least 1 (1 repeats the per-step column), got 0".into(),
+        );
+    }
+    if args.filler_tokens.is_some()
+        && (args.task != TaskKind::Mqar || args.filler != Filler::Reserved)
+    {
+        return Err("--filler-tokens only applies to --task mqar with --filler reserved".into());
+    }
+    if let (Some(bins), false) = (args.qb_bins, matches!(args.balancer, Balancer::Qb)) {
+        return Err(format!(
+            "--qb-bins {bins} only applies to --balancer qb, got --balancer {:?}",
+            args.balancer
+        ));
+    }
+    Ok(())
+}
+
+/// The header of `metrics.csv` for `moe_layers` MoE layers.
+fn csv_header(moe_layers: usize, reroute: bool) -> String {
+    let mut csv = String::from("step,loss,accuracy,tokens_per_s,lr");
+    for l in 0..moe_layers {
+        let _ = write!(csv, ",moe{l}_max_violation,moe{l}_dead_experts");
+    }
+    for l in 0..moe_layers {
+        let _ = write!(csv, ",moe{l}_window_violation");
+    }
+    for l in 0..moe_layers {
+        let _ = write!(csv, ",moe{l}_median_margin");
+    }
+    if reroute {
+        for l in 0..moe_layers {
+            let _ = write!(csv, ",moe{l}_rerouted_violation");
+        }
+    }
+    csv.push('\n');
+    csv
+}
+
+/// The recall accuracy on `args.test_sequences` fresh sequences, without autodiff.
+fn held_out_accuracy<B: Backend>(
+    eval: &KimiForCausalLM<B>,
+    task: &dyn Task,
+    args: &Args,
+    test_rng: &mut SeededRng,
+    device: &B::Device,
+) -> Result<Accuracy, String> {
+    let mut test = Accuracy::default();
+    let mut left = args.test_sequences;
+    while left > 0 {
+        let n = left.min(args.batch);
+        let batch = task.sample_batch(n, test_rng);
+        let (inputs, _) = batch.to_tensors(device);
+        let acc = accuracy_from_logits(eval.forward(inputs), &batch.targets)
+            .map_err(|e| e.to_string())?;
+        test.correct += acc.correct;
+        test.total += acc.total;
+        left -= n;
+    }
+    Ok(test)
+}
+
+/// The closing summary on stdout.
+fn report(
+    args: &Args,
+    rows: &[plot::Row],
+    train_time: f64,
+    tokens_per_step: f64,
+    test: &Accuracy,
+    labelled: bool,
+) {
     let last = rows.last().map_or(Vec::new(), |r| r.load.clone());
     println!(
         "finished {} steps in {train_time:.0} s ({:.0} tokens/s)",
@@ -536,7 +597,6 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
     if !labelled {
         println!("(no TrueType font found: the plots have no axis labels)");
     }
-    Ok(())
 }
 
 /// Adds this step's expert loads to the last `window` steps' (`recent`) and returns the max

@@ -245,6 +245,9 @@ fn lanes_below(start: usize, end: usize) -> usize {
 /// multiply-adds. Grid: `x` = tiles (at least `ceil(pairs / TILE) + n` in all; spare cubes
 /// exit; launches past the grid limit continue at `tile_base`), `y` = `ceil(cols / TILE)`; cube
 /// `GMM_CUBE × GMM_CUBE`.
+///
+/// Long on purpose: one kernel body (a cube function cannot hand shared-memory tiles to a helper
+/// cheaply), laid out as load tile, multiply, store.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 pub fn grouped_matmul<F: Float>(

@@ -14,7 +14,7 @@ use crate::nn::balance::BalancerKind;
 use crate::nn::latent_moe::MoeLayout;
 use crate::nn::router::RouterOptions;
 use crate::nn::situ_glu::GluActivation;
-use crate::ops::route::Scoring;
+use crate::ops::moe::route::Scoring;
 
 /// Typed access to one JSON object, with errors that name the field by its full path.
 struct Fields<'a> {
@@ -145,134 +145,11 @@ impl KimiConfig {
         let f = Fields { obj, prefix };
         let hidden_size = f.usize("hidden_size")?;
         let num_hidden_layers = f.usize("num_hidden_layers")?;
-
-        let activation = match f.str_or("hidden_act", "silu")? {
-            "silu" | "swiglu" => GluActivation::SwiGlu,
-            "situ" => GluActivation::Situ {
-                beta1: f.f64_or("activation_situ_beta", 4.0)? as f32,
-                beta2: f.opt_f64("activation_situ_linear_beta")?.map(|b| b as f32),
-            },
-            other => {
-                return Err(Error::config(
-                    f.name("hidden_act"),
-                    format!("expected \"silu\" or \"situ\", got {other:?}"),
-                ))
-            }
-        };
-        if !f.bool_or("mla_use_nope", true)? {
-            return Err(Error::config(
-                f.name("mla_use_nope"),
-                "false (rotary MLA) is not supported: Kimi's MLA layers are NoPE",
-            ));
-        }
-        let mtp = f.opt_usize("num_nextn_predict_layers")?.unwrap_or(0);
-        if mtp != 0 {
-            return Err(Error::config(
-                f.name("num_nextn_predict_layers"),
-                format!("multi-token prediction layers are not supported, got {mtp}"),
-            ));
-        }
-        let freq = f.opt_usize("moe_layer_freq")?.unwrap_or(1);
-        if freq != 1 {
-            return Err(Error::config(
-                f.name("moe_layer_freq"),
-                format!(
-                    "only 1 (every layer after the dense ones is MoE) is supported, got {freq}"
-                ),
-            ));
-        }
-
-        let scoring = match f.str_or("moe_router_activation_func", "sigmoid")? {
-            "sigmoid" => Scoring::Sigmoid,
-            "softmax" => Scoring::Softmax,
-            other => {
-                return Err(Error::config(
-                    f.name("moe_router_activation_func"),
-                    format!("expected \"sigmoid\" or \"softmax\", got {other:?}"),
-                ))
-            }
-        };
-        let topk_method = f.str_or("topk_method", "noaux_tc")?;
-        if !matches!(topk_method, "noaux_tc" | "greedy" | "group_limited_greedy") {
-            return Err(Error::config(
-                f.name("topk_method"),
-                format!("expected \"noaux_tc\", \"greedy\" or \"group_limited_greedy\", got {topk_method:?}"),
-            ));
-        }
-        let latent = f.opt_usize("routed_expert_hidden_size")?;
-        let layout = match latent {
-            Some(l) if l != hidden_size => {
-                if f.bool_or("latent_moe_use_norm", false)? {
-                    MoeLayout::StableLatent { dim: l }
-                } else {
-                    MoeLayout::Latent { dim: l }
-                }
-            }
-            _ => MoeLayout::Standard,
-        };
-        let moe = MoeFields {
-            num_experts: f.usize("num_experts")?,
-            num_experts_per_token: f.usize("num_experts_per_token")?,
-            num_shared_experts: f.opt_usize("num_shared_experts")?.unwrap_or(0),
-            moe_intermediate_size: f.usize("moe_intermediate_size")?,
-            layout,
-            router: RouterOptions {
-                scoring,
-                renormalize: f.bool_or("moe_renormalize", true)?,
-                routed_scaling_factor: f.f64_or("routed_scaling_factor", 1.0)?,
-                n_group: f.opt_usize("num_expert_group")?.unwrap_or(1),
-                topk_group: f.opt_usize("topk_group")?.unwrap_or(1),
-                weights_from_biased_scores: false,
-            },
-            balancer: balancer_of(&f, prefix == "text_config.", scoring)?,
-        };
-
-        let la_obj = obj
-            .get("linear_attn_config")
-            .and_then(Value::as_object)
-            .ok_or_else(|| {
-                Error::config(f.name("linear_attn_config"), "required object is missing")
-            })?;
-        let la_prefix = format!("{prefix}linear_attn_config.");
-        let la = Fields {
-            obj: la_obj,
-            prefix: &la_prefix,
-        };
-        let full_attn_layers = match (
-            la.usize_list("full_attn_layers")?,
-            la.usize_list("kda_layers")?,
-        ) {
-            (Some(full), _) => one_based(&full, num_hidden_layers, &la.name("full_attn_layers"))?,
-            (None, Some(kda)) => {
-                let kda = one_based(&kda, num_hidden_layers, &la.name("kda_layers"))?;
-                (0..num_hidden_layers)
-                    .filter(|i| !kda.contains(i))
-                    .collect()
-            }
-            (None, None) => {
-                return Err(Error::config(
-                    la.name("full_attn_layers"),
-                    "neither full_attn_layers nor kda_layers is given",
-                ))
-            }
-        };
-        let kda = KdaFields {
-            num_heads: la.usize("num_heads")?,
-            head_dim: la.usize("head_dim")?,
-            short_conv_kernel_size: la.opt_usize("short_conv_kernel_size")?.unwrap_or(4),
-            gate_lower_bound: la.opt_f64("gate_lower_bound")?.map(|v| v as f32),
-            use_full_rank_gate: la.bool_or("use_full_rank_gate", false)?,
-        };
-        let mla = MlaFields {
-            num_heads: f.usize("num_attention_heads")?,
-            q_lora_rank: f.opt_usize("q_lora_rank")?,
-            kv_lora_rank: f.usize("kv_lora_rank")?,
-            qk_nope_head_dim: f.usize("qk_nope_head_dim")?,
-            qk_rope_head_dim: f.usize("qk_rope_head_dim")?,
-            v_head_dim: f.usize("v_head_dim")?,
-            use_output_gate: f.bool_or("mla_use_output_gate", false)?,
-            use_nope: true,
-        };
+        let activation = activation_of(&f)?;
+        reject_unsupported(&f)?;
+        let moe = moe_of(&f, hidden_size, prefix == "text_config.")?;
+        let (full_attn_layers, kda) = linear_attention_of(obj, &f, num_hidden_layers)?;
+        let mla = mla_of(&f)?;
         let config = Self {
             vocab_size: f.usize("vocab_size")?,
             hidden_size,
@@ -373,6 +250,157 @@ fn one_based(layers: &[usize], num_layers: usize, field: &str) -> Result<Vec<usi
             }
         })
         .collect()
+}
+
+/// `hidden_act` and its SiTU caps.
+fn activation_of(f: &Fields<'_>) -> Result<GluActivation> {
+    let activation = match f.str_or("hidden_act", "silu")? {
+        "silu" | "swiglu" => GluActivation::SwiGlu,
+        "situ" => GluActivation::Situ {
+            beta1: f.f64_or("activation_situ_beta", 4.0)? as f32,
+            beta2: f.opt_f64("activation_situ_linear_beta")?.map(|b| b as f32),
+        },
+        other => {
+            return Err(Error::config(
+                f.name("hidden_act"),
+                format!("expected \"silu\" or \"situ\", got {other:?}"),
+            ))
+        }
+    };
+    Ok(activation)
+}
+
+/// Rejects the values this crate cannot honour: RoPE MLA, multi-token prediction, MoE layers that
+/// are not every layer after the dense ones.
+fn reject_unsupported(f: &Fields<'_>) -> Result<()> {
+    if !f.bool_or("mla_use_nope", true)? {
+        return Err(Error::config(
+            f.name("mla_use_nope"),
+            "false (rotary MLA) is not supported: Kimi's MLA layers are NoPE",
+        ));
+    }
+    let mtp = f.opt_usize("num_nextn_predict_layers")?.unwrap_or(0);
+    if mtp != 0 {
+        return Err(Error::config(
+            f.name("num_nextn_predict_layers"),
+            format!("multi-token prediction layers are not supported, got {mtp}"),
+        ));
+    }
+    let freq = f.opt_usize("moe_layer_freq")?.unwrap_or(1);
+    if freq != 1 {
+        return Err(Error::config(
+            f.name("moe_layer_freq"),
+            format!("only 1 (every layer after the dense ones is MoE) is supported, got {freq}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The MoE fields: experts, router and the balancer (see [`balancer_of`]).
+fn moe_of(f: &Fields<'_>, hidden_size: usize, k3: bool) -> Result<MoeFields> {
+    let scoring = match f.str_or("moe_router_activation_func", "sigmoid")? {
+        "sigmoid" => Scoring::Sigmoid,
+        "softmax" => Scoring::Softmax,
+        other => {
+            return Err(Error::config(
+                f.name("moe_router_activation_func"),
+                format!("expected \"sigmoid\" or \"softmax\", got {other:?}"),
+            ))
+        }
+    };
+    let topk_method = f.str_or("topk_method", "noaux_tc")?;
+    if !matches!(topk_method, "noaux_tc" | "greedy" | "group_limited_greedy") {
+        return Err(Error::config(
+            f.name("topk_method"),
+            format!("expected \"noaux_tc\", \"greedy\" or \"group_limited_greedy\", got {topk_method:?}"),
+        ));
+    }
+    let latent = f.opt_usize("routed_expert_hidden_size")?;
+    let layout = match latent {
+        Some(l) if l != hidden_size => {
+            if f.bool_or("latent_moe_use_norm", false)? {
+                MoeLayout::StableLatent { dim: l }
+            } else {
+                MoeLayout::Latent { dim: l }
+            }
+        }
+        _ => MoeLayout::Standard,
+    };
+    let moe = MoeFields {
+        num_experts: f.usize("num_experts")?,
+        num_experts_per_token: f.usize("num_experts_per_token")?,
+        num_shared_experts: f.opt_usize("num_shared_experts")?.unwrap_or(0),
+        moe_intermediate_size: f.usize("moe_intermediate_size")?,
+        layout,
+        router: RouterOptions {
+            scoring,
+            renormalize: f.bool_or("moe_renormalize", true)?,
+            routed_scaling_factor: f.f64_or("routed_scaling_factor", 1.0)?,
+            n_group: f.opt_usize("num_expert_group")?.unwrap_or(1),
+            topk_group: f.opt_usize("topk_group")?.unwrap_or(1),
+            weights_from_biased_scores: false,
+        },
+        balancer: balancer_of(f, k3, scoring)?,
+    };
+    Ok(moe)
+}
+
+/// `linear_attn_config`: the 0-based MLA layers and the KDA fields.
+fn linear_attention_of(
+    obj: &Map<String, Value>,
+    f: &Fields<'_>,
+    num_hidden_layers: usize,
+) -> Result<(Vec<usize>, KdaFields)> {
+    let prefix = f.prefix;
+    let la_obj = obj
+        .get("linear_attn_config")
+        .and_then(Value::as_object)
+        .ok_or_else(|| Error::config(f.name("linear_attn_config"), "required object is missing"))?;
+    let la_prefix = format!("{prefix}linear_attn_config.");
+    let la = Fields {
+        obj: la_obj,
+        prefix: &la_prefix,
+    };
+    let full_attn_layers = match (
+        la.usize_list("full_attn_layers")?,
+        la.usize_list("kda_layers")?,
+    ) {
+        (Some(full), _) => one_based(&full, num_hidden_layers, &la.name("full_attn_layers"))?,
+        (None, Some(kda)) => {
+            let kda = one_based(&kda, num_hidden_layers, &la.name("kda_layers"))?;
+            (0..num_hidden_layers)
+                .filter(|i| !kda.contains(i))
+                .collect()
+        }
+        (None, None) => {
+            return Err(Error::config(
+                la.name("full_attn_layers"),
+                "neither full_attn_layers nor kda_layers is given",
+            ))
+        }
+    };
+    let kda = KdaFields {
+        num_heads: la.usize("num_heads")?,
+        head_dim: la.usize("head_dim")?,
+        short_conv_kernel_size: la.opt_usize("short_conv_kernel_size")?.unwrap_or(4),
+        gate_lower_bound: la.opt_f64("gate_lower_bound")?.map(|v| v as f32),
+        use_full_rank_gate: la.bool_or("use_full_rank_gate", false)?,
+    };
+    Ok((full_attn_layers, kda))
+}
+
+/// The MLA fields (NoPE always: [`reject_unsupported`] has refused RoPE).
+fn mla_of(f: &Fields<'_>) -> Result<MlaFields> {
+    Ok(MlaFields {
+        num_heads: f.usize("num_attention_heads")?,
+        q_lora_rank: f.opt_usize("q_lora_rank")?,
+        kv_lora_rank: f.usize("kv_lora_rank")?,
+        qk_nope_head_dim: f.usize("qk_nope_head_dim")?,
+        qk_rope_head_dim: f.usize("qk_rope_head_dim")?,
+        v_head_dim: f.usize("v_head_dim")?,
+        use_output_gate: f.bool_or("mla_use_output_gate", false)?,
+        use_nope: true,
+    })
 }
 
 /// The balancer of a `config.json` (see [`KimiConfig::from_hf_config`]): the crate's own

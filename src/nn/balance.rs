@@ -12,8 +12,7 @@ use burn::tensor::{backend::Backend, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::ops::fused::HistogramSpec;
-use crate::ops::route::{to_host_f32, Selection};
+use crate::ops::moe::route::{to_host_f32, Selection};
 
 /// One routed (micro-)batch as the balancers see it, all on the host.
 #[derive(Debug, Clone, Copy)]
@@ -495,6 +494,26 @@ impl Balancer for SignBalancer {
 
     fn reset(&mut self) {
         self.loads.iter_mut().for_each(|c| *c = 0);
+    }
+}
+
+/// What the QB histogram is gathered over (design §3), as the QB balancer asks for it and the routing kernel
+/// fills it: `bins` bins on `[lo, hi]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HistogramSpec {
+    /// Lower bound of the margins `r = α − s`.
+    pub lo: f32,
+    /// Upper bound.
+    pub hi: f32,
+    /// Number of bins.
+    pub bins: usize,
+}
+
+impl HistogramSpec {
+    /// `bins / (hi − lo)` in f32, computed exactly as the host balancer computes it (so both bin
+    /// every margin identically).
+    pub fn scale(&self) -> f32 {
+        self.bins as f32 / (self.hi - self.lo)
     }
 }
 

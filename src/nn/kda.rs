@@ -8,11 +8,10 @@ use burn::tensor::{backend::Backend, Distribution, Tensor};
 
 use super::norm::{RmsNorm, RmsNormConfig};
 use crate::error::{Error, Result};
-use crate::ops::fused;
+
 use crate::ops::kda::conv::causal_conv1d_silu;
 use crate::ops::kda::{
-    check_cu_seqlens, chunk_kda_inner, cpu_kda, fused_recurrent_kda_inner, kda_gate,
-    rms_norm_gated, KdaOptions, CHUNK_SIZES, MAX_HEAD_DIM,
+    check_cu_seqlens, kda_gate, layer_kda, rms_norm_gated, KdaOptions, CHUNK_SIZES, MAX_HEAD_DIM,
 };
 use crate::ops::precision::{sigmoid, widen};
 
@@ -331,35 +330,13 @@ impl<B: Backend> KimiDeltaAttention<B> {
             .unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// [`forward`](Self::forward) (`cu_seqlens = None`) or
-    /// [`forward_packed`](Self::forward_packed), reporting a width mismatch, a malformed
-    /// `cu_seqlens` and a cache whose tensors are not `[N, H, K, K]` and `[N, 3·H·K, W − 1]`.
-    pub fn try_forward(
-        &self,
-        x: Tensor<B, 3>,
-        cu_seqlens: Option<&[usize]>,
-        mut cache: Option<&mut KdaCache<B>>,
-    ) -> Result<Tensor<B, 3>> {
-        let [b, t, d] = x.dims();
-        let d_model = self.q_proj.weight.dims()[0];
+    /// Checks a decode cache's state `[N, H, K, V]` and conv tail `[N, 3·H·K, W − 1]` against
+    /// this layer and `n` sequences.
+    fn check_cache(&self, cache: Option<&KdaCache<B>>, n: usize) -> Result<()> {
         let (h, k) = (self.num_heads, self.head_dim);
         let p = h * k;
         let w = self.q_conv1d.weight.dims()[1];
-        if d != d_model || b == 0 || t == 0 {
-            return Err(Error::shape(
-                "x",
-                format!("[B, T, d_model] = [B ≥ 1, T ≥ 1, {d_model}]"),
-                [b, t, d],
-            ));
-        }
-        let seqs = cu_seqlens
-            .map(|cu| check_cu_seqlens(cu, b, t))
-            .transpose()?;
-        let n = seqs.as_ref().map_or(b, Vec::len);
-        let longest = seqs
-            .as_ref()
-            .map_or(t, |s| s.iter().map(|s| s.1).max().unwrap_or(0));
-        let (state, conv_tail) = match cache.as_deref() {
+        let (state, conv_tail) = match cache {
             Some(c) => (c.state.as_ref(), c.conv.as_ref()),
             None => (None, None),
         };
@@ -381,6 +358,37 @@ impl<B: Backend> KimiDeltaAttention<B> {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// [`forward`](Self::forward) (`cu_seqlens = None`) or
+    /// [`forward_packed`](Self::forward_packed), reporting a width mismatch, a malformed
+    /// `cu_seqlens` and a cache whose tensors are not `[N, H, K, K]` and `[N, 3·H·K, W − 1]`.
+    pub fn try_forward(
+        &self,
+        x: Tensor<B, 3>,
+        cu_seqlens: Option<&[usize]>,
+        mut cache: Option<&mut KdaCache<B>>,
+    ) -> Result<Tensor<B, 3>> {
+        let [b, t, d] = x.dims();
+        let d_model = self.q_proj.weight.dims()[0];
+        let (h, k) = (self.num_heads, self.head_dim);
+        let p = h * k;
+        if d != d_model || b == 0 || t == 0 {
+            return Err(Error::shape(
+                "x",
+                format!("[B, T, d_model] = [B ≥ 1, T ≥ 1, {d_model}]"),
+                [b, t, d],
+            ));
+        }
+        let seqs = cu_seqlens
+            .map(|cu| check_cu_seqlens(cu, b, t))
+            .transpose()?;
+        let n = seqs.as_ref().map_or(b, Vec::len);
+        let longest = seqs
+            .as_ref()
+            .map_or(t, |s| s.iter().map(|s| s.1).max().unwrap_or(0));
+        self.check_cache(cache.as_deref(), n)?;
         // The cache hands its tensors over (rather than sharing them), so that the kernels can
         // update the recurrent state in place.
         let (state, conv_tail) = match cache.as_deref_mut() {
@@ -419,32 +427,15 @@ impl<B: Backend> KimiDeltaAttention<B> {
         );
         let beta = sigmoid(widen(self.b_proj.forward(x.clone())).0);
 
-        // Without a cache (training, scoring) a CPU backend runs the recurrence as one host kernel.
-        let on_cpu = match cache {
-            None => cpu_kda(&q, &k_, &v, &g, &beta, None, true, seqs.clone()),
-            Some(_) => None,
-        };
-        let (o, final_state) = match on_cpu {
-            Some(o) => (o, None),
-            None => {
-                let mut opts = KdaOptions::default()
-                    .with_qk_l2norm(true)
-                    .with_chunk_size(self.chunk_size)
-                    .with_final_state(cache.is_some());
-                opts.initial_state = state;
-                opts.cu_seqlens = cu_seqlens.map(<[usize]>::to_vec);
-                // The gates are ≤ 0 by construction: skip the op's host read-back of their maximum.
-                // Training on the CubeCL backends takes the chunked kernels whatever the length:
-                // only they have a fused backward.
-                let short = longest <= RECURRENT_MAX_TOKENS
-                    && !fused::tracked_on_kernels(&[q.clone(), k_.clone(), v.clone(), g.clone()]);
-                if short {
-                    fused_recurrent_kda_inner(q, k_, v, g, beta, opts, false)?
-                } else {
-                    chunk_kda_inner(q, k_, v, g, beta, opts, false)?
-                }
-            }
-        };
+        let mut opts = KdaOptions::default()
+            .with_qk_l2norm(true)
+            .with_chunk_size(self.chunk_size)
+            .with_final_state(cache.is_some());
+        opts.initial_state = state;
+        opts.cu_seqlens = cu_seqlens.map(<[usize]>::to_vec);
+        // The op picks its path (CPU host kernel, CubeCL kernels or tensor ops); the gates are ≤ 0
+        // by construction, so it skips their host read-back.
+        let (o, final_state) = layer_kda(q, k_, v, g, beta, opts, longest, RECURRENT_MAX_TOKENS)?;
         if let Some(c) = cache {
             c.state = final_state;
             c.conv = new_tail;

@@ -12,11 +12,11 @@ use super::norm::{RmsNorm, RmsNormConfig};
 use super::router::{Router, RouterConfig, RouterOptions};
 use super::situ_glu::{GluActivation, SituGlu, SituGluConfig};
 use crate::error::{Error, Result};
-use crate::ops::dispatch::{
+use crate::ops::moe::dispatch::{
     dispatch, dispatch_fused, fused_available, DispatchPlan, StackedExperts,
 };
 
-use crate::ops::route::to_host_f32;
+use crate::ops::moe::route::to_host_f32;
 
 /// Where the routed experts run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -225,20 +225,9 @@ impl<B: Backend> LatentMoe<B> {
     ) -> Result<MoeOutput<B>> {
         let [batch, seq, d] = x.dims();
         let m = batch * seq;
-        let valid: Option<Vec<bool>> = match padding {
-            Some(mask) => {
-                let dims = mask.dims();
-                if dims != [batch, seq] {
-                    return Err(Error::shape(
-                        "padding mask",
-                        format!("[{batch}, {seq}]"),
-                        dims,
-                    ));
-                }
-                Some(mask.into_data().iter::<bool>().map(|pad| !pad).collect())
-            }
-            None => None,
-        };
+        let valid = padding
+            .map(|mask| valid_tokens(mask, [batch, seq]))
+            .transpose()?;
         let flat = x.reshape([m, d]);
         let bias = self.balance.bias_host();
         let training = B::ad_enabled(&flat.device());
@@ -355,4 +344,20 @@ impl<B: Backend> LatentMoe<B> {
     pub fn update_balance(&self) -> Vec<f32> {
         self.balance.update()
     }
+}
+
+/// The tokens of a `[batch, seq]` padding mask (`true`: padding) that count, flattened.
+fn valid_tokens<B: Backend>(
+    mask: Tensor<B, 2, Bool>,
+    [batch, seq]: [usize; 2],
+) -> Result<Vec<bool>> {
+    let dims = mask.dims();
+    if dims != [batch, seq] {
+        return Err(Error::shape(
+            "padding mask",
+            format!("[{batch}, {seq}]"),
+            dims,
+        ));
+    }
+    Ok(mask.into_data().iter::<bool>().map(|pad| !pad).collect())
 }

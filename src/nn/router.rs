@@ -7,11 +7,11 @@ use burn::tensor::{activation::softmax, backend::Backend, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::ops::fused::HistogramSpec;
-use crate::ops::precision::{sigmoid, widen};
-use crate::ops::route::{
+use crate::nn::balance::HistogramSpec;
+use crate::ops::moe::route::{
     route_top_k_fused, select_top_k, to_host_f32, Scoring, Selection, TopKOptions,
 };
+use crate::ops::precision::{sigmoid, widen};
 
 /// Routing options shared by [`RouterConfig`] and the MoE config.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

@@ -6,7 +6,7 @@ use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::{backend::Backend, Tensor};
 
-pub use crate::ops::situ::GluActivation;
+pub use crate::ops::moe::GluActivation;
 
 /// Configuration of [`SituGlu`].
 #[derive(Config, Debug)]

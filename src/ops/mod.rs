@@ -1,18 +1,21 @@
-//! Functional ops: pure functions on tensors, the reference implementation of every block.
+//! Functional ops: pure functions on tensors, the reference implementation of every block, and the
+//! faster paths each op chooses for itself.
 //!
-//! Each op here runs on any Burn backend (with autodiff); modules in [`crate::nn`] call them.
+//! Each op runs on any Burn backend (with autodiff); modules in [`crate::nn`] call them and never
+//! choose a path. Every backend of an op lives in the op's folder: [`kda`] (the reference
+//! recurrence, chunked and recurrent forms, the CPU host kernels, the CubeCL launch glue and the
+//! autodiff of the kernels) and [`moe`] (routing, token dispatch, SiTU-GLU, likewise). What they
+//! share (the registry of kernel backends, the kernels switch, the CPU host-kernel runner, the
+//! `Fusion` glue) is [`backend`].
 
 pub mod attn_res;
-pub(crate) mod cpu;
-pub mod dispatch;
-pub mod fused;
+pub mod backend;
 pub mod kda;
 pub mod layout;
 pub mod mla;
+pub mod moe;
 pub mod norm;
 pub mod precision;
-pub mod route;
-pub mod situ;
 
-pub use fused::{kernel_calls, last_path, set_kernels, with_kernels, FusedOp, KernelPath};
-pub use situ::{situ_glu, situ_glu_weighted};
+pub use backend::{kernel_calls, last_path, set_kernels, with_kernels, FusedOp, KernelPath};
+pub use moe::situ::{situ_glu, situ_glu_weighted};

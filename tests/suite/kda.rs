@@ -1213,3 +1213,58 @@ on_backends!(layer_on_backends, small_layer_checks);
 fn half_inputs_on_wgpu() {
     check_half_inputs::<Gpu>(&Default::default());
 }
+
+/// Without an initial or a final state, `chunk_kda` and `fused_recurrent_kda` on a CPU backend are
+/// one host recurrence (the path the layer uses in training): the same outputs as the naive
+/// recurrence, plain and packed, with and without the q/k L2 norm, kernels on and off.
+#[test]
+fn stateless_ops_on_the_cpu_match_the_recurrence() {
+    let d = Default::default();
+    let x = inputs::<Cpu>(
+        &mut rng(604),
+        (2, 37, 3, 16, 8),
+        Gates::LogSigmoid(1.0),
+        2,
+        &d,
+    );
+    let lengths = [5, 32];
+    let packed = inputs::<Cpu>(&mut rng(605), (1, 37, 2, 8, 16), Gates::Safe, 2, &d);
+    for l2 in [false, true] {
+        for (x, cu) in [(&x, None), (&packed, Some(offsets(&lengths)))] {
+            let opts = || {
+                let o = KdaOptions::default().with_qk_l2norm(l2).with_chunk_size(16);
+                match &cu {
+                    Some(c) => o.with_cu_seqlens(c.clone()),
+                    None => o,
+                }
+            };
+            let call = |op: Op<Cpu>| {
+                host(
+                    op(
+                        x.q.clone(),
+                        x.k.clone(),
+                        x.v.clone(),
+                        x.g.clone(),
+                        x.beta.clone(),
+                        opts(),
+                    )
+                    .0,
+                )
+            };
+            let want = call(naive_recurrent_kda);
+            for kernels in [true, false] {
+                for (name, op) in [
+                    ("chunk", chunk_kda as Op<Cpu>),
+                    ("fused", fused_recurrent_kda),
+                ] {
+                    let got = with_kernels(kernels, || call(op));
+                    let what = format!(
+                        "{name}, l2 {l2}, packed {}, kernels {kernels}",
+                        cu.is_some()
+                    );
+                    assert_close(&what, &want, &got, 1e-5);
+                }
+            }
+        }
+    }
+}

@@ -17,8 +17,9 @@ use crate::common::{
     situ_grid, uniform,
 };
 use burn::tensor::{DType, FloatDType, Tensor};
+use kimi_burn::ops::moe::situ::swiglu;
 use kimi_burn::ops::{last_path, FusedOp, KernelPath};
-use kimi_burn::ops::{situ::swiglu, situ_glu, situ_glu_weighted};
+use kimi_burn::ops::{situ_glu, situ_glu_weighted};
 
 mod situ {
     use super::*;
@@ -260,7 +261,7 @@ mod routing {
     use super::*;
     use burn::tensor::TensorData;
     use kimi_burn::nn::balance::{Balancer, QuantileBalancer, RoutedBatch};
-    use kimi_burn::ops::route::{route_top_k_fused, select_top_k, TopKOptions};
+    use kimi_burn::ops::moe::route::{route_top_k_fused, select_top_k, TopKOptions};
     use rand::Rng;
 
     /// Scores on a coarse grid (many exact ties) or continuous, with a bias.
@@ -388,8 +389,8 @@ mod dispatch {
     use burn::tensor::{Bool, TensorData};
     use kimi_burn::nn::GluActivation;
     use kimi_burn::nn::{LatentMoe, LatentMoeConfig, MoeLayout};
-    use kimi_burn::ops::dispatch::{dispatch, dispatch_fused, DispatchPlan, StackedExperts};
-    use kimi_burn::ops::route::Selection;
+    use kimi_burn::ops::moe::dispatch::{dispatch, dispatch_fused, DispatchPlan, StackedExperts};
+    use kimi_burn::ops::moe::route::Selection;
     use rand::Rng;
 
     /// A skewed selection: expert 0 takes most tokens (several matmul tiles), the last expert none.
@@ -528,7 +529,7 @@ mod dispatch {
     /// backward that recomputes them, bit for bit, and the saving forward equals the plain one.
     #[test]
     fn backward_from_saved_projections_equals_recomputed() {
-        use kimi_burn::ops::fused::{MoeExpertsInput, MoeKernels};
+        use kimi_burn::ops::moe::{MoeExpertsInput, MoeKernels};
         let c = case(70, 5, 2, 24, 36, true, 7);
         let device = Default::default();
         let float = |t: Tensor<Gpu, 2>| t.into_primitive().tensor();

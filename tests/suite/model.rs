@@ -4,7 +4,8 @@
 use crate::common::*;
 use burn::module::Module;
 use burn::tensor::{backend::AutodiffBackend, Int, Tensor, TensorData};
-use kimi_burn::model::{KimiConfig, KimiForCausalLM, Sampling};
+use kimi_burn::generate::Sampling;
+use kimi_burn::model::{KimiConfig, KimiForCausalLM};
 use rand::Rng;
 
 /// The tiny preset, shrunk further so that the wgpu (lavapipe) runs stay quick.

@@ -10,7 +10,7 @@ use kimi_burn::nn::balance::{
 use kimi_burn::nn::{
     BalancerKind, GluActivation, LatentMoe, LatentMoeConfig, MoeLayout, RouterConfig, RouterOptions,
 };
-use kimi_burn::ops::route::{select_top_k, Scoring, Selection, TopKOptions};
+use kimi_burn::ops::moe::route::{select_top_k, Scoring, Selection, TopKOptions};
 use kimi_burn::ops::{situ_glu, situ_glu_weighted, with_kernels};
 use kimi_burn::Error;
 use rand::Rng;
@@ -37,7 +37,7 @@ fn check_situ_numerics<B: AutodiffBackend>(device: &B::Device) {
             let up = from_f64::<B, 1>(&v, [n], device).require_grad();
             let (y, grads) = with_kernels(kernels, || {
                 let y = if swi {
-                    kimi_burn::ops::situ::swiglu(gate.clone(), up.clone())
+                    kimi_burn::ops::moe::situ::swiglu(gate.clone(), up.clone())
                 } else {
                     situ_glu(gate.clone(), up.clone(), 4.0, beta2)
                 };

@@ -330,6 +330,8 @@ pub fn kda_chunk_akk_backward(
 /// `exp(P_i) · Π sub_decay · exp(X_j)` (through `qp`, `kp`, `ks` and `sub_decay` of
 /// [`kda_chunk_gates`](fn@super::kda_chunk_gates)), every factor ≤ 1. `rq`, `rk`, `cc: [tokens,
 /// heads, kdim]`.
+///
+/// Long on purpose: one kernel body over shared-memory tiles, in the order of the formula above.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 pub fn kda_chunk_intra_backward(

@@ -4,9 +4,12 @@
 use burn::tensor::{backend::Backend, Tensor};
 
 use super::intra::{intra_chunk, Intra};
-use super::{gather_tokens, kernel_forward, prepare, unbind, KdaOptions, Prepared, CHUNK_SIZES};
+use super::kernels::KdaForm;
+use super::{
+    gather_tokens, host_forward, kernel_forward, prepare, unbind, KdaOptions, Prepared, CHUNK_SIZES,
+};
 use crate::error::{Error, Result};
-use crate::ops::fused::{self, FusedOp, KdaForm, KernelPath};
+use crate::ops::backend::{self, FusedOp, KernelPath};
 use crate::ops::precision::restore;
 
 /// Chunked KDA (design §4.3) for training and prefill; equal to
@@ -34,7 +37,7 @@ use crate::ops::precision::restore;
 /// recursion. Works in f32 (f64 for f64 inputs); the output comes back in the dtype of `q`, the
 /// final state `[N, H, K, V]` in f32. Differentiable with Burn's autodiff.
 ///
-/// On the CubeCL backends (see [`fused`](crate::ops::fused)) it runs the chunked kernels instead:
+/// On the CubeCL backends (see [`backend`](crate::ops::backend)) it runs the chunked kernels instead:
 /// gate sums, within-chunk matrices, the triangular solve, the sequential state pass over value
 /// tiles (one launch per ~1000 tokens of the longest sequence) and the output, with a fused
 /// backward under autodiff.
@@ -83,14 +86,18 @@ pub(crate) fn chunk_kda_inner<B: Backend>(
             format!("must be one of {CHUNK_SIZES:?}, got {c}"),
         ));
     }
+    if let Some(o) = host_forward(&q, &k, &v, &g, &beta, &opts, check_gates)? {
+        backend::record(FusedOp::KdaChunk, KernelPath::Reference);
+        return Ok((o, None));
+    }
     let p = prepare(q, k, v, g, beta, opts, check_gates)?;
     Ok(match kernel_forward(p, KdaForm::Chunk(c)) {
         Ok(out) => {
-            fused::record(FusedOp::KdaChunk, KernelPath::Kernel);
+            backend::record(FusedOp::KdaChunk, KernelPath::Kernel);
             out
         }
         Err(p) => {
-            fused::record(FusedOp::KdaChunk, KernelPath::Reference);
+            backend::record(FusedOp::KdaChunk, KernelPath::Reference);
             run(p, c)
         }
     })
@@ -154,6 +161,9 @@ impl Layout {
     }
 }
 
+/// The chunked form in tensor ops (design §4.3): within-chunk matrices for all chunks at once, then
+/// the state pass over the chunks. Long on purpose: the steps share the chunk layout and a dozen
+/// intermediate tensors, in the order the design lists them.
 fn run<B: Backend>(p: Prepared<B>, c: usize) -> (Tensor<B, 4>, Option<Tensor<B, 4>>) {
     let (b, h, kd, vd) = (p.dims.b, p.dims.h, p.dims.k, p.dims.v);
     let layout = match &p.seqs {

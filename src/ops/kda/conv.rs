@@ -3,13 +3,14 @@
 use burn::tensor::{backend::Backend, Tensor};
 
 use super::gather_tokens;
-use crate::ops::fused::{self, FusedOp, KernelPath, ShortConvOp};
+use super::kernels::ShortConvOp;
+use crate::ops::backend::{self, FusedOp, KernelPath};
 use crate::ops::precision::silu;
 
 /// [`causal_conv1d`] followed by SiLU (design §4.2), the form in front of KDA's q, k and v; the
 /// new tail only when `want_tail` (a decode cache).
 ///
-/// On the CubeCL backends (see [`fused`](crate::ops::fused)) the convolution with its SiLU is one
+/// On the CubeCL backends (see [`backend`](crate::ops::backend)) the convolution with its SiLU is one
 /// fused launch (and its backward three more under autodiff); untracked calls (prefill, decode)
 /// also update the tail in one launch, tracked ones take the tail from the tensor ops so that its
 /// graph reaches `x`.
@@ -22,7 +23,7 @@ pub(crate) fn causal_conv1d_silu<B: Backend>(
 ) -> (Tensor<B, 3>, Option<Tensor<B, 3>>) {
     let [b, t, p] = x.dims();
     let (mut x, mut weight, mut tail) = (x, weight, tail);
-    if fused::kernel_dtype(x.dtype()) && fused::available::<B>() {
+    if backend::kernel_dtype(x.dtype()) && backend::kernels_available::<B>() {
         let seq_starts = match seqs {
             None => (0..=b).map(|i| i * t).collect(),
             Some(spans) => std::iter::once(0)
@@ -36,15 +37,15 @@ pub(crate) fn causal_conv1d_silu<B: Backend>(
             tail,
             seq_starts,
         };
-        match fused::dispatch::<B, _>(op) {
+        match backend::on_kernels::<B, _>(op) {
             Ok((y, Some(new_tail))) => {
-                fused::record(FusedOp::ShortConv, KernelPath::Kernel);
+                backend::record(FusedOp::ShortConv, KernelPath::Kernel);
                 return (y.reshape([b, t, p]), want_tail.then_some(new_tail));
             }
             Ok((y, None)) => {
                 // Tracked: the tail comes from the tensor ops, so that its graph reaches x (and
                 // only when asked for: training without a cache needs none).
-                fused::record(FusedOp::ShortConv, KernelPath::Kernel);
+                backend::record(FusedOp::ShortConv, KernelPath::Kernel);
                 let new_tail = want_tail.then(|| pad(x_kept, weight_width, seqs, tail_kept).tail);
                 return (y.reshape([b, t, p]), new_tail);
             }
@@ -55,7 +56,7 @@ pub(crate) fn causal_conv1d_silu<B: Backend>(
             }
         }
     }
-    fused::record(FusedOp::ShortConv, KernelPath::Reference);
+    backend::record(FusedOp::ShortConv, KernelPath::Reference);
     let (y, new_tail) = causal_conv1d(x, weight, seqs, tail);
     (silu(y), want_tail.then_some(new_tail))
 }

@@ -1,5 +1,5 @@
 //! The CPU kernel of KDA: the recurrence of design §4.1 as one loop nest on the host, forward and
-//! backward, for the CPU backends (see [`crate::ops::cpu`]).
+//! backward, for the CPU backends (see [`crate::ops::backend::host`]).
 //!
 //! The recurrence is the ground truth of every KDA form, and on a CPU it is also the cheapest one:
 //! per token and head it costs two passes over the `K × V` state forward and four backward (two of
@@ -17,7 +17,7 @@
 //! With `l2norm`, `q` and `k` are normalised over the head dim first (`x / sqrt(Σx² + 1e-6)`, design
 //! §4.2) and the backward pass goes through the norm: `dx = (dy − y (y·dy)) / r`.
 
-use super::super::cpu::{parallel_map, HostOp, HostTensor};
+use crate::ops::backend::host::{parallel_map, HostArray, HostOp};
 
 /// Tokens between two saved states.
 const CHECKPOINT: usize = 64;
@@ -150,7 +150,7 @@ fn step(
 impl HostOp<5> for KdaRecurrence {
     type Saved = Saved;
 
-    fn forward(&self, inputs: &[HostTensor; 5], save: bool) -> (HostTensor, Option<Saved>) {
+    fn forward(&self, inputs: &[HostArray; 5], save: bool) -> (HostArray, Option<Saved>) {
         let [q, k, v, g, beta] = inputs;
         let &[b, t, h, kd] = q.shape.as_slice() else {
             unreachable!("q is [B, T, H, K]")
@@ -188,7 +188,7 @@ impl HostOp<5> for KdaRecurrence {
             }
             (o, states)
         });
-        let mut out = HostTensor::zeros(&[b, t, h, vd]);
+        let mut out = HostArray::zeros(&[b, t, h, vd]);
         let mut states = Vec::with_capacity(jobs.len());
         for (job, (o, st)) in jobs.iter().zip(results) {
             for (i, oi) in o.chunks_exact(vd).enumerate() {
@@ -207,12 +207,10 @@ impl HostOp<5> for KdaRecurrence {
         (out, saved)
     }
 
-    fn backward(
-        &self,
-        inputs: &[HostTensor; 5],
-        saved: &Saved,
-        grad: &HostTensor,
-    ) -> [HostTensor; 5] {
+    // Long on purpose: the reverse recurrence of one (sequence, head) job keeps its running state
+    // gradient and per-token scratch in locals across the whole loop; split, every piece would
+    // take the same dozen slices.
+    fn backward(&self, inputs: &[HostArray; 5], saved: &Saved, grad: &HostArray) -> [HostArray; 5] {
         let [q, k, v, g, beta] = inputs;
         let &[b, t, h, kd] = q.shape.as_slice() else {
             unreachable!("q is [B, T, H, K]")
@@ -317,11 +315,11 @@ impl HostOp<5> for KdaRecurrence {
             }
             (dq, dk, dv, dg, db)
         });
-        let mut dq = HostTensor::zeros(&q.shape);
-        let mut dk = HostTensor::zeros(&k.shape);
-        let mut dv = HostTensor::zeros(&v.shape);
-        let mut dg = HostTensor::zeros(&g.shape);
-        let mut db = HostTensor::zeros(&beta.shape);
+        let mut dq = HostArray::zeros(&q.shape);
+        let mut dk = HostArray::zeros(&k.shape);
+        let mut dv = HostArray::zeros(&v.shape);
+        let mut dg = HostArray::zeros(&g.shape);
+        let mut db = HostArray::zeros(&beta.shape);
         for (job, (jq, jk, jv, jg, jb)) in jobs.iter().zip(results) {
             for i in 0..job.len {
                 let tk = job.start + i;

@@ -2,9 +2,10 @@
 
 use burn::tensor::{backend::Backend, Tensor};
 
-use super::{gather_tokens, kernel_forward, prepare, unbind, KdaOptions, Prepared};
+use super::kernels::KdaForm;
+use super::{gather_tokens, host_forward, kernel_forward, prepare, unbind, KdaOptions, Prepared};
 use crate::error::Result;
-use crate::ops::fused::{self, FusedOp, KdaForm, KernelPath};
+use crate::ops::backend::{self, FusedOp, KernelPath};
 use crate::ops::precision::restore;
 
 /// KDA by its recurrence (design §4.1), for short inputs (decode, speculative verification):
@@ -19,7 +20,7 @@ use crate::ops::precision::restore;
 /// a decode step of N sequences is one batched update. Cost grows linearly in `T` with one small
 /// kernel sequence per token; use [`chunk_kda`](super::chunk_kda) for long inputs.
 ///
-/// On the CubeCL backends (see [`fused`](crate::ops::fused)) inference calls run one kernel that
+/// On the CubeCL backends (see [`backend`](crate::ops::backend)) inference calls run one kernel that
 /// keeps the f32 state on chip for all steps; inputs tracked by autodiff take the tensor ops.
 ///
 /// # Panics
@@ -58,14 +59,18 @@ pub(crate) fn fused_recurrent_kda_inner<B: Backend>(
     opts: KdaOptions<B>,
     check_gates: bool,
 ) -> Result<(Tensor<B, 4>, Option<Tensor<B, 4>>)> {
+    if let Some(o) = host_forward(&q, &k, &v, &g, &beta, &opts, check_gates)? {
+        backend::record(FusedOp::KdaRecurrent, KernelPath::Reference);
+        return Ok((o, None));
+    }
     let p = prepare(q, k, v, g, beta, opts, check_gates)?;
     Ok(match kernel_forward(p, KdaForm::Recurrent) {
         Ok(out) => {
-            fused::record(FusedOp::KdaRecurrent, KernelPath::Kernel);
+            backend::record(FusedOp::KdaRecurrent, KernelPath::Kernel);
             out
         }
         Err(p) => {
-            fused::record(FusedOp::KdaRecurrent, KernelPath::Reference);
+            backend::record(FusedOp::KdaRecurrent, KernelPath::Reference);
             run(p)
         }
     })

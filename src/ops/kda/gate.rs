@@ -2,8 +2,9 @@
 
 use burn::tensor::{backend::Backend, Tensor};
 
+use super::kernels::NormGatedOp;
 use crate::error::{Error, Result};
-use crate::ops::fused::{self, FusedOp, KernelPath, NormGatedOp};
+use crate::ops::backend::{self, FusedOp, KernelPath};
 use crate::ops::norm::rms_norm;
 use crate::ops::precision::{restore, sigmoid, softplus, widen};
 
@@ -74,7 +75,7 @@ pub fn try_kda_gate<B: Backend>(
 ///
 /// `o, z: [..., V]`, `weight: [V]` → `[..., V]` in the dtype of `o`; statistics and gate in f32.
 ///
-/// On the CubeCL backends (see [`fused`](crate::ops::fused)) one fused kernel each way (f32, f16
+/// On the CubeCL backends (see [`backend`](crate::ops::backend)) one fused kernel each way (f32, f16
 /// or bf16 storage, `o` and `z` of one dtype); elsewhere the tensor ops.
 ///
 /// # Panics
@@ -112,10 +113,10 @@ pub fn try_rms_norm_gated<B: Backend, const D: usize>(
             weight.dims(),
         ));
     }
-    let usable = fused::kernel_dtype(o.dtype())
+    let usable = backend::kernel_dtype(o.dtype())
         && o.dtype() == z.dtype()
         && dims.iter().product::<usize>() > 0
-        && fused::available::<B>();
+        && backend::kernels_available::<B>();
     if usable {
         let rows = dims.iter().product::<usize>() / v;
         let op = NormGatedOp {
@@ -124,13 +125,13 @@ pub fn try_rms_norm_gated<B: Backend, const D: usize>(
             weight,
             eps,
         };
-        match fused::dispatch::<B, _>(op) {
+        match backend::on_kernels::<B, _>(op) {
             Ok(y) => {
-                fused::record(FusedOp::RmsNormGated, KernelPath::Kernel);
+                backend::record(FusedOp::RmsNormGated, KernelPath::Kernel);
                 return Ok(y.reshape(dims));
             }
             Err(op) => {
-                fused::record(FusedOp::RmsNormGated, KernelPath::Reference);
+                backend::record(FusedOp::RmsNormGated, KernelPath::Reference);
                 return Ok(rms_norm_gated_reference(
                     op.o.reshape(dims),
                     op.z.reshape(dims),
@@ -140,7 +141,7 @@ pub fn try_rms_norm_gated<B: Backend, const D: usize>(
             }
         }
     }
-    fused::record(FusedOp::RmsNormGated, KernelPath::Reference);
+    backend::record(FusedOp::RmsNormGated, KernelPath::Reference);
     Ok(rms_norm_gated_reference(o, z, weight, eps))
 }
 

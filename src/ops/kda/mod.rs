@@ -15,12 +15,19 @@
 //! The gate helpers [`kda_gate`] and [`rms_norm_gated`] are the other two pieces of the layer's
 //! arithmetic (design §4.2).
 
+#[cfg(feature = "autodiff")]
+mod autodiff;
 mod chunk;
 pub(crate) mod conv;
 mod cpu;
+#[cfg(feature = "cubecl-kernels")]
+mod cube;
+#[cfg(feature = "cubecl-kernels")]
+mod cube_chunk;
 mod fused_recurrent;
 mod gate;
 mod intra;
+pub(crate) mod kernels;
 mod naive;
 
 pub use chunk::{chunk_kda, try_chunk_kda};
@@ -30,12 +37,15 @@ pub use naive::{naive_recurrent_kda, try_naive_recurrent_kda};
 
 pub(crate) use chunk::chunk_kda_inner;
 pub(crate) use fused_recurrent::fused_recurrent_kda_inner;
+pub(crate) use kernels::tracked_on_kernels;
+pub use kernels::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
 
 use burn::tensor::{backend::Backend, DType, ElementConversion, Int, Tensor, TensorData};
 
-use super::fused::{self, KdaForm, RecurrentOp};
-use super::precision::{restore, widen};
 use crate::error::{Error, Result};
+use crate::ops::backend;
+use crate::ops::precision::{restore, widen};
+use kernels::{KdaForm, KdaForwardOp};
 
 /// The largest key head dim the ops accept (the reference kernels' limit).
 pub const MAX_HEAD_DIM: usize = 256;
@@ -194,28 +204,22 @@ pub(crate) fn l2_norm<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, 
     x.mul(inv)
 }
 
-/// Validates the inputs of a KDA op and brings them to the working precision.
+/// Checks the inputs of a KDA op: shapes, `K ≤ 256`, `scale`, `cu_seqlens`, the initial state
+/// and (with `check_gates`, a host read-back of the largest gate: a device sync) gates `≤ 0`.
+/// Returns the packed sequences as `(start, len)`.
 ///
-/// `check_gates` reads the largest gate back to the host (a device sync) to reject `g > 0`; the
-/// layer, whose gates are ≤ 0 by construction, skips it.
-pub(crate) fn prepare<B: Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    g: Tensor<B, 4>,
-    beta: Tensor<B, 3>,
-    opts: KdaOptions<B>,
+/// The layer, whose gates are ≤ 0 by construction, skips the gate check.
+fn validate<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    g: &Tensor<B, 4>,
+    beta: &Tensor<B, 3>,
+    opts: &KdaOptions<B>,
     check_gates: bool,
-) -> Result<Prepared<B>> {
+) -> Result<Option<Vec<(usize, usize)>>> {
     let [b, t, h, kd] = q.dims();
     let vd = v.dims()[3];
-    let dims = Dims {
-        b,
-        t,
-        h,
-        k: kd,
-        v: vd,
-    };
     let qk = format!("[B, T, H, K] = {:?}", q.dims());
     if k.dims() != q.dims() {
         return Err(Error::shape("k", qk, k.dims()));
@@ -285,6 +289,28 @@ pub(crate) fn prepare<B: Backend>(
         }
     }
 
+    Ok(seqs)
+}
+
+/// Validates the inputs of a KDA op ([`validate`]) and brings them to the working precision.
+pub(crate) fn prepare<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    g: Tensor<B, 4>,
+    beta: Tensor<B, 3>,
+    opts: KdaOptions<B>,
+    check_gates: bool,
+) -> Result<Prepared<B>> {
+    let seqs = validate(&q, &k, &v, &g, &beta, &opts, check_gates)?;
+    let [b, t, h, kd] = q.dims();
+    let dims = Dims {
+        b,
+        t,
+        h,
+        k: kd,
+        v: v.dims()[3],
+    };
     let (q, out_dtype) = widen(q);
     let (k, _) = widen(k);
     let (v, _) = widen(v);
@@ -311,6 +337,64 @@ pub(crate) fn prepare<B: Backend>(
     })
 }
 
+/// The CPU host kernel as the whole op: on a CPU backend, with f32 inputs, no initial state and no
+/// final state asked for, [`chunk_kda`] and [`fused_recurrent_kda`] are one host recurrence
+/// ([`cpu_kda`]) after the op's input checks. `Ok(None)`: the op goes on with its other paths.
+pub(crate) fn host_forward<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    g: &Tensor<B, 4>,
+    beta: &Tensor<B, 3>,
+    opts: &KdaOptions<B>,
+    check_gates: bool,
+) -> Result<Option<Tensor<B, 4>>> {
+    let f32s = [q.dtype(), k.dtype(), v.dtype(), g.dtype(), beta.dtype()]
+        .iter()
+        .all(|d| *d == DType::F32);
+    if opts.initial_state.is_some()
+        || opts.output_final_state
+        || !f32s
+        || !crate::ops::backend::host::is_cpu_backend::<B>()
+    {
+        return Ok(None);
+    }
+    let seqs = validate(q, k, v, g, beta, opts, check_gates)?;
+    Ok(cpu_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        opts.scale,
+        opts.use_qk_l2norm,
+        seqs,
+    ))
+}
+
+/// The KDA of the layer: the recurrent form for sequences of at most `recurrent_max` tokens unless
+/// an input is tracked on a kernel backend (only the chunked kernels have a fused backward), the
+/// chunked form otherwise; each picks its own fastest path. The gates are not read back.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn layer_kda<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    g: Tensor<B, 4>,
+    beta: Tensor<B, 3>,
+    opts: KdaOptions<B>,
+    longest: usize,
+    recurrent_max: usize,
+) -> Result<(Tensor<B, 4>, Option<Tensor<B, 4>>)> {
+    let short = longest <= recurrent_max
+        && !tracked_on_kernels(&[q.clone(), k.clone(), v.clone(), g.clone()]);
+    if short {
+        fused_recurrent_kda_inner(q, k, v, g, beta, opts, false)
+    } else {
+        chunk_kda_inner(q, k, v, g, beta, opts, false)
+    }
+}
+
 /// KDA from a zero state, without the final state, on the CPU kernel ([`cpu`]) when the backend has
 /// one and every input is f32; `None` otherwise (the caller then runs a tensor-op form).
 ///
@@ -331,7 +415,7 @@ pub(crate) fn cpu_kda<B: Backend>(
     let f32s = [q.dtype(), k.dtype(), v.dtype(), g.dtype(), beta.dtype()]
         .iter()
         .all(|d| *d == DType::F32);
-    if !(f32s && super::cpu::is_cpu_backend::<B>()) {
+    if !(f32s && crate::ops::backend::host::is_cpu_backend::<B>()) {
         return None;
     }
     let kd = q.dims()[3];
@@ -341,7 +425,7 @@ pub(crate) fn cpu_kda<B: Backend>(
         seqs,
     };
     let prim = |x: Tensor<B, 4>| x.into_primitive().tensor();
-    Some(super::cpu::run(
+    Some(crate::ops::backend::host::run(
         &op,
         [
             prim(q.clone()),
@@ -353,15 +437,15 @@ pub(crate) fn cpu_kda<B: Backend>(
     ))
 }
 
-/// A KDA CubeCL kernel ([`KdaKernels`](crate::ops::fused::KdaKernels)) on prepared inputs, when
-/// the backend has one and no input is tracked by autodiff (the kernels have no backward pass
-/// yet). Hands the inputs back otherwise.
+/// A KDA CubeCL kernel ([`KdaKernels`]) on prepared inputs, when the backend has one (the chunked
+/// kernels also under autodiff, with their fused backward; the recurrent kernel only when no input
+/// is tracked). Hands the inputs back otherwise.
 #[allow(clippy::type_complexity)]
 pub(crate) fn kernel_forward<B: Backend>(
     p: Prepared<B>,
     form: KdaForm,
 ) -> std::result::Result<(Tensor<B, 4>, Option<Tensor<B, 4>>), Prepared<B>> {
-    if !fused::available::<B>() {
+    if !backend::kernels_available::<B>() {
         return Err(p);
     }
     let seq_starts = sequence_starts(&p);
@@ -377,7 +461,7 @@ pub(crate) fn kernel_forward<B: Backend>(
         out_dtype,
         output_final_state,
     } = p;
-    let op = RecurrentOp {
+    let op = KdaForwardOp {
         q,
         k,
         v,
@@ -387,7 +471,7 @@ pub(crate) fn kernel_forward<B: Backend>(
         seq_starts,
         form,
     };
-    match fused::dispatch::<B, _>(op) {
+    match backend::on_kernels::<B, _>(op) {
         Ok(Ok((o, s))) => Ok((restore(o, out_dtype), output_final_state.then_some(s))),
         Ok(Err(op)) | Err(op) => Err(Prepared {
             q: op.q,

@@ -1,113 +1,30 @@
 //! [`KdaKernels`] for every CubeCL backend: allocates outputs and launches the KDA kernels of
 //! `kimi-burn-kernels`.
 
-use burn::tensor::{DType, Shape, TensorMetadata};
+use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::element::BoolElement;
 use burn_cubecl::kernel::{cast, into_contiguous};
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
-use cubecl::prelude::*;
-use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
+use cubecl::{calculate_cube_count_elemwise, CubeDim};
 use kimi_burn_kernels::kda as kkda;
 
-use super::cube_kda_chunk as chunk;
-use super::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
+use super::cube_chunk as chunk;
+use super::cube_chunk::{dims4, f32_contiguous, state_buffer};
+use super::kernels::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
+use crate::ops::backend::cube::{empty, per_row, u32_buffer};
+
+fn dims2<R: CubeRuntime>(t: &T<R>) -> [usize; 2] {
+    crate::ops::backend::cube::dims(t, "the gated norm kernels take [rows, V] tensors")
+}
 
 type T<R> = CubeTensor<R>;
-
-/// A contiguous uninitialised tensor on `like`'s device (the kernels index flat arrays).
-pub(super) fn empty<R: CubeRuntime>(like: &T<R>, shape: impl Into<Shape>, dtype: DType) -> T<R> {
-    empty_device_contiguous_dtype(
-        like.client.clone(),
-        like.device.clone(),
-        shape.into(),
-        dtype,
-    )
-}
-
-pub(super) fn f32_contiguous<R: CubeRuntime>(t: T<R>) -> T<R> {
-    into_contiguous(cast(t, DType::F32))
-}
-
-/// A u32 buffer holding `values` (at least one element).
-pub(super) fn u32_buffer<R: CubeRuntime>(like: &T<R>, values: &[u32]) -> T<R> {
-    let data = if values.is_empty() {
-        vec![0]
-    } else {
-        values.to_vec()
-    };
-    let handle = like.client.create_from_slice(u32::as_bytes(&data));
-    T::new_contiguous(
-        like.client.clone(),
-        like.device.clone(),
-        Shape::new([data.len()]),
-        handle,
-        DType::U32,
-    )
-}
 
 fn starts_u32(starts: &[usize]) -> Vec<u32> {
     starts
         .iter()
         .map(|&s| u32::try_from(s).expect("KDA kernels: token offsets must fit in u32"))
         .collect()
-}
-
-/// `S_0` as a contiguous f32 buffer the kernels may update in place, or zeros. The caller's own
-/// buffer when nothing else holds it (the decode loop hands its state over), else a copy: `cast`
-/// and `into_contiguous` may hand back a buffer that another tensor still reads.
-pub(super) fn state_buffer<R: CubeRuntime>(
-    like: &T<R>,
-    h0: Option<T<R>>,
-    shape: [usize; 4],
-) -> T<R> {
-    if let Some(s) = &h0 {
-        if s.dtype == DType::F32
-            && s.can_mut()
-            && s.is_contiguous()
-            && s.is_contiguous_buffer()
-            && s.shape().dims::<4>() == shape
-        {
-            return s.clone();
-        }
-    }
-    let out = empty(like, shape, DType::F32);
-    let len = shape.iter().product::<usize>();
-    if len == 0 {
-        return out;
-    }
-    let copy = h0.is_some();
-    let src = match h0 {
-        Some(s) => f32_contiguous(s),
-        None => {
-            let handle = like.client.create_from_slice(f32::as_bytes(&[0.0]));
-            T::new_contiguous(
-                like.client.clone(),
-                like.device.clone(),
-                Shape::new([1]),
-                handle,
-                DType::F32,
-            )
-        }
-    };
-    let dim = CubeDim::new(&like.client, len);
-    kkda::init_state::launch::<R>(
-        &like.client,
-        calculate_cube_count_elemwise(&like.client, len, dim),
-        dim,
-        src.into_array_arg(),
-        out.clone().into_array_arg(),
-        len,
-        copy,
-    );
-    out
-}
-
-pub(super) fn dims4<R: CubeRuntime>(t: &T<R>) -> [usize; 4] {
-    let s = t.shape();
-    assert_eq!(s.num_dims(), 4, "KDA kernels take [B, T, H, X] tensors");
-    [s[0], s[1], s[2], s[3]]
 }
 
 fn recurrent<R: CubeRuntime>(input: KdaKernelInput<CubeBackend<R, f32, i32, u32>>) -> (T<R>, T<R>) {
@@ -156,21 +73,6 @@ fn recurrent<R: CubeRuntime>(input: KdaKernelInput<CubeBackend<R, f32, i32, u32>
         }
     }
     (out, state)
-}
-
-fn dims2<R: CubeRuntime>(t: &T<R>) -> [usize; 2] {
-    let s = t.shape();
-    assert_eq!(
-        s.num_dims(),
-        2,
-        "the gated norm kernels take [rows, V] tensors"
-    );
-    [s[0], s[1]]
-}
-
-/// `rows` cubes spread over the grid's dimensions (the kernels read the linear `CUBE_POS`).
-pub(super) fn per_row<R: CubeRuntime>(t: &T<R>, rows: usize) -> CubeCount {
-    cubecl::server::CubeCountSelection::new(&t.client, rows as u32).cube_count()
 }
 
 fn norm_forward<R: CubeRuntime>(o: T<R>, z: T<R>, weight: T<R>, eps: f64) -> T<R> {

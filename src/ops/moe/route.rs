@@ -205,9 +205,9 @@ pub fn route_top_k_fused<B: Backend>(
     bias: &[f32],
     opts: TopKOptions,
     valid: Option<&[bool]>,
-    histogram: Option<crate::ops::fused::HistogramSpec>,
+    histogram: Option<crate::nn::balance::HistogramSpec>,
 ) -> Option<FusedRouting<B>> {
-    use crate::ops::fused::{self, FusedOp, KernelPath};
+    use crate::ops::backend::{self, FusedOp, KernelPath};
     let [m, n] = scores.dims();
     let grouped = opts.n_group > 1 && opts.topk_group < opts.n_group;
     let usable = !grouped
@@ -216,9 +216,9 @@ pub fn route_top_k_fused<B: Backend>(
         && bias.iter().all(|b| b.is_finite())
         && valid.is_none_or(|v| v.len() == m)
         && m > 0
-        && fused::available::<B>();
+        && backend::kernels_available::<B>();
     if !usable {
-        fused::record(FusedOp::RouteTopK, KernelPath::Reference);
+        backend::record(FusedOp::RouteTopK, KernelPath::Reference);
         return None;
     }
     let has_nan = scores
@@ -229,11 +229,11 @@ pub fn route_top_k_fused<B: Backend>(
         .iter::<bool>()
         .next();
     if has_nan.unwrap_or(false) {
-        fused::record(FusedOp::RouteTopK, KernelPath::Reference);
+        backend::record(FusedOp::RouteTopK, KernelPath::Reference);
         return None;
     }
     let device = scores.device();
-    let op = fused::RouteOp {
+    let op = crate::ops::moe::kernels::RouteOp {
         scores: scores.clone(),
         bias: Tensor::<B, 1>::from_data(TensorData::new(bias.to_vec(), [n]), &device),
         valid: valid.map(|v| {
@@ -243,10 +243,10 @@ pub fn route_top_k_fused<B: Backend>(
         k: opts.k,
         histogram,
     };
-    let (indices, counts) = fused::dispatch::<B, _>(op).ok()?;
-    fused::record(FusedOp::RouteTopK, KernelPath::Kernel);
+    let (indices, counts) = backend::on_kernels::<B, _>(op).ok()?;
+    backend::record(FusedOp::RouteTopK, KernelPath::Kernel);
     if histogram.is_some() {
-        fused::record(FusedOp::QbHistogram, KernelPath::Kernel);
+        backend::record(FusedOp::QbHistogram, KernelPath::Kernel);
     }
     let selection = Selection {
         tokens: m,

@@ -2,10 +2,10 @@
 
 use burn::tensor::{backend::Backend, Tensor, TensorPrimitive};
 
-use super::cpu::elementwise::SituGlu as SituGluKernel;
-use super::fused::{self, FusedKernels, FusedOp, KernelOp, KernelPath};
-use super::precision::{restore, sigmoid, widen};
 use crate::error::{Error, Result};
+use crate::ops::backend::{self, FusedKernels, FusedOp, KernelOp, KernelPath};
+use crate::ops::precision::host::SituGlu as SituGluKernel;
+use crate::ops::precision::{restore, sigmoid, widen};
 use serde::{Deserialize, Serialize};
 
 /// The gated activation of a GLU FFN.
@@ -143,17 +143,17 @@ pub fn situ_glu_weighted<B: Backend>(
     };
     let usable = kernel_usable(&op.gate, &op.up);
     let result = if usable {
-        fused::dispatch::<B, _>(op)
+        backend::on_kernels::<B, _>(op)
     } else {
         Err(op)
     };
     match result {
         Ok(y) => {
-            fused::record(FusedOp::SituGlu, KernelPath::Kernel);
+            backend::record(FusedOp::SituGlu, KernelPath::Kernel);
             y
         }
         Err(op) => {
-            fused::record(FusedOp::SituGlu, KernelPath::Reference);
+            backend::record(FusedOp::SituGlu, KernelPath::Reference);
             let (y, dtype) = situ_glu_f32(op.gate, op.up, beta1, beta2);
             let (p, _) = widen(op.weight);
             restore(y.mul(p.unsqueeze_dim(1)), dtype)
@@ -177,7 +177,7 @@ fn check_betas(beta1: f32, beta2: Option<f32>) {
 /// The kernels take f32/f16/bf16 storage with both branches in one dtype, and non-empty rows.
 fn kernel_usable<B: Backend, const D: usize>(gate: &Tensor<B, D>, up: &Tensor<B, D>) -> bool {
     let dims = gate.dims();
-    fused::kernel_dtype(gate.dtype())
+    backend::kernel_dtype(gate.dtype())
         && gate.dtype() == up.dtype()
         && D > 0
         && dims.iter().product::<usize>() > 0
@@ -203,8 +203,8 @@ impl<B: Backend, const D: usize> KernelOp<B> for FusedGlu<B, D> {
     fn run<K: FusedKernels>(self) -> Tensor<B, D> {
         let dims = self.gate.dims();
         let rows = rows_of(dims);
-        let gate: Tensor<K, D> = fused::same(self.gate);
-        let up: Tensor<K, D> = fused::same(self.up);
+        let gate: Tensor<K, D> = backend::same(self.gate);
+        let up: Tensor<K, D> = backend::same(self.up);
         let y = K::situ_glu_forward(
             gate.reshape(rows).into_primitive().tensor(),
             up.reshape(rows).into_primitive().tensor(),
@@ -212,7 +212,7 @@ impl<B: Backend, const D: usize> KernelOp<B> for FusedGlu<B, D> {
             self.act,
         );
         let y = Tensor::<K, 2>::from_primitive(TensorPrimitive::Float(y)).reshape(dims);
-        fused::same(y)
+        backend::same(y)
     }
 }
 
@@ -228,10 +228,10 @@ impl<B: Backend> KernelOp<B> for FusedWeightedGlu<B> {
     type Output = Tensor<B, 2>;
 
     fn run<K: FusedKernels>(self) -> Tensor<B, 2> {
-        let gate: Tensor<K, 2> = fused::same(self.gate);
-        let up: Tensor<K, 2> = fused::same(self.up);
+        let gate: Tensor<K, 2> = backend::same(self.gate);
+        let up: Tensor<K, 2> = backend::same(self.up);
         // f32 before the kernel, so the routing-weight gradient flows back through a cast.
-        let weight: Tensor<K, 1> = fused::same(self.weight);
+        let weight: Tensor<K, 1> = backend::same(self.weight);
         let weight = if weight.dtype() == burn::tensor::DType::F32 {
             weight
         } else {
@@ -243,7 +243,7 @@ impl<B: Backend> KernelOp<B> for FusedWeightedGlu<B> {
             Some(weight.into_primitive().tensor()),
             self.act,
         );
-        fused::same(Tensor::<K, 2>::from_primitive(TensorPrimitive::Float(y)))
+        backend::same(Tensor::<K, 2>::from_primitive(TensorPrimitive::Float(y)))
     }
 }
 
@@ -252,7 +252,7 @@ fn try_fused<B: Backend, const D: usize>(
     op: FusedGlu<B, D>,
 ) -> Result<Tensor<B, D>, FusedGlu<B, D>> {
     let result = if kernel_usable(&op.gate, &op.up) {
-        fused::dispatch::<B, _>(op)
+        backend::on_kernels::<B, _>(op)
     } else {
         Err(op)
     };
@@ -260,7 +260,7 @@ fn try_fused<B: Backend, const D: usize>(
         Ok(_) => KernelPath::Kernel,
         Err(_) => KernelPath::Reference,
     };
-    fused::record(FusedOp::SituGlu, path);
+    backend::record(FusedOp::SituGlu, path);
     result
 }
 
@@ -285,7 +285,7 @@ fn situ_glu_f32<B: Backend, const D: usize>(
     let (g, dtype) = widen(gate);
     let (v, _) = widen(up);
     // One host kernel on the CPU backends, the same function.
-    let (g, v) = match super::cpu::try_run(&SituGluKernel { beta1, beta2 }, [g, v]) {
+    let (g, v) = match crate::ops::backend::host::try_run(&SituGluKernel { beta1, beta2 }, [g, v]) {
         Ok(y) => return (y, dtype),
         Err([g, v]) => (g, v),
     };
@@ -303,9 +303,9 @@ pub fn situ<B: Backend, const D: usize>(g: Tensor<B, D>, beta1: f32) -> Tensor<B
 }
 
 /// `β·tanh(x/β)`: a cap at ±β whose gradient never vanishes (unlike a clamp), with the
-/// cancellation-free [`tanh`](super::precision::tanh).
+/// cancellation-free [`tanh`](crate::ops::precision::tanh).
 pub fn soft_cap<B: Backend, const D: usize>(x: Tensor<B, D>, beta: f32) -> Tensor<B, D> {
-    super::precision::tanh(x.div_scalar(beta)).mul_scalar(beta)
+    crate::ops::precision::tanh(x.div_scalar(beta)).mul_scalar(beta)
 }
 
 /// The SwiGLU activation `SiLU(gate) ⊙ up`, for comparison with [`situ_glu`]; computed in f32 like it
@@ -326,5 +326,5 @@ pub fn swiglu<B: Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) 
     };
     let (g, dtype) = widen(gate);
     let (v, _) = widen(up);
-    restore(super::precision::silu(g).mul(v), dtype)
+    restore(crate::ops::precision::silu(g).mul(v), dtype)
 }

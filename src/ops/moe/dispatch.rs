@@ -12,10 +12,10 @@
 
 use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor, TensorData};
 
-use super::fused::{self, FusedOp, KernelPath};
-use super::precision::restore;
 use super::route::Selection;
 use super::situ::GluActivation;
+use crate::ops::backend::{self, FusedOp, KernelPath};
+use crate::ops::precision::restore;
 
 /// The host-side plan of a dispatch: pairs in expert order and each expert's segment.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,7 +144,7 @@ pub struct StackedExperts<B: Backend> {
 /// Whether [`dispatch_fused`] runs on `B` now (a CubeCL backend with the kernels enabled), so
 /// callers only stack the expert weights when it pays.
 pub fn fused_available<B: Backend>() -> bool {
-    fused::available::<B>()
+    backend::kernels_available::<B>()
 }
 
 /// The routed experts by the fused kernels (design §2, dropless and routed-only):
@@ -174,12 +174,12 @@ pub fn dispatch_fused<B: Backend>(
         && experts.w2.dims() == [n, me, l]
         && valid.is_none_or(|v| v.len() == m)
         && m * l * n * me > 0;
-    if !(shapes_ok && fused::kernel_dtype(h.dtype()) && fused::available::<B>()) {
-        fused::record(FusedOp::MoeExperts, KernelPath::Reference);
+    if !(shapes_ok && backend::kernel_dtype(h.dtype()) && backend::kernels_available::<B>()) {
+        backend::record(FusedOp::MoeExperts, KernelPath::Reference);
         return None;
     }
     let device = h.device();
-    let op = fused::MoeOp {
+    let op = crate::ops::moe::kernels::MoeOp {
         input: h.clone(),
         indices: indices.clone(),
         weights: weights.clone(),
@@ -192,12 +192,12 @@ pub fn dispatch_fused<B: Backend>(
         w2: experts.w2.clone(),
         activation: experts.activation,
     };
-    let out = fused::dispatch::<B, _>(op).ok();
+    let out = backend::on_kernels::<B, _>(op).ok();
     let path = if out.is_some() {
         KernelPath::Kernel
     } else {
         KernelPath::Reference
     };
-    fused::record(FusedOp::MoeExperts, path);
+    backend::record(FusedOp::MoeExperts, path);
     out
 }

@@ -2,19 +2,69 @@
 //! states and `Vn` for the backward) and the backward (design §4.3).
 
 use burn::tensor::ops::FloatTensorOps;
-use burn::tensor::{DType, Shape};
+use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime};
 use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
 use kimi_burn_kernels::kda as kkda;
 
-use super::cube_kda::{dims4, empty, f32_contiguous, per_row, state_buffer, u32_buffer};
-use super::KdaKernelInput;
+use super::kernels::KdaKernelInput;
+use crate::ops::backend::cube::{contiguous_as, empty, f32_scalar, per_row, u32_buffer};
 
 type T<R> = CubeTensor<R>;
 type Input<R> = KdaKernelInput<CubeBackend<R, f32, i32, u32>>;
 /// `(states, vn)`: what the forward keeps for the backward.
 type Saved<R> = (T<R>, T<R>);
+
+/// `t` in f32, contiguous.
+pub(super) fn f32_contiguous<R: CubeRuntime>(t: T<R>) -> T<R> {
+    contiguous_as(t, DType::F32)
+}
+
+pub(super) fn dims4<R: CubeRuntime>(t: &T<R>) -> [usize; 4] {
+    crate::ops::backend::cube::dims(t, "KDA kernels take [B, T, H, X] tensors")
+}
+
+/// `S_0` as a contiguous f32 buffer the kernels may update in place, or zeros. The caller's own
+/// buffer when nothing else holds it (the decode loop hands its state over), else a copy: `cast`
+/// and `into_contiguous` may hand back a buffer that another tensor still reads.
+pub(super) fn state_buffer<R: CubeRuntime>(
+    like: &T<R>,
+    h0: Option<T<R>>,
+    shape: [usize; 4],
+) -> T<R> {
+    if let Some(s) = &h0 {
+        if s.dtype == DType::F32
+            && s.can_mut()
+            && s.is_contiguous()
+            && s.is_contiguous_buffer()
+            && s.shape().dims::<4>() == shape
+        {
+            return s.clone();
+        }
+    }
+    let out = empty(like, shape, DType::F32);
+    let len = shape.iter().product::<usize>();
+    if len == 0 {
+        return out;
+    }
+    let copy = h0.is_some();
+    let src = match h0 {
+        Some(s) => f32_contiguous(s),
+        None => f32_scalar(like, 0.0),
+    };
+    let dim = CubeDim::new(&like.client, len);
+    kkda::init_state::launch::<R>(
+        &like.client,
+        calculate_cube_count_elemwise(&like.client, len, dim),
+        dim,
+        src.into_array_arg(),
+        out.clone().into_array_arg(),
+        len,
+        copy,
+    );
+    out
+}
 
 /// Where each chunk lies: first token and length per chunk, first chunk per sequence. Chunks
 /// never cross a sequence boundary.
@@ -97,6 +147,9 @@ impl<R: CubeRuntime> Work<R> {
 
 /// Gate sums, within-chunk matrices and the triangular solve (three launches). `None` when there
 /// is nothing to compute.
+///
+/// Long on purpose: it allocates every scratch buffer the three launches share and launches them
+/// in order; split, the pieces would pass the same dozen buffers back and forth.
 fn prepare<R: CubeRuntime>(input: &Input<R>, chunk: usize) -> Option<Work<R>> {
     assert!(
         chunk.is_multiple_of(kkda::SUB) && chunk * chunk >= kkda::INTRA_CUBE as usize,
@@ -305,6 +358,11 @@ pub(super) fn forward<R: CubeRuntime>(
 
 /// Chunked backward from the forward's `(states, vn)`: `[dq, dk, dv, dg, dβ, dS_0]` in f32 (the
 /// shapes of `q, k, v, g, β` and `[N, H, K, V]`).
+///
+/// Long on purpose: it is the launch sequence of the KDA chunked backward (recompute the
+/// within-chunk work, the reverse state pass in windows, the within-chunk gradients, the gate
+/// cumulative-sum backward), each launch reading the buffers of the ones before; the order is the
+/// algorithm, and design §4.3 describes it step by step.
 pub(super) fn backward<R: CubeRuntime>(
     input: Input<R>,
     chunk: usize,

@@ -23,18 +23,18 @@ use {
     std::sync::Arc,
 };
 
-pub(crate) mod elementwise;
-
-/// A tensor on the host: row-major `f32` values and their shape.
+/// A tensor on the host for the CPU host kernels: row-major `f32` values and their shape (the
+/// checkpoint store has its own [`HostTensor`](crate::store::HostTensor), which keeps the checkpoint
+/// shape).
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct HostTensor {
+pub(crate) struct HostArray {
     /// Row-major values.
     pub data: Vec<f32>,
     /// The shape.
     pub shape: Vec<usize>,
 }
 
-impl HostTensor {
+impl HostArray {
     /// Zeros of the given shape.
     pub fn zeros(shape: &[usize]) -> Self {
         Self {
@@ -50,24 +50,24 @@ pub(crate) trait HostOp<const N: usize>: Debug + Clone + Send + Sync + 'static {
     type Saved: Debug + Send + Sync + 'static;
 
     /// The output, and what the backward pass needs when `save` is true.
-    fn forward(&self, inputs: &[HostTensor; N], save: bool) -> (HostTensor, Option<Self::Saved>);
+    fn forward(&self, inputs: &[HostArray; N], save: bool) -> (HostArray, Option<Self::Saved>);
 
     /// The gradient of every input, given the inputs, the saved values and the output gradient.
     fn backward(
         &self,
-        inputs: &[HostTensor; N],
+        inputs: &[HostArray; N],
         saved: &Self::Saved,
-        grad: &HostTensor,
-    ) -> [HostTensor; N];
+        grad: &HostArray,
+    ) -> [HostArray; N];
 }
 
 /// Whether [`run`] supports the backend `B` (a CPU backend of an enabled feature).
 ///
-/// The switch of the fused kernels ([`kernels_enabled`](crate::ops::fused::kernels_enabled):
+/// The switch of the fused kernels ([`kernels_enabled`](super::kernels_enabled):
 /// `KIMI_BURN_REFERENCE=1`, `set_kernels`, `with_kernels`) turns the host kernels off too, so the
 /// tensor-op reference can be run and timed on the same backend.
 pub(crate) fn is_cpu_backend<B: Backend>() -> bool {
-    if !crate::ops::fused::kernels_enabled() {
+    if !super::kernels_enabled() {
         return false;
     }
     let id = TypeId::of::<B>();
@@ -152,7 +152,7 @@ fn cast<S: 'static, T: 'static>(x: S) -> Option<T> {
 /// shared array (autodiff keeps a clone of every input) element by element through a dynamic-rank
 /// iterator, which cost more than the kernels themselves.
 #[cfg(any(feature = "ndarray", feature = "flex"))]
-fn to_host<X: Backend>(x: FloatTensor<X>) -> HostTensor {
+fn to_host<X: Backend>(x: FloatTensor<X>) -> HostArray {
     #[cfg(feature = "ndarray")]
     let x = match (TypeId::of::<FloatTensor<X>>()
         == TypeId::of::<burn::backend::ndarray::NdArrayTensor>())
@@ -163,7 +163,7 @@ fn to_host<X: Backend>(x: FloatTensor<X>) -> HostTensor {
             if let burn::backend::ndarray::NdArrayTensor::F32(storage) = &nd {
                 let view = storage.view();
                 if let Some(slice) = view.as_slice() {
-                    return HostTensor {
+                    return HostArray {
                         data: slice.to_vec(),
                         shape: view.shape().to_vec(),
                     };
@@ -178,7 +178,7 @@ fn to_host<X: Backend>(x: FloatTensor<X>) -> HostTensor {
         .into_data()
         .convert_dtype(DType::F32);
     let shape = data.shape.to_vec();
-    HostTensor {
+    HostArray {
         data: data
             .into_vec::<f32>()
             .unwrap_or_else(|e| unreachable!("convert_dtype(F32) gives f32 data: {e:?}")),
@@ -188,7 +188,7 @@ fn to_host<X: Backend>(x: FloatTensor<X>) -> HostTensor {
 
 /// A primitive of backend `X` holding `x`.
 #[cfg(any(feature = "ndarray", feature = "flex"))]
-fn from_host<X: Backend>(x: HostTensor, device: &X::Device) -> FloatTensor<X> {
+fn from_host<X: Backend>(x: HostArray, device: &X::Device) -> FloatTensor<X> {
     X::float_from_data(TensorData::new(x.data, x.shape), device)
 }
 
@@ -257,7 +257,7 @@ struct HostBackward<O>(O);
 impl<X: Backend, O: HostOp<N>, const N: usize> burn::backend::autodiff::ops::Backward<X, N>
     for HostBackward<O>
 {
-    type State = Arc<([HostTensor; N], O::Saved, X::Device)>;
+    type State = Arc<([HostArray; N], O::Saved, X::Device)>;
 
     fn backward(
         self,

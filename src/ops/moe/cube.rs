@@ -1,17 +1,33 @@
 //! [`MoeKernels`] for every CubeCL backend: allocates outputs and launches the kernels of
 //! `kimi-burn-kernels`.
 
-use burn::tensor::{DType, Shape, TensorMetadata};
+use burn::tensor::{DType, Shape};
 use burn_cubecl::element::BoolElement;
 use burn_cubecl::kernel::{cast, into_contiguous};
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
-use cubecl::prelude::*;
-use cubecl::{calculate_cube_count_elemwise, tensor_vector_size_parallel, CubeCount, CubeDim};
+use cubecl::{tensor_vector_size_parallel, CubeCount, CubeDim};
 use kimi_burn_kernels::{moe as kmoe, qb_histogram as kqb, situ as ksitu};
 
-use super::{GluActivation, HistogramSpec, MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved};
+use super::kernels::{MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved};
+use super::situ::GluActivation;
+use crate::nn::balance::HistogramSpec;
+use crate::ops::backend::cube::{contiguous_as, elementwise, empty, f32_scalar, per_row};
+
+fn dims2<R: CubeRuntime>(t: &T<R>) -> [usize; 2] {
+    crate::ops::backend::cube::dims(t, "fused kernels take [rows, cols] tensors")
+}
+
+fn dims3<R: CubeRuntime>(t: &T<R>) -> [usize; 3] {
+    crate::ops::backend::cube::dims(t, "stacked expert weights are [n, rows, cols]")
+}
+
+/// A zero-filled u32 buffer of `len` elements (at least one, so it can stand in as a dummy).
+fn zeros_u32<R: CubeRuntime>(like: &T<R>, len: usize) -> T<R> {
+    zeros_u32_shaped(like, Shape::new([len.max(1)]))
+}
+
+use crate::ops::backend::cube::zeros_u32 as zeros_u32_shaped;
 
 type T<R> = CubeTensor<R>;
 
@@ -27,75 +43,9 @@ fn activation_params(act: GluActivation) -> (u32, f32, f32) {
     }
 }
 
-/// A contiguous (row-major, unpadded) uninitialised tensor on `like`'s device: the kernels index
-/// flat arrays, so the pitched layouts `empty_device_dtype` may pick are not allowed here.
-fn empty<R: CubeRuntime>(like: &T<R>, shape: impl Into<Shape>, dtype: DType) -> T<R> {
-    empty_device_contiguous_dtype(
-        like.client.clone(),
-        like.device.clone(),
-        shape.into(),
-        dtype,
-    )
-}
-
-/// A zero-filled u32 buffer of `len` elements (at least one, so it can stand in as a dummy).
-fn zeros_u32<R: CubeRuntime>(like: &T<R>, len: usize) -> T<R> {
-    zeros_u32_shaped(like, Shape::new([len.max(1)]))
-}
-
-fn zeros_u32_shaped<R: CubeRuntime>(like: &T<R>, shape: Shape) -> T<R> {
-    let data = vec![0u32; shape.num_elements()];
-    let handle = like.client.create_from_slice(u32::as_bytes(&data));
-    T::new_contiguous(
-        like.client.clone(),
-        like.device.clone(),
-        shape,
-        handle,
-        DType::U32,
-    )
-}
-
 /// A one-element f32 buffer for an unused optional input.
 fn dummy_f32<R: CubeRuntime>(like: &T<R>) -> T<R> {
-    let handle = like.client.create_from_slice(f32::as_bytes(&[0.0]));
-    T::new_contiguous(
-        like.client.clone(),
-        like.device.clone(),
-        Shape::new([1]),
-        handle,
-        DType::F32,
-    )
-}
-
-fn contiguous_as<R: CubeRuntime>(t: T<R>, dtype: DType) -> T<R> {
-    into_contiguous(cast(t, dtype))
-}
-
-fn elementwise<R: CubeRuntime>(t: &T<R>, units: usize) -> (CubeCount, CubeDim) {
-    let dim = CubeDim::new(&t.client, units.max(1));
-    (calculate_cube_count_elemwise(&t.client, units, dim), dim)
-}
-
-/// `rows` cubes (spread over the grid's dimensions; the kernels read the linear `CUBE_POS` and
-/// exit past `rows`).
-fn per_row<R: CubeRuntime>(t: &T<R>, rows: usize) -> CubeCount {
-    cubecl::server::CubeCountSelection::new(&t.client, rows as u32).cube_count()
-}
-
-fn dims2<R: CubeRuntime>(t: &T<R>) -> [usize; 2] {
-    let s = t.shape();
-    assert_eq!(s.num_dims(), 2, "fused kernels take [rows, cols] tensors");
-    [s[0], s[1]]
-}
-
-fn dims3<R: CubeRuntime>(t: &T<R>) -> [usize; 3] {
-    let s = t.shape();
-    assert_eq!(
-        s.num_dims(),
-        3,
-        "stacked expert weights are [n, rows, cols]"
-    );
-    [s[0], s[1], s[2]]
+    f32_scalar(like, 0.0)
 }
 
 /// The widest vector the device loads efficiently that divides the row length.

@@ -15,7 +15,7 @@
 //! `1 − σ` and `1 − tanh²` are never formed by a subtraction: near saturation that subtraction
 //! returns rounding noise (σ(−20) ≈ 2e−9 is below f32's spacing at ½).
 
-use super::{HostOp, HostTensor};
+use crate::ops::backend::host::{HostArray, HostOp};
 
 /// `(σ(x), 1 − σ(x))` in `f32`, each accurate to a few ulp for every `x`.
 #[inline]
@@ -82,23 +82,23 @@ impl Unary {
 impl HostOp<1> for Unary {
     type Saved = ();
 
-    fn forward(&self, [x]: &[HostTensor; 1], save: bool) -> (HostTensor, Option<()>) {
+    fn forward(&self, [x]: &[HostArray; 1], save: bool) -> (HostArray, Option<()>) {
         let data = x.data.iter().map(|&a| self.value(a)).collect();
-        let out = HostTensor {
+        let out = HostArray {
             data,
             shape: x.shape.clone(),
         };
         (out, save.then_some(()))
     }
 
-    fn backward(&self, [x]: &[HostTensor; 1], _: &(), grad: &HostTensor) -> [HostTensor; 1] {
+    fn backward(&self, [x]: &[HostArray; 1], _: &(), grad: &HostArray) -> [HostArray; 1] {
         let data = x
             .data
             .iter()
             .zip(&grad.data)
             .map(|(&a, &d)| d * self.derivative(a))
             .collect();
-        [HostTensor {
+        [HostArray {
             data,
             shape: x.shape.clone(),
         }]
@@ -137,21 +137,21 @@ impl SituGlu {
 impl HostOp<2> for SituGlu {
     type Saved = ();
 
-    fn forward(&self, [g, v]: &[HostTensor; 2], save: bool) -> (HostTensor, Option<()>) {
+    fn forward(&self, [g, v]: &[HostArray; 2], save: bool) -> (HostArray, Option<()>) {
         let data = g
             .data
             .iter()
             .zip(&v.data)
             .map(|(&a, &b)| self.gate(a).0 * self.up(b).0)
             .collect();
-        let out = HostTensor {
+        let out = HostArray {
             data,
             shape: g.shape.clone(),
         };
         (out, save.then_some(()))
     }
 
-    fn backward(&self, [g, v]: &[HostTensor; 2], _: &(), grad: &HostTensor) -> [HostTensor; 2] {
+    fn backward(&self, [g, v]: &[HostArray; 2], _: &(), grad: &HostArray) -> [HostArray; 2] {
         let n = g.data.len();
         let (mut dg, mut dv) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for ((&a, &b), &d) in g.data.iter().zip(&v.data).zip(&grad.data) {
@@ -161,11 +161,11 @@ impl HostOp<2> for SituGlu {
         }
         let shape = g.shape.clone();
         [
-            HostTensor {
+            HostArray {
                 data: dg,
                 shape: shape.clone(),
             },
-            HostTensor { data: dv, shape },
+            HostArray { data: dv, shape },
         ]
     }
 }

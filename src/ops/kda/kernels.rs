@@ -1,11 +1,12 @@
 //! The KDA side of the fused kernels: the backend extension [`KdaKernels`] and the op wrappers
-//! that move tensors onto it after [`dispatch`](super::dispatch) matched the backend.
+//! that move tensors onto it once [`on_kernels`](crate::ops::backend::on_kernels) matched the
+//! backend.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
-use super::{same, FusedKernels, KernelOp};
+use crate::ops::backend::{same, FusedKernels, KernelOp};
 
 /// The inputs of the KDA kernels, as backend primitives in f32, already validated and prepared
 /// by the op (`q` scaled, and L2-normalised when asked).
@@ -174,7 +175,7 @@ fn tensor<K: Backend, B: Backend, const D: usize>(t: FloatTensor<K>) -> Tensor<B
 
 /// [`KdaKernels::kda_recurrent_forward`] or [`KdaKernels::kda_chunk_forward`] on `Tensor`s;
 /// the recurrent form hands itself back when an input is tracked by autodiff.
-pub(crate) struct RecurrentOp<B: Backend> {
+pub(crate) struct KdaForwardOp<B: Backend> {
     pub q: Tensor<B, 4>,
     pub k: Tensor<B, 4>,
     pub v: Tensor<B, 4>,
@@ -185,7 +186,7 @@ pub(crate) struct RecurrentOp<B: Backend> {
     pub form: KdaForm,
 }
 
-impl<B: Backend> KernelOp<B> for RecurrentOp<B> {
+impl<B: Backend> KernelOp<B> for KdaForwardOp<B> {
     type Output = Result<(Tensor<B, 4>, Tensor<B, 4>), Self>;
 
     fn run<K: FusedKernels>(self) -> Self::Output {
@@ -212,7 +213,7 @@ impl<B: Backend> KernelOp<B> for RecurrentOp<B> {
     }
 }
 
-/// Which KDA kernel a [`RecurrentOp`] runs.
+/// Which KDA kernel a [`KdaForwardOp`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum KdaForm {
     /// [`KdaKernels::kda_recurrent_forward`].
@@ -232,7 +233,7 @@ pub(crate) fn tracked_on_kernels<B: Backend>(tensors: &[Tensor<B, 4>]) -> bool {
             K::kda_tracked(&prims.iter().collect::<Vec<_>>())
         }
     }
-    super::dispatch::<B, _>(Probe(tensors.to_vec())).unwrap_or(false)
+    crate::ops::backend::on_kernels::<B, _>(Probe(tensors.to_vec())).unwrap_or(false)
 }
 
 /// [`KdaKernels::short_conv_forward`] on `Tensor`s.

@@ -12,9 +12,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{Shape, Slice, TensorMetadata};
 
-use super::{
-    record, FusedOp, KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels, KernelPath,
-};
+use super::kernels::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
+use crate::ops::backend::{record, FusedOp, KernelPath};
 
 /// The short convolution with SiLU: parents `[x, weight, tail]` (the last a stand-in for `x`
 /// when there is no tail).

@@ -10,10 +10,10 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 
-use super::{
-    record, FusedOp, GluActivation, HistogramSpec, KernelPath, MoeExpertsGrads, MoeExpertsInput,
-    MoeKernels, MoeSaved,
-};
+use super::kernels::{MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved};
+use super::situ::GluActivation;
+use crate::nn::balance::HistogramSpec;
+use crate::ops::backend::{record, FusedOp, KernelPath};
 
 /// SiTU-GLU without a routing weight: parents `[gate, up]`.
 #[derive(Debug)]

@@ -14,7 +14,7 @@ use crate::nn::latent_moe::{LatentMoeConfig, MoeLayout};
 use crate::nn::mla::MlaConfig;
 use crate::nn::router::RouterOptions;
 use crate::nn::situ_glu::GluActivation;
-use crate::ops::route::Scoring;
+use crate::ops::moe::route::Scoring;
 
 /// The MoE fields of a [`KimiConfig`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -23,10 +23,9 @@ use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
-use super::{
-    GluActivation, HistogramSpec, KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels,
-    MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved,
-};
+use crate::nn::balance::HistogramSpec;
+use crate::ops::kda::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
+use crate::ops::moe::{GluActivation, MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved};
 
 /// A fusion tensor of the backend `B` wraps.
 type Ft<B> = FusionTensor<<B as FusionBackend>::FusionRuntime>;

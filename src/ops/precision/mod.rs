@@ -3,7 +3,10 @@
 
 use burn::tensor::{backend::Backend, DType, FloatDType, Tensor};
 
-use super::cpu::{self, elementwise::Unary};
+pub(crate) mod host;
+
+use crate::ops::backend::host as cpu;
+use host::Unary;
 
 /// Upcasts a half-precision tensor to f32 and returns it with its original dtype, so that
 /// [`restore`] can cast the result back. f32 and f64 tensors pass through unchanged.

@@ -1,0 +1,85 @@
+//! Tensor-primitive helpers of the CubeCL launch glue, shared by the MoE and KDA kernels.
+
+use burn::tensor::{DType, Shape, TensorMetadata};
+use burn_cubecl::kernel::{cast, into_contiguous};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+use cubecl::prelude::*;
+use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
+
+type T<R> = CubeTensor<R>;
+
+/// A contiguous (row-major, unpadded) uninitialised tensor on `like`'s device: the kernels index
+/// flat arrays, so the pitched layouts `empty_device_dtype` may pick are not allowed here.
+pub(crate) fn empty<R: CubeRuntime>(like: &T<R>, shape: impl Into<Shape>, dtype: DType) -> T<R> {
+    empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        shape.into(),
+        dtype,
+    )
+}
+
+/// `t` cast to `dtype` (a no-op when it already is) and made contiguous.
+pub(crate) fn contiguous_as<R: CubeRuntime>(t: T<R>, dtype: DType) -> T<R> {
+    into_contiguous(cast(t, dtype))
+}
+
+/// A u32 buffer holding `values` (at least one element, so it can stand in as a dummy).
+pub(crate) fn u32_buffer<R: CubeRuntime>(like: &T<R>, values: &[u32]) -> T<R> {
+    let data = if values.is_empty() {
+        vec![0]
+    } else {
+        values.to_vec()
+    };
+    from_u32(like, &data, Shape::new([data.len()]))
+}
+
+/// A zero-filled u32 tensor of `shape`.
+pub(crate) fn zeros_u32<R: CubeRuntime>(like: &T<R>, shape: Shape) -> T<R> {
+    let data = vec![0u32; shape.num_elements().max(1)];
+    from_u32(like, &data, shape)
+}
+
+/// A one-element f32 buffer holding `value` (a stand-in for an absent optional input).
+pub(crate) fn f32_scalar<R: CubeRuntime>(like: &T<R>, value: f32) -> T<R> {
+    let handle = like.client.create_from_slice(f32::as_bytes(&[value]));
+    T::new_contiguous(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::new([1]),
+        handle,
+        DType::F32,
+    )
+}
+
+fn from_u32<R: CubeRuntime>(like: &T<R>, data: &[u32], shape: Shape) -> T<R> {
+    let handle = like.client.create_from_slice(u32::as_bytes(data));
+    T::new_contiguous(
+        like.client.clone(),
+        like.device.clone(),
+        shape,
+        handle,
+        DType::U32,
+    )
+}
+
+/// The launch geometry of `units` independent units.
+pub(crate) fn elementwise<R: CubeRuntime>(t: &T<R>, units: usize) -> (CubeCount, CubeDim) {
+    let dim = CubeDim::new(&t.client, units.max(1));
+    (calculate_cube_count_elemwise(&t.client, units, dim), dim)
+}
+
+/// `rows` cubes spread over the grid's dimensions (the kernels read the linear `CUBE_POS` and exit
+/// past `rows`).
+pub(crate) fn per_row<R: CubeRuntime>(t: &T<R>, rows: usize) -> CubeCount {
+    cubecl::server::CubeCountSelection::new(&t.client, rows as u32).cube_count()
+}
+
+/// The dims of a rank-`D` tensor; `what` names the layout a kernel expects, for the panic.
+pub(crate) fn dims<R: CubeRuntime, const D: usize>(t: &T<R>, what: &str) -> [usize; D] {
+    let s = t.shape();
+    assert_eq!(s.num_dims(), D, "{what}: expected rank {D}, got {:?}", s);
+    std::array::from_fn(|i| s[i])
+}

@@ -1,0 +1,270 @@
+//! What the ops of every block share to choose their path: the registry of backends that run the
+//! CubeCL kernels, the kernels on/off switch, the per-op path record, the CPU host-kernel runner
+//! ([`host`]) and the `Fusion` glue ([`fusion`]). Each op decides its own path in its own folder
+//! ([`kda`](crate::ops::kda), [`moe`](crate::ops::moe)); the modules in [`nn`](crate::nn) never
+//! choose one.
+//!
+//! The modules stay generic over any [`Backend`]. An op first offers its tensors to a kernel
+//! implementation, reached through the backend-extension traits
+//! [`MoeKernels`](crate::ops::moe::MoeKernels) and [`KdaKernels`](crate::ops::kda::KdaKernels)
+//! (implemented with the `wgpu` or `cuda` feature for every `CubeBackend<R, F, I, BT>`, for
+//! `Fusion<B>` over one, and, with custom backward passes, for `Autodiff<B>` over either), and
+//! otherwise runs its reference tensor-op code (or, on the CPU backends, a host kernel).
+//!
+//! **Which backends take the kernel path automatically.** An op's `B` is compared (by `TypeId`)
+//! with this list in [`on_kernels`], and on a match the call is forwarded to `B`'s trait methods:
+//!
+//! | feature | backend types |
+//! |---|---|
+//! | `wgpu` | `CubeBackend<WgpuRuntime, F, i32, u32>` for `F` = `f32`, `half::f16` |
+//! | `cuda` | `CubeBackend<CudaRuntime, F, i32, u8>` for `F` = `f32`, `half::f16`, `half::bf16` |
+//! | both | `Fusion<X>` of each of the above (what `burn::backend::Wgpu` / `Cuda` are with Burn's default `fusion` feature; the kernels join the fusion stream as custom operations) |
+//! | with `autodiff` | `Autodiff<X>` of each of the above, with and without `BalancedCheckpointing` |
+//!
+//! [`crate::backends`] names these types. Anything else (ndarray, other CubeCL type parameters)
+//! runs the reference path. A user with another `CubeBackend` type can call the trait methods
+//! directly: the implementations are generic over the runtime and element types.
+//!
+//! **Forcing the reference path.** The environment variable `KIMI_BURN_REFERENCE=1` (read once),
+//! [`set_kernels`] (process-wide) and [`with_kernels`] (this thread, for a closure) switch the
+//! kernels off, the CPU host kernels included, so a test or a bench can run both paths on the same
+//! backend. [`kernel_calls`] and [`last_path`] report, per thread, which path each op took, so a
+//! GPU test can never pass on the reference path by accident.
+
+// Without a CubeCL backend the registry never matches: its plumbing is compiled but unused.
+#![cfg_attr(not(feature = "cubecl-kernels"), allow(dead_code, unused_macros))]
+
+use std::any::{Any, TypeId};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use burn::tensor::backend::Backend;
+
+use crate::ops::kda::KdaKernels;
+use crate::ops::moe::MoeKernels;
+
+#[cfg(feature = "cubecl-kernels")]
+pub(crate) mod cube;
+#[cfg(feature = "cubecl-kernels")]
+mod fusion;
+pub(crate) mod host;
+
+/// Whether the kernels handle a float dtype (f32, f16, bf16 storage).
+pub fn kernel_dtype(dtype: burn::tensor::DType) -> bool {
+    use burn::tensor::DType;
+    matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+}
+
+/// The fused ops, for [`kernel_calls`] and [`last_path`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FusedOp {
+    /// [`situ_glu`](crate::ops::situ_glu) forward.
+    SituGlu,
+    /// The SiTU-GLU backward (autodiff).
+    SituGluBackward,
+    /// The router's top-k selection (and QB histogram when requested).
+    RouteTopK,
+    /// The QB histogram (counted only when requested together with the selection).
+    QbHistogram,
+    /// The routed experts of a MoE layer (dispatch, grouped matmuls, combine).
+    MoeExperts,
+    /// Their backward (autodiff).
+    MoeExpertsBackward,
+    /// [`fused_recurrent_kda`](crate::ops::kda::fused_recurrent_kda) (the recurrent KDA kernel).
+    KdaRecurrent,
+    /// [`chunk_kda`](crate::ops::kda::chunk_kda) forward (the chunked kernels).
+    KdaChunk,
+    /// Its backward (autodiff).
+    KdaChunkBackward,
+    /// The short convolution with SiLU in front of KDA's q, k, v (the KDA layer), forward.
+    ShortConv,
+    /// Its backward (autodiff).
+    ShortConvBackward,
+    /// [`rms_norm_gated`](crate::ops::kda::rms_norm_gated) forward.
+    RmsNormGated,
+    /// Its backward (autodiff).
+    RmsNormGatedBackward,
+}
+
+const N_OPS: usize = 13;
+
+impl FusedOp {
+    fn slot(self) -> usize {
+        self as usize
+    }
+}
+
+/// Which implementation an op ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KernelPath {
+    /// The fused CubeCL kernel.
+    Kernel,
+    /// The reference tensor-op (or host) implementation.
+    Reference,
+}
+
+thread_local! {
+    static CALLS: Cell<[u64; N_OPS]> = const { Cell::new([0; N_OPS]) };
+    static LAST: Cell<[Option<KernelPath>; N_OPS]> = const { Cell::new([None; N_OPS]) };
+    static THREAD_SWITCH: Cell<Option<bool>> = const { Cell::new(None) };
+}
+
+/// 0: not decided (read `KIMI_BURN_REFERENCE`), 1: kernels on, 2: off.
+static GLOBAL_SWITCH: AtomicU8 = AtomicU8::new(0);
+
+/// Switches the fused kernels on or off for the whole process (overrides `KIMI_BURN_REFERENCE`;
+/// a [`with_kernels`] scope still wins on its thread).
+pub fn set_kernels(enabled: bool) {
+    GLOBAL_SWITCH.store(if enabled { 1 } else { 2 }, Ordering::Relaxed);
+}
+
+/// Runs `f` with the fused kernels switched on or off on this thread only (tests run in parallel
+/// threads, so they compare both paths this way without disturbing each other).
+pub fn with_kernels<T>(enabled: bool, f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<bool>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            THREAD_SWITCH.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(THREAD_SWITCH.with(|s| s.replace(Some(enabled))));
+    f()
+}
+
+/// Whether the ops may use the fused kernels on this thread now.
+pub fn kernels_enabled() -> bool {
+    if let Some(on) = THREAD_SWITCH.with(Cell::get) {
+        return on;
+    }
+    match GLOBAL_SWITCH.load(Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => {
+            let off = std::env::var("KIMI_BURN_REFERENCE")
+                .is_ok_and(|v| !v.is_empty() && v != "0" && v != "false");
+            // A concurrent `set_kernels` wins over the environment.
+            let _ = GLOBAL_SWITCH.compare_exchange(
+                0,
+                if off { 2 } else { 1 },
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+            !off
+        }
+    }
+}
+
+/// How many times `op` ran its fused kernel on this thread.
+pub fn kernel_calls(op: FusedOp) -> u64 {
+    CALLS.with(|c| c.get()[op.slot()])
+}
+
+/// The path `op` took the last time it ran on this thread (`None` if it never ran).
+pub fn last_path(op: FusedOp) -> Option<KernelPath> {
+    LAST.with(|l| l.get()[op.slot()])
+}
+
+/// Records that `op` ran on `path` (the ops call this; so do the autodiff backward passes).
+pub(crate) fn record(op: FusedOp, path: KernelPath) {
+    LAST.with(|l| {
+        let mut v = l.get();
+        v[op.slot()] = Some(path);
+        l.set(v);
+    });
+    if path == KernelPath::Kernel {
+        CALLS.with(|c| {
+            let mut v = c.get();
+            v[op.slot()] += 1;
+            c.set(v);
+        });
+    }
+}
+
+/// Every kernel family a dispatched backend provides: [`MoeKernels`] and [`KdaKernels`].
+pub trait FusedKernels: MoeKernels + KdaKernels {}
+
+impl<B: MoeKernels + KdaKernels> FusedKernels for B {}
+
+/// An op's arguments, ready to run on a concrete kernel backend `K` (which is `B` itself: the
+/// dispatch only calls [`run`](Self::run) after matching the types).
+pub(crate) trait KernelOp<B: Backend>: Sized {
+    /// The result, in `B`'s types.
+    type Output;
+    /// Runs on `K` (`== B`); use [`same`] to move values between the two names of the type.
+    fn run<K: FusedKernels>(self) -> Self::Output;
+}
+
+/// Moves a value between two names of the same type (`T == U`, checked at run time).
+///
+/// # Panics
+/// If the types differ (a bug in the dispatch, which compares `TypeId`s first).
+pub(crate) fn same<T: 'static, U: 'static>(x: T) -> U {
+    let mut slot = Some(x);
+    (&mut slot as &mut dyn Any)
+        .downcast_mut::<Option<U>>()
+        .and_then(Option::take)
+        .expect("kernel dispatch: the backend types must match")
+}
+
+/// Runs `op` on the fused kernels when `B` is one of the listed CubeCL backends and the kernels
+/// are enabled; otherwise hands `op` back for the reference path.
+pub(crate) fn on_kernels<B: Backend, O: KernelOp<B>>(op: O) -> Result<O::Output, O> {
+    if !kernels_enabled() {
+        return Err(op);
+    }
+    let id = TypeId::of::<B>();
+    // One line per concrete backend type: the single list of automatically dispatched backends.
+    macro_rules! try_backend {
+        ($K:ty) => {
+            if id == TypeId::of::<$K>() {
+                return Ok(op.run::<$K>());
+            }
+        };
+    }
+    macro_rules! with_autodiff {
+        ($K:ty) => {
+            try_backend!($K);
+            #[cfg(feature = "autodiff")]
+            {
+                use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+                try_backend!(burn::backend::Autodiff<$K>);
+                try_backend!(burn::backend::Autodiff<$K, BalancedCheckpointing>);
+            }
+        };
+    }
+    // Each CubeCL backend type plain and wrapped in `Fusion` (what `burn::backend::Wgpu` / `Cuda`
+    // name with Burn's default features): the aliases change meaning with Burn's features, the
+    // types do not.
+    macro_rules! with_fusion {
+        ($K:ty) => {
+            with_autodiff!($K);
+            with_autodiff!(burn_fusion::Fusion<$K>);
+        };
+    }
+    #[cfg(feature = "wgpu")]
+    {
+        use crate::backends::WgpuCube;
+        with_fusion!(WgpuCube<f32>);
+        with_fusion!(WgpuCube<half::f16>);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        use crate::backends::CudaCube;
+        with_fusion!(CudaCube<f32>);
+        with_fusion!(CudaCube<half::f16>);
+        with_fusion!(CudaCube<half::bf16>);
+    }
+    let _ = id;
+    Err(op)
+}
+
+/// Whether `B` takes the kernel path now (kernels enabled and `B` in the list of [`on_kernels`]).
+/// Callers check it before preparing kernel-only inputs (e.g. stacking the expert weights).
+pub(crate) fn kernels_available<B: Backend>() -> bool {
+    struct Probe;
+    impl<B: Backend> KernelOp<B> for Probe {
+        type Output = ();
+        fn run<K: FusedKernels>(self) {}
+    }
+    on_kernels::<B, _>(Probe).is_ok()
+}
