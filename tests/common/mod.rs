@@ -42,6 +42,36 @@ macro_rules! on_backends {
 }
 pub(crate) use on_backends;
 
+/// The tests `$f16` and `$bf16`, each calling `$check(name, DType, FloatDType)` for its storage
+/// type. The bf16 one is ignored, with the reason, where CI's device (lavapipe) has no bf16; it
+/// runs on CUDA (`scripts/cuda-check.sh`). Either fails when its device lacks the dtype.
+macro_rules! half_storage_tests {
+    ($f16:ident, $bf16:ident, $check:ident) => {
+        #[test]
+        fn $f16() {
+            $check(
+                "f16",
+                burn::tensor::DType::F16,
+                burn::tensor::FloatDType::F16,
+            );
+        }
+
+        #[test]
+        #[cfg_attr(
+            not(feature = "cuda"),
+            ignore = "bf16 storage: lavapipe (wgpu in CI) has none; scripts/cuda-check.sh runs it on CUDA"
+        )]
+        fn $bf16() {
+            $check(
+                "bf16",
+                burn::tensor::DType::BF16,
+                burn::tensor::FloatDType::BF16,
+            );
+        }
+    };
+}
+pub(crate) use half_storage_tests;
+
 /// A seeded generator; every test uses its own seed.
 pub fn rng(seed: u64) -> StdRng {
     StdRng::seed_from_u64(seed)

@@ -340,19 +340,7 @@ mod recurrent {
         assert_close(&format!("{name} S_T"), &host(s_ref), &host(s), 5e-3);
     }
 
-    #[test]
-    fn half_storage_f16() {
-        half_storage_in("f16", DType::F16, FloatDType::F16);
-    }
-
-    #[test]
-    #[cfg_attr(
-        not(feature = "cuda"),
-        ignore = "bf16 storage: lavapipe (wgpu in CI) has none; scripts/cuda-check.sh runs it on CUDA"
-    )]
-    fn half_storage_bf16() {
-        half_storage_in("bf16", DType::BF16, FloatDType::BF16);
-    }
+    crate::common::half_storage_tests!(half_storage_f16, half_storage_bf16, half_storage_in);
 }
 
 mod chunked {
@@ -701,19 +689,11 @@ mod chunked {
         }
     }
 
-    #[test]
-    fn half_storage_gradients_f16() {
-        half_storage_gradients_in("f16", DType::F16, FloatDType::F16);
-    }
-
-    #[test]
-    #[cfg_attr(
-        not(feature = "cuda"),
-        ignore = "bf16 storage: lavapipe (wgpu in CI) has none; scripts/cuda-check.sh runs it on CUDA"
-    )]
-    fn half_storage_gradients_bf16() {
-        half_storage_gradients_in("bf16", DType::BF16, FloatDType::BF16);
-    }
+    crate::common::half_storage_tests!(
+        half_storage_gradients_f16,
+        half_storage_gradients_bf16,
+        half_storage_gradients_in
+    );
 
     /// f16 / bf16 q, k, v against the f32 naive recurrence of the rounded inputs (5e-3).
     fn half_storage_in(name: &str, dtype: DType, fdtype: FloatDType) {
@@ -729,19 +709,7 @@ mod chunked {
         assert_close(&format!("{name} S_T"), &host(s_ref), &host(s), 5e-3);
     }
 
-    #[test]
-    fn half_storage_f16() {
-        half_storage_in("f16", DType::F16, FloatDType::F16);
-    }
-
-    #[test]
-    #[cfg_attr(
-        not(feature = "cuda"),
-        ignore = "bf16 storage: lavapipe (wgpu in CI) has none; scripts/cuda-check.sh runs it on CUDA"
-    )]
-    fn half_storage_bf16() {
-        half_storage_in("bf16", DType::BF16, FloatDType::BF16);
-    }
+    crate::common::half_storage_tests!(half_storage_f16, half_storage_bf16, half_storage_in);
 }
 
 mod norm {
@@ -829,19 +797,7 @@ mod norm {
         assert_close(&format!("{name} y"), &host(y_ref), &host(y), 5e-3);
     }
 
-    #[test]
-    fn half_storage_f16() {
-        half_storage_in("f16", DType::F16, FloatDType::F16);
-    }
-
-    #[test]
-    #[cfg_attr(
-        not(feature = "cuda"),
-        ignore = "bf16 storage: lavapipe (wgpu in CI) has none; scripts/cuda-check.sh runs it on CUDA"
-    )]
-    fn half_storage_bf16() {
-        half_storage_in("bf16", DType::BF16, FloatDType::BF16);
-    }
+    crate::common::half_storage_tests!(half_storage_f16, half_storage_bf16, half_storage_in);
 }
 
 mod conv {

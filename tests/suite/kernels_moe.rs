@@ -242,19 +242,7 @@ mod situ {
         }
     }
 
-    #[test]
-    fn half_storage_f16() {
-        half_storage_in("f16", DType::F16, FloatDType::F16);
-    }
-
-    #[test]
-    #[cfg_attr(
-        not(feature = "cuda"),
-        ignore = "bf16 storage: lavapipe (wgpu in CI) has none; scripts/cuda-check.sh runs it on CUDA"
-    )]
-    fn half_storage_bf16() {
-        half_storage_in("bf16", DType::BF16, FloatDType::BF16);
-    }
+    crate::common::half_storage_tests!(half_storage_f16, half_storage_bf16, half_storage_in);
 }
 
 mod routing {
