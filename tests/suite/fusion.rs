@@ -29,7 +29,7 @@ const TRAINING_KERNELS: [FusedOp; 12] = [
     FusedOp::RmsNormGatedBackward,
 ];
 
-type Snapshot = (Vec<f64>, Vec<(String, Vec<f64>, Option<Vec<f64>>)>);
+type Snapshot = (Vec<f64>, Vec<crate::model::ParamState>);
 
 /// One training forward and backward of `file`'s weights on `B`, and how many times each training
 /// kernel ran in it.

@@ -227,19 +227,22 @@ fn checkpoint_round_trip_and_mismatches_name_the_tensors() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A parameter's path, value and gradient (`None`: not in the graph, or no gradients given).
+pub(crate) type ParamState = (String, Vec<f64>, Option<Vec<f64>>);
+
 /// Every float parameter of a module, by path: its value and, when gradients are given, its
 /// gradient (`None` when the parameter is not in the graph at all).
 pub(crate) struct ParamSnapshot<'a, B: AutodiffBackend> {
     path: Vec<String>,
     grads: Option<&'a B::Gradients>,
-    params: Vec<(String, Vec<f64>, Option<Vec<f64>>)>,
+    params: Vec<ParamState>,
 }
 
 impl<'a, B: AutodiffBackend> ParamSnapshot<'a, B> {
     pub(crate) fn take<M: Module<B>>(
         model: &M,
         grads: Option<&'a B::Gradients>,
-    ) -> Vec<(String, Vec<f64>, Option<Vec<f64>>)> {
+    ) -> Vec<ParamState> {
         let mut s = Self {
             path: Vec::new(),
             grads,
@@ -413,7 +416,7 @@ pub(crate) fn logits_and_grads<B: AutodiffBackend>(
     [batch, t]: [usize; 2],
     vocab: usize,
     device: &B::Device,
-) -> (Vec<f64>, Vec<(String, Vec<f64>, Option<Vec<f64>>)>) {
+) -> (Vec<f64>, Vec<ParamState>) {
     let x = Tensor::<B, 2, Int>::from_data(TensorData::new(ids.to_vec(), [batch, t]), device);
     let target = x.clone().slice([0..batch, 1..t]).reshape([batch * (t - 1)]);
     let logits = model.forward(x);
