@@ -16,6 +16,7 @@ pub mod mla;
 pub mod moe;
 pub mod norm;
 pub mod precision;
+pub mod quant;
 
 pub use backend::{kernel_calls, last_path, set_kernels, with_kernels, FusedOp, KernelPath};
 pub use moe::situ::{situ_glu, situ_glu_weighted};

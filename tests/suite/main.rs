@@ -19,4 +19,5 @@ mod mla;
 mod model;
 mod moe;
 mod optim;
+mod quant;
 mod train;

@@ -1,0 +1,326 @@
+//! MX (OCP Microscaling v1.0) fake quantisation for quantisation-aware training (design §9).
+//!
+//! Blocks of [`MX_BLOCK`] = 32 consecutive values along one axis share a power-of-two scale `X`
+//! (stored as E8M0, `2^-127 … 2^127`); each value is stored as an element `Q(x / X)` of an FP4
+//! (E2M1: ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}) or FP8 (E4M3, max 448; E5M2, max 57344) format, rounded
+//! to nearest with ties to even and saturating at the format's largest value. A row whose length
+//! is not a multiple of 32 ends with a shorter block of its own.
+//!
+//! [`mx_fake_quant`] returns `X · Q(x / X)` in the input dtype with a straight-through gradient;
+//! [`quantize_mx`] / [`dequantize_mx`] pack to and from real MX storage, and
+//! `dequantize_mx(quantize_mx(x)) == mx_fake_quant(x)` bit for bit. Every zero comes out as `+0`.
+//!
+//! Paths: on the CPU backends an exact host loop; elsewhere tensor ops that are exact too (powers
+//! of two by repeated exact scaling, the element grid by comparisons with its binade bounds), so
+//! both give the same bits. A CubeCL kernel is not written yet: on wgpu and CUDA the tensor ops
+//! run.
+
+mod pack;
+pub(crate) mod scalar;
+
+use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
+
+use crate::error::{Error, Result};
+use crate::ops::layout;
+use crate::ops::precision::{restore, widen};
+
+pub use pack::{dequantize_mx, quantize_mx, MxTensor};
+
+/// Values per MX block.
+pub const MX_BLOCK: usize = 32;
+
+/// The element format of an MX block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub enum MxFormat {
+    /// MXFP4: FP4 E2M1, values ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+    Fp4E2M1,
+    /// MXFP8 with FP8 E4M3 (no infinities, max 448).
+    Fp8E4M3,
+    /// MXFP8 with FP8 E5M2 (max 57344).
+    Fp8E5M2,
+}
+
+/// How a block's shared scale is chosen from its largest magnitude `amax`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub enum MxScaleRule {
+    /// The specification's rule `X = 2^(floor(log2 amax) − emax_elem)`: the largest values of a
+    /// block may be clipped to the format's maximum, by up to 25% for E2M1.
+    Floor,
+    /// `X = 2^ceil(log2(amax / max_elem))`: the smallest scale that clips nothing.
+    Ceil,
+}
+
+/// The gradient of [`mx_fake_quant_with`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum MxGradient {
+    /// The upstream gradient unchanged (straight-through estimator).
+    #[default]
+    StraightThrough,
+    /// Straight through, but zero where a value was clipped to the format's maximum.
+    ZeroWhereClipped,
+}
+
+/// MX fake quantisation `X · Q(x / X)` in blocks of 32 along `axis`, in the input dtype, with a
+/// straight-through gradient.
+///
+/// Inputs must be finite: a block holding NaN or an infinity gives unspecified values (use
+/// [`try_mx_fake_quant`], which checks, where that can happen).
+///
+/// # Panics
+/// If `axis ≥ D`.
+pub fn mx_fake_quant<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    format: MxFormat,
+    rule: MxScaleRule,
+    axis: usize,
+) -> Tensor<B, D> {
+    mx_fake_quant_with(x, format, rule, axis, MxGradient::StraightThrough)
+}
+
+/// [`mx_fake_quant`] that rejects a bad axis and non-finite input (one host read of the input's
+/// finiteness) with an [`Error`].
+pub fn try_mx_fake_quant<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    format: MxFormat,
+    rule: MxScaleRule,
+    axis: usize,
+) -> Result<Tensor<B, D>> {
+    check_axis::<D>(axis)?;
+    let finite = x
+        .clone()
+        .is_finite()
+        .all()
+        .into_data()
+        .iter::<bool>()
+        .all(|b| b);
+    if !finite {
+        return Err(Error::NonFinite {
+            what: "mx_fake_quant input".into(),
+            detail: "NaN or an infinity: an MX block scale is undefined".into(),
+        });
+    }
+    Ok(mx_fake_quant(x, format, rule, axis))
+}
+
+/// [`mx_fake_quant`] with a choice of gradient.
+///
+/// # Panics
+/// If `axis ≥ D`.
+pub fn mx_fake_quant_with<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    format: MxFormat,
+    rule: MxScaleRule,
+    axis: usize,
+    gradient: MxGradient,
+) -> Tensor<B, D> {
+    check_axis::<D>(axis).unwrap_or_else(|e| panic!("{e}"));
+    let (xf, dtype) = widen(x);
+    let values = fake_values(xf.clone().detach(), format, rule, axis);
+    // Forward: `values + (x − x)`, which is `values` exactly; backward: the upstream gradient.
+    let through = xf.clone().sub(xf.clone().detach());
+    let through = match gradient {
+        MxGradient::StraightThrough => through,
+        MxGradient::ZeroWhereClipped => {
+            let clipped = clipped_mask(xf.detach(), format, rule, axis);
+            through.mask_fill(clipped, 0.0)
+        }
+    };
+    restore(values.add(through), dtype)
+}
+
+fn check_axis<const D: usize>(axis: usize) -> Result<()> {
+    if axis >= D {
+        return Err(Error::argument(
+            "axis",
+            format!("must be below the rank {D}, got {axis}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The fake-quantised values (no gradient), f32 or f64 in, same dtype out.
+fn fake_values<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    format: MxFormat,
+    rule: MxScaleRule,
+    axis: usize,
+) -> Tensor<B, D> {
+    let last = D - 1;
+    let x = x.swap_dims(axis, last);
+    let y = if crate::ops::backend::host::is_cpu_backend::<B>() && x.dtype() == DType::F32 {
+        host_values(x, format, rule)
+    } else {
+        reference_values(x, format, rule)
+    };
+    y.swap_dims(axis, last)
+}
+
+/// The exact host loop ([`scalar`]) over the last axis.
+fn host_values<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    format: MxFormat,
+    rule: MxScaleRule,
+) -> Tensor<B, D> {
+    let dims = x.dims();
+    let device = x.device();
+    let mut data: Vec<f32> = x.into_data().iter::<f32>().collect();
+    scalar::fake_quant_rows(&mut data, dims[D - 1], format, rule);
+    Tensor::from_data(TensorData::new(data, dims), &device)
+}
+
+/// Bounds for the binary decomposition of exponents in `[-191, 127]`.
+const EXPONENT_BITS: [i32; 7] = [64, 32, 16, 8, 4, 2, 1];
+
+/// `x · 2^s` for an integer-valued `s` in `[-127, 127]` (broadcast), exactly: one multiplication by
+/// `2^(±b)` per set bit of `|s|`, so every intermediate is exact when the result is.
+fn scale_pow2<B: Backend, const D: usize>(mut x: Tensor<B, D>, s: Tensor<B, D>) -> Tensor<B, D> {
+    let neg = s.clone().lower_elem(0.0);
+    let mut m = s.abs();
+    for b in EXPONENT_BITS {
+        let bit = m.clone().greater_equal_elem(b as f64);
+        m = m.sub(bit.clone().float().mul_scalar(b as f64));
+        let factor = x
+            .ones_like()
+            .mask_fill(
+                bit.clone().bool_and(neg.clone().bool_not()),
+                scalar::pow2(b) as f64,
+            )
+            .mask_fill(bit.bool_and(neg.clone()), scalar::pow2(-b) as f64);
+        x = x.mul(factor);
+    }
+    x
+}
+
+/// `(r, e)` with `amax = r · 2^e`, `r ∈ [1, 2)` (`r = 0`, `e = 0` for zero), exactly, for finite
+/// `amax ≥ 0` down to the smallest subnormal.
+fn normalise<B: Backend, const D: usize>(amax: Tensor<B, D>) -> (Tensor<B, D>, Tensor<B, D>) {
+    let mut r = amax;
+    let mut e = r.zeros_like();
+    for b in EXPONENT_BITS {
+        let m = r.clone().greater_equal_elem(scalar::pow2(b) as f64);
+        r = r
+            .clone()
+            .mask_where(m.clone(), r.mul_scalar(scalar::pow2(-b) as f64));
+        e = e.add(m.float().mul_scalar(b as f64));
+    }
+    for b in [64, 64, 32, 16, 8, 4, 2, 1] {
+        let m = r
+            .clone()
+            .lower_elem(scalar::pow2(1 - b) as f64)
+            .bool_and(r.clone().greater_elem(0.0));
+        r = r
+            .clone()
+            .mask_where(m.clone(), r.mul_scalar(scalar::pow2(b) as f64));
+        e = e.sub(m.float().mul_scalar(b as f64));
+    }
+    (r, e)
+}
+
+/// The last axis as `[rows, blocks, 32]` (zero-padded) and the original dims.
+fn blocks<B: Backend, const D: usize>(x: Tensor<B, D>) -> (Tensor<B, 3>, [usize; D]) {
+    let dims = x.dims();
+    let len = dims[D - 1];
+    let rows = dims.iter().product::<usize>() / len.max(1);
+    let nb = len.div_ceil(MX_BLOCK);
+    let flat: Tensor<B, 2> = layout::reshape(x, [rows, len]);
+    let padded = if nb * MX_BLOCK > len {
+        let pad = Tensor::zeros([rows, nb * MX_BLOCK - len], (&flat.device(), flat.dtype()));
+        Tensor::cat(vec![flat, pad], 1)
+    } else {
+        flat
+    };
+    (padded.reshape([rows, nb, MX_BLOCK]), dims)
+}
+
+/// Back from [`blocks`].
+fn unblocks<B: Backend, const D: usize>(y: Tensor<B, 3>, dims: [usize; D]) -> Tensor<B, D> {
+    let [rows, nb, _] = y.dims();
+    let len = dims[D - 1];
+    let flat = y.reshape([rows, nb * MX_BLOCK]).narrow(1, 0, len);
+    layout::reshape(flat, dims)
+}
+
+/// The scale exponent of every block `[rows, blocks, 1]` (0 for all-zero blocks).
+fn block_exponents<B: Backend>(
+    xb: &Tensor<B, 3>,
+    format: MxFormat,
+    rule: MxScaleRule,
+) -> Tensor<B, 3> {
+    let e = format.elem();
+    let amax = xb.clone().abs().max_dim(2);
+    let zero = amax.clone().equal_elem(0.0);
+    let (r, top) = normalise(amax);
+    let mut s = top.sub_scalar(e.emax as f64);
+    if rule == MxScaleRule::Ceil {
+        let beyond = r
+            .mul_scalar(scalar::pow2(e.emax) as f64)
+            .greater_elem(e.max as f64);
+        s = s.add(beyond.float());
+    }
+    s.clamp(-127.0, 127.0).mask_fill(zero, 0.0)
+}
+
+/// The element grid: `v` rounded to nearest (ties to even), saturating.
+fn quantize_elements<B: Backend>(v: Tensor<B, 3>, format: MxFormat) -> Tensor<B, 3> {
+    let e = format.elem();
+    let a = v.clone().abs();
+    let mut step = a
+        .zeros_like()
+        .add_scalar(scalar::pow2(e.emin - e.mbits) as f64);
+    for k in e.emin + 1..=e.emax {
+        let above = a.clone().greater_equal_elem(scalar::pow2(k) as f64);
+        step = step.mask_fill(above, scalar::pow2(k - e.mbits) as f64);
+    }
+    let q = a
+        .div(step.clone())
+        .round()
+        .mul(step)
+        .clamp_max(e.max as f64);
+    q.clone().mask_where(v.lower_elem(0.0), q.neg())
+}
+
+/// The tensor-op form over the last axis (exact: see the module docs).
+fn reference_values<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    format: MxFormat,
+    rule: MxScaleRule,
+) -> Tensor<B, D> {
+    let (xb, dims) = blocks(x);
+    let s = block_exponents(&xb, format, rule);
+    let v = scale_pow2(xb, s.clone().neg().expand_like_last());
+    let q = quantize_elements(v, format);
+    let y = scale_pow2(q, s.expand_like_last()).add_scalar(0.0);
+    unblocks(y, dims)
+}
+
+/// Where `|x / X|` exceeds the element maximum (the values [`MxGradient::ZeroWhereClipped`] stops).
+fn clipped_mask<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    format: MxFormat,
+    rule: MxScaleRule,
+    axis: usize,
+) -> Tensor<B, D, burn::tensor::Bool> {
+    let last = D - 1;
+    let (xb, dims) = blocks(x.swap_dims(axis, last));
+    let s = block_exponents(&xb, format, rule);
+    let v = scale_pow2(xb, s.neg().expand_like_last());
+    let clipped = v.abs().greater_elem(format.elem().max as f64).float();
+    unblocks(clipped, dims)
+        .swap_dims(axis, last)
+        .equal_elem(1.0)
+}
+
+/// Broadcasts `[rows, blocks, 1]` over the block.
+trait ExpandLast<B: Backend> {
+    fn expand_like_last(self) -> Tensor<B, 3>;
+}
+
+impl<B: Backend> ExpandLast<B> for Tensor<B, 3> {
+    fn expand_like_last(self) -> Tensor<B, 3> {
+        let [rows, nb, _] = self.dims();
+        self.expand([rows, nb, MX_BLOCK])
+    }
+}

@@ -1,0 +1,333 @@
+//! MX fake quantisation and packing (design §9) against values worked out by hand from the OCP
+//! Microscaling v1.0 rules, and every path against every other bit for bit.
+
+use crate::common::*;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, TensorData};
+use kimi_burn::ops::quant::{
+    dequantize_mx, mx_fake_quant, mx_fake_quant_with, quantize_mx, try_mx_fake_quant, MxFormat,
+    MxGradient, MxScaleRule,
+};
+use kimi_burn::ops::with_kernels;
+use kimi_burn::Error;
+
+const FORMATS: [MxFormat; 3] = [MxFormat::Fp4E2M1, MxFormat::Fp8E4M3, MxFormat::Fp8E5M2];
+const RULES: [MxScaleRule; 2] = [MxScaleRule::Floor, MxScaleRule::Ceil];
+
+/// Every finite non-negative value of a format, from the specification's tables: E2M1 listed,
+/// E4M3 (bias 7, no infinities, S.1111.111 is NaN) and E5M2 (bias 15, exponent 31 reserved) from
+/// their fields.
+fn representable(format: MxFormat) -> Vec<f32> {
+    let (ebits, mbits, bias, skip_top) = match format {
+        MxFormat::Fp4E2M1 => return vec![0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
+        MxFormat::Fp8E4M3 => (4, 3, 7, false),
+        MxFormat::Fp8E5M2 => (5, 2, 15, true),
+        _ => unreachable!(),
+    };
+    let mut out = Vec::new();
+    for field in 0..(1 << ebits) {
+        if skip_top && field == (1 << ebits) - 1 {
+            continue;
+        }
+        for mant in 0..(1 << mbits) {
+            if !skip_top && field == (1 << ebits) - 1 && mant == (1 << mbits) - 1 {
+                continue; // E4M3 NaN
+            }
+            let m = mant as f64 / (1 << mbits) as f64;
+            let v = if field == 0 {
+                m * 2f64.powi(1 - bias)
+            } else {
+                (1.0 + m) * 2f64.powi(field - bias)
+            };
+            out.push(v as f32);
+        }
+    }
+    out
+}
+
+fn max_of(format: MxFormat) -> f32 {
+    *representable(format).last().unwrap()
+}
+
+fn tensor<B: Backend, const D: usize>(
+    v: &[f32],
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::new(v.to_vec(), shape), device)
+}
+
+fn bits_of<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<u32> {
+    t.into_data().iter::<f32>().map(f32::to_bits).collect()
+}
+
+#[test]
+fn every_representable_value_round_trips() {
+    let d = Default::default();
+    for format in FORMATS {
+        let values = representable(format);
+        assert_eq!(
+            max_of(format),
+            [6.0, 448.0, 57344.0][FORMATS.iter().position(|f| *f == format).unwrap()]
+        );
+        // Blocks holding the format's maximum have scale 1 under both rules.
+        let mut all: Vec<f32> = values.iter().flat_map(|&v| [v, -v]).collect();
+        all.retain(|v| *v != 0.0 || v.is_sign_positive());
+        for chunk in all.chunks(31) {
+            let mut block = chunk.to_vec();
+            block.push(max_of(format));
+            let n = block.len();
+            for rule in RULES {
+                let x = tensor::<Cpu, 1>(&block, [n], &d);
+                let y = mx_fake_quant(x.clone(), format, rule, 0);
+                assert_eq!(bits_of(y), bits_of(x.clone()), "{format:?} {rule:?}");
+                let mx = quantize_mx(x.clone(), format, rule, 0).unwrap();
+                let back: Tensor<Cpu, 1> = dequantize_mx(&mx, &d).unwrap();
+                assert_eq!(bits_of(back), bits_of(x), "{format:?} {rule:?} packed");
+            }
+        }
+    }
+}
+
+/// One block of E2M1 worked by hand. Floor: amax 7 → 2^(2 − 2) = 1; ties go to the even
+/// mantissa; 7 saturates to 6. Ceil: 7 / 4 = 1.75 beyond 6 / 4 → X = 2.
+#[test]
+fn hand_computed_e2m1_blocks() {
+    let d = Default::default();
+    let x = [7.0, 0.25, 0.75, 1.25, 2.5, 5.0, -3.5, 0.1];
+    // Floor, X = 1: 0.25 ties 0 and 0.5 → 0; 0.75 ties 0.5 and 1 → 1; 1.25 → 1; 2.5 → 2; 5 → 4;
+    // 3.5 ties 3 and 4 → 4 (each tie to the even mantissa).
+    let floor = [6.0, 0.0, 1.0, 1.0, 2.0, 4.0, -4.0, 0.0];
+    // Ceil, X = 2 (halves: 3.5, 0.125, 0.375, 0.625, 1.25, 2.5, −1.75, 0.05): 3.5 → 4 → 8;
+    // 0.375 and 0.625 → 0.5 → 1; 1.25 → 1 → 2; 2.5 → 2 → 4; 1.75 ties 1.5 and 2 → 2 → 4.
+    let ceil = [8.0, 0.0, 1.0, 1.0, 2.0, 4.0, -4.0, 0.0];
+    for (rule, want) in [(MxScaleRule::Floor, floor), (MxScaleRule::Ceil, ceil)] {
+        let y = mx_fake_quant(tensor::<Cpu, 1>(&x, [8], &d), MxFormat::Fp4E2M1, rule, 0);
+        assert_eq!(host(y), want.map(f64::from).to_vec(), "{rule:?}");
+    }
+    // The floor rule clips the block's largest value by up to 25%: 7.9 → 6.
+    let y = mx_fake_quant(
+        tensor::<Cpu, 1>(&[7.9, 1.0], [2], &d),
+        MxFormat::Fp4E2M1,
+        MxScaleRule::Floor,
+        0,
+    );
+    assert_eq!(host(y), vec![6.0, 1.0]);
+    // A block of zeros keeps scale 1 and stays zero (every zero +0).
+    let y = mx_fake_quant(
+        tensor::<Cpu, 1>(&[0.0, -0.0], [2], &d),
+        MxFormat::Fp4E2M1,
+        MxScaleRule::Ceil,
+        0,
+    );
+    assert_eq!(bits_of(y), vec![0, 0]);
+}
+
+/// FP8 subnormals, ties and saturation, worked by hand.
+#[test]
+fn hand_computed_fp8_blocks() {
+    let d = Default::default();
+    let s = 2f32.powi(-9); // E4M3's subnormal spacing (scale 1: the block holds 448)
+    let x = [448.0, 3.0 * s, 0.5 * s, 1.5 * s, 460.0, -100.0];
+    // 0.5·s ties 0 and s → 0 (even); 1.5·s ties s (mantissa 1) and 2s (mantissa 2) → 2s; 460 > 448
+    // saturates; 100 ties 96 and 104 (step 8 in [64, 128)) → 96.
+    let want = [448.0, 3.0 * s, 0.0, 2.0 * s, 448.0, -96.0];
+    let y = mx_fake_quant(
+        tensor::<Cpu, 1>(&x, [6], &d),
+        MxFormat::Fp8E4M3,
+        MxScaleRule::Floor,
+        0,
+    );
+    assert_eq!(host(y), want.map(f64::from).to_vec());
+    // E5M2: 60000 has floor(log2) = 15 = emax → scale 1, saturates to 57344 under the floor rule;
+    // the ceil rule takes X = 2 (60000 / 32768 > 1.75) and 30000 → 28672 (step 4096, 30000 is
+    // nearer 28672 than 32768) → 57344.
+    let y = mx_fake_quant(
+        tensor::<Cpu, 1>(&[60000.0], [1], &d),
+        MxFormat::Fp8E5M2,
+        MxScaleRule::Floor,
+        0,
+    );
+    assert_eq!(host(y), vec![57344.0]);
+    let y = mx_fake_quant(
+        tensor::<Cpu, 1>(&[60000.0], [1], &d),
+        MxFormat::Fp8E5M2,
+        MxScaleRule::Ceil,
+        0,
+    );
+    assert_eq!(host(y), vec![57344.0]);
+}
+
+/// A row of 40 values is a block of 32 and one of 8, each with its own scale; the axis can be
+/// any dimension.
+#[test]
+fn the_last_partial_block_has_its_own_scale_on_any_axis() {
+    let d = Default::default();
+    let mut row = vec![1.0f32; 40];
+    row[0] = 6.0; // first block: amax 6 → scale 1
+    row[32..].fill(0.5);
+    row[32] = 0.75; // second block: amax 0.75 → 2^(−1 − 2) = 1/8
+    row[33] = 0.1; // 0.8 in units of 1/8 → 1 → 0.125
+    let want: Vec<f64> = row
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| match i {
+            33 => 0.125,
+            _ => v as f64,
+        })
+        .collect();
+    let y = mx_fake_quant(
+        tensor::<Cpu, 1>(&row, [40], &d),
+        MxFormat::Fp4E2M1,
+        MxScaleRule::Floor,
+        0,
+    );
+    assert_eq!(host(y), want);
+    // The same values along axis 0 of a [40, 2] tensor.
+    let cols: Vec<f32> = row.iter().flat_map(|&v| [v, v]).collect();
+    let y = mx_fake_quant(
+        tensor::<Cpu, 2>(&cols, [40, 2], &d),
+        MxFormat::Fp4E2M1,
+        MxScaleRule::Floor,
+        0,
+    );
+    let y = host(y);
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!((y[2 * i], y[2 * i + 1]), (*w, *w), "row {i}");
+    }
+}
+
+/// Random inputs spanning many binades, including subnormal and huge blocks.
+fn wide_random(seed: u64, n: usize) -> Vec<f32> {
+    let mut r = rng(seed);
+    normal_vec(&mut r, 2 * n)
+        .chunks(2)
+        .enumerate()
+        .map(|(i, p)| {
+            let exp = match i / 32 % 4 {
+                0 => (p[1] * 3.0) as i32,
+                1 => -120 - (p[1].abs() * 20.0) as i32,
+                2 => 100 + (p[1].abs() * 20.0) as i32,
+                _ => (p[1] * 40.0) as i32,
+            };
+            (p[0] * 2f64.powi(exp.clamp(-148, 125))) as f32
+        })
+        .collect()
+}
+
+/// The host loop, the tensor-op reference on ndarray and on wgpu, and the packed round trip all
+/// give the same bits; the fake quantisation is idempotent.
+fn check_paths_agree<B: AutodiffBackend>(device: &B::Device) {
+    let cpu = Default::default();
+    let v = wide_random(71, 3 * 45 * 4);
+    for format in FORMATS {
+        for rule in RULES {
+            for axis in [0, 1] {
+                let on = |d: &B::Device, kernels: bool| {
+                    with_kernels(kernels, || {
+                        bits_of(mx_fake_quant(
+                            tensor::<B, 2>(&v, [3 * 45, 4], d),
+                            format,
+                            rule,
+                            axis,
+                        ))
+                    })
+                };
+                let host_bits = with_kernels(true, || {
+                    bits_of(mx_fake_quant(
+                        tensor::<Cpu, 2>(&v, [3 * 45, 4], &cpu),
+                        format,
+                        rule,
+                        axis,
+                    ))
+                });
+                let what = format!("{format:?} {rule:?} axis {axis}");
+                assert_eq!(
+                    on(device, true),
+                    host_bits,
+                    "{what}: this backend's path vs the host loop"
+                );
+                assert_eq!(
+                    on(device, false),
+                    host_bits,
+                    "{what}: the reference vs the host loop"
+                );
+                let x = tensor::<Cpu, 2>(&v, [3 * 45, 4], &cpu);
+                let mx = quantize_mx(x, format, rule, axis).unwrap();
+                let back: Tensor<Cpu, 2> = dequantize_mx(&mx, &cpu).unwrap();
+                assert_eq!(bits_of(back), host_bits, "{what}: packed round trip");
+                let again: Vec<f32> = host_bits.iter().map(|b| f32::from_bits(*b)).collect();
+                let twice = bits_of(mx_fake_quant(
+                    tensor::<Cpu, 2>(&again, [3 * 45, 4], &cpu),
+                    format,
+                    rule,
+                    axis,
+                ));
+                assert_eq!(twice, host_bits, "{what}: idempotent");
+            }
+        }
+    }
+}
+on_backends!(paths_agree, check_paths_agree);
+
+/// The packed size: 4.25 bits per FP4 value (a code nibble and a scale byte per 32), 8.25 for FP8.
+#[test]
+fn packed_storage_has_the_mx_size() {
+    let d = Default::default();
+    let v = wide_random(72, 64 * 4);
+    let x = tensor::<Cpu, 2>(&v, [64, 4], &d);
+    let fp4 = quantize_mx(x.clone(), MxFormat::Fp4E2M1, MxScaleRule::Floor, 0).unwrap();
+    assert_eq!((fp4.codes.len(), fp4.scales.len()), (128, 8));
+    let fp8 = quantize_mx(x, MxFormat::Fp8E4M3, MxScaleRule::Floor, 0).unwrap();
+    assert_eq!((fp8.codes.len(), fp8.scales.len()), (256, 8));
+    let mut broken = fp8.clone();
+    broken.scales.pop();
+    let err = dequantize_mx::<Cpu, 2>(&broken, &d).unwrap_err();
+    assert!(err.to_string().contains("scales"), "{err}");
+}
+
+/// Straight-through: the gradient is the upstream one; with `ZeroWhereClipped` it is zero exactly
+/// where a value was clipped (E2M1 floor: 7 and −7.5 in a block whose scale is 1).
+fn check_gradients<B: AutodiffBackend>(device: &B::Device) {
+    let x = [7.0f32, 0.3, -7.5, 2.0, 5.0];
+    let up = [0.5f32, -1.0, 2.0, 3.0, -4.0];
+    for (gradient, want) in [
+        (MxGradient::StraightThrough, up),
+        (MxGradient::ZeroWhereClipped, [0.0, -1.0, 0.0, 3.0, -4.0]),
+    ] {
+        for kernels in [true, false] {
+            let t = tensor::<B, 1>(&x, [5], device).require_grad();
+            let grads = with_kernels(kernels, || {
+                mx_fake_quant_with(
+                    t.clone(),
+                    MxFormat::Fp4E2M1,
+                    MxScaleRule::Floor,
+                    0,
+                    gradient,
+                )
+                .mul(tensor::<B, 1>(&up, [5], device))
+                .sum()
+                .backward()
+            });
+            let g = host(t.grad(&grads).unwrap());
+            assert_eq!(
+                g,
+                want.map(f64::from).to_vec(),
+                "{gradient:?}, kernels {kernels}"
+            );
+        }
+    }
+}
+on_backends!(gradients, check_gradients);
+
+#[test]
+fn non_finite_input_and_a_bad_axis_are_errors() {
+    let d = Default::default();
+    let x = tensor::<Cpu, 2>(&[1.0, f32::NAN, 2.0, 3.0], [2, 2], &d);
+    let err = try_mx_fake_quant(x.clone(), MxFormat::Fp8E4M3, MxScaleRule::Floor, 1).unwrap_err();
+    assert!(matches!(err, Error::NonFinite { .. }), "{err}");
+    let err = quantize_mx(x.clone(), MxFormat::Fp8E4M3, MxScaleRule::Floor, 1).unwrap_err();
+    assert!(matches!(err, Error::NonFinite { .. }), "{err}");
+    let err = try_mx_fake_quant(x, MxFormat::Fp8E4M3, MxScaleRule::Floor, 2).unwrap_err();
+    assert!(err.to_string().contains("axis"), "{err}");
+}
