@@ -12,9 +12,7 @@ use super::norm::{RmsNorm, RmsNormConfig};
 use super::router::{Router, RouterConfig, RouterOptions};
 use super::situ_glu::{GluActivation, SituGlu, SituGluConfig};
 use crate::error::{Error, Result};
-use crate::ops::moe::dispatch::{
-    dispatch, dispatch_fused, fused_available, DispatchPlan, StackedExperts,
-};
+use crate::ops::moe::dispatch::{dispatch, routed_experts, DispatchPlan};
 
 use crate::ops::moe::route::to_host_f32;
 
@@ -277,17 +275,24 @@ impl<B: Backend> LatentMoe<B> {
             None => flat.clone(),
         };
         let width = h.dims()[1];
-        let fused = self.stacked_experts().and_then(|experts| {
-            dispatch_fused(
-                &h,
-                &routing.indices,
-                &routing.weights,
-                valid.as_deref(),
-                &experts,
-            )
-        });
-        let mut u = match fused {
-            Some(u) => u,
+        let mut u = match self.uniform_activation() {
+            // One activation and no biases: the op picks the fused kernels or the reference.
+            Some(activation) => {
+                let experts: Vec<[Tensor<B, 2>; 3]> = self
+                    .experts
+                    .iter()
+                    .map(|e| [e.w1.weight.val(), e.w3.weight.val(), e.w2.weight.val()])
+                    .collect();
+                routed_experts(
+                    h,
+                    &routing.indices,
+                    routing.weights,
+                    &routing.selection,
+                    valid.as_deref(),
+                    &experts,
+                    activation,
+                )
+            }
             None => {
                 let plan = DispatchPlan::new(&routing.selection, valid.as_deref());
                 dispatch(h, routing.weights, &plan, width, |e, rows| {
@@ -311,32 +316,19 @@ impl<B: Backend> LatentMoe<B> {
         })
     }
 
-    /// The experts' weights stacked for the fused dispatch (`W1, W3: [n, ℓ, m_e]`,
-    /// `W2: [n, m_e, ℓ]`), or `None` when the kernels do not run on `B` (nothing is stacked then)
-    /// or the experts do not share one activation (or carry biases). The stack is rebuilt per forward; its backward
-    /// splits the gradient back to the experts' own parameters, so checkpoints and optimisers
-    /// keep seeing `experts.{e}.{w1,w3,w2}`.
-    fn stacked_experts(&self) -> Option<StackedExperts<B>> {
+    /// The experts' shared activation when they all have the same one and no biases (what
+    /// [`routed_experts`] takes), else `None`.
+    fn uniform_activation(&self) -> Option<GluActivation> {
         let first = self.experts.first()?;
-        let uniform = self.experts.iter().all(|e| {
-            e.activation == first.activation
-                && e.w1.bias.is_none()
-                && e.w3.bias.is_none()
-                && e.w2.bias.is_none()
-        });
-        if !uniform || !fused_available::<B>() {
-            return None;
-        }
-        let activation = first.activation;
-        let stack = |f: fn(&SituGlu<B>) -> &Linear<B>| {
-            Tensor::stack::<3>(self.experts.iter().map(|e| f(e).weight.val()).collect(), 0)
-        };
-        Some(StackedExperts {
-            w1: stack(|e| &e.w1),
-            w3: stack(|e| &e.w3),
-            w2: stack(|e| &e.w2),
-            activation,
-        })
+        self.experts
+            .iter()
+            .all(|e| {
+                e.activation == first.activation
+                    && e.w1.bias.is_none()
+                    && e.w3.bias.is_none()
+                    && e.w2.bias.is_none()
+            })
+            .then_some(first.activation)
     }
 
     /// Applies the balancer to the bias from the statistics accumulated since the last call

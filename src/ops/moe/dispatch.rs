@@ -201,3 +201,43 @@ pub fn dispatch_fused<B: Backend>(
     backend::record(FusedOp::MoeExperts, path);
     out
 }
+
+/// The routed experts of a dropless MoE (design §2), choosing the path itself: the fused kernels
+/// ([`dispatch_fused`], with the weights stacked for them) where they run, else [`dispatch`] over
+/// each expert's `act(h·W1, h·W3)·W2` in tensor ops.
+///
+/// `experts[e] = [W1, W3, W2]` (`[ℓ, m_e]`, `[ℓ, m_e]`, `[m_e, ℓ]`, no biases), `indices` and
+/// `weights`: `[m, k]`, `selection`: the host copy of `indices`, `valid`: `false` for padding.
+/// Returns `[m, ℓ]`.
+#[allow(clippy::too_many_arguments)]
+pub fn routed_experts<B: Backend>(
+    h: Tensor<B, 2>,
+    indices: &Tensor<B, 2, Int>,
+    weights: Tensor<B, 2>,
+    selection: &Selection,
+    valid: Option<&[bool]>,
+    experts: &[[Tensor<B, 2>; 3]],
+    activation: GluActivation,
+) -> Tensor<B, 2> {
+    if backend::kernels_available::<B>() && !experts.is_empty() {
+        let stack =
+            |i: usize| Tensor::stack::<3>(experts.iter().map(|e| e[i].clone()).collect(), 0);
+        let stacked = StackedExperts {
+            w1: stack(0),
+            w3: stack(1),
+            w2: stack(2),
+            activation,
+        };
+        if let Some(u) = dispatch_fused(&h, indices, &weights, valid, &stacked) {
+            return u;
+        }
+    }
+    let width = experts.first().map_or(h.dims()[1], |e| e[2].dims()[1]);
+    let plan = DispatchPlan::new(selection, valid);
+    dispatch(h, weights, &plan, width, |e, rows| {
+        let [w1, w3, w2] = &experts[e];
+        activation
+            .apply(rows.clone().matmul(w1.clone()), rows.matmul(w3.clone()))
+            .matmul(w2.clone())
+    })
+}
