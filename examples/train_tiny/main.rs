@@ -319,34 +319,8 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
     let mut rng = SeededRng::new(args.seed);
     let mut test_rng = SeededRng::new(args.seed ^ 0x5eed_7e57);
 
-    println!(
-        "kimi-burn train_tiny: {:?} on {:?}, {} layers ({:?}), {} params ({} active), {:?} balancer, {:?}",
-        args.task,
-        args.backend,
-        config.num_hidden_layers,
-        args.pattern,
-        config.num_params(),
-        config.active_params(),
-        args.balancer,
-        args.optimiser
-    );
-    if args.task == TaskKind::Mqar {
-        let filler = match args.filler {
-            Filler::Reserved => format!("reserved filler ({} tokens)", reserved_tokens(args)),
-            other => format!("{other:?} filler").to_lowercase(),
-        };
-        println!(
-            "MQAR: vocabulary {}, {} tokens, {} pairs, {filler}; batch {}, {} steps, lr {}",
-            args.vocab, args.seq_len, args.pairs, args.batch, args.steps, args.lr
-        );
-    }
-    let bar = ProgressBar::new(args.steps as u64);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:28} {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}",
-        )
-        .map_err(|e| e.to_string())?,
-    );
+    print_banner(args, &config);
+    let bar = progress_bar(args.steps)?;
     let moe_layers = config.num_hidden_layers - config.first_k_dense_replace;
     let mut csv = csv_header(moe_layers, args.reroute);
     let mut recent_loads: Vec<VecDeque<Vec<u64>>> = vec![VecDeque::new(); moe_layers];
@@ -377,13 +351,7 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
         model = optim.step(lr, model, grads);
         model.update_balance();
         let rerouted = if args.reroute {
-            // Inference backend: the balancer does not count this pass.
-            let (inputs, _) = batch.to_tensors(&device);
-            let again = model
-                .valid()
-                .forward_with_stats(inputs)
-                .map_err(|e| e.to_string())?;
-            again.moe_stats.iter().map(|s| s.max_violation).collect()
+            rerouted_violations(&model, &batch, &device)?
         } else {
             Vec::new()
         };
@@ -435,6 +403,59 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
 
     report(args, &rows, train_time, tokens_per_step, &test, labelled);
     Ok(())
+}
+
+/// The run's first lines: task, model size, balancer, optimiser.
+fn print_banner(args: &Args, config: &KimiConfig) {
+    println!(
+    "kimi-burn train_tiny: {:?} on {:?}, {} layers ({:?}), {} params ({} active), {:?} balancer, {:?}",
+    args.task,
+    args.backend,
+    config.num_hidden_layers,
+    args.pattern,
+    config.num_params(),
+    config.active_params(),
+    args.balancer,
+    args.optimiser
+);
+    if args.task == TaskKind::Mqar {
+        let filler = match args.filler {
+            Filler::Reserved => format!("reserved filler ({} tokens)", reserved_tokens(args)),
+            other => format!("{other:?} filler").to_lowercase(),
+        };
+        println!(
+            "MQAR: vocabulary {}, {} tokens, {} pairs, {filler}; batch {}, {} steps, lr {}",
+            args.vocab, args.seq_len, args.pairs, args.batch, args.steps, args.lr
+        );
+    }
+}
+
+/// The progress bar over `steps` steps.
+fn progress_bar(steps: usize) -> Result<ProgressBar, String> {
+    let bar = ProgressBar::new(steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:28} {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}",
+        )
+        .map_err(|e| e.to_string())?,
+    );
+    Ok(bar)
+}
+
+/// `--reroute`: the max violation per MoE layer of this step's batch routed again after the
+/// optimiser step and the balancer update (on the inference backend: the balancer does not count
+/// this pass).
+fn rerouted_violations<B: AutodiffBackend>(
+    model: &KimiForCausalLM<B>,
+    batch: &kimi_burn::data::Batch,
+    device: &B::Device,
+) -> Result<Vec<f32>, String> {
+    let (inputs, _) = batch.to_tensors(device);
+    let again = model
+        .valid()
+        .forward_with_stats(inputs)
+        .map_err(|e| e.to_string())?;
+    Ok(again.moe_stats.iter().map(|s| s.max_violation).collect())
 }
 
 /// Appends one step's row to `metrics.csv` (loss, accuracy, throughput, learning rate, and per MoE
