@@ -180,6 +180,25 @@ pub(crate) fn record(op: FusedOp, path: KernelPath) {
     }
 }
 
+/// Hands each gradient of a kernel's custom backward to its parent node; parents that autodiff
+/// does not track, and absent gradients, are skipped.
+#[cfg(feature = "autodiff")]
+pub(crate) fn register_grads<B: Backend>(
+    grads: &mut burn::backend::autodiff::grads::Gradients,
+    pairs: impl IntoIterator<
+        Item = (
+            Option<burn::backend::autodiff::NodeId>,
+            Option<burn::tensor::ops::FloatTensor<B>>,
+        ),
+    >,
+) {
+    for (node, grad) in pairs {
+        if let (Some(id), Some(grad)) = (node, grad) {
+            grads.register::<B>(id, grad);
+        }
+    }
+}
+
 /// Every kernel family a dispatched backend provides: [`MoeKernels`] and [`KdaKernels`].
 pub trait FusedKernels: MoeKernels + KdaKernels {}
 

@@ -13,7 +13,7 @@ use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{Shape, Slice, TensorMetadata};
 
 use super::kernels::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
-use crate::ops::backend::{record, FusedOp, KernelPath};
+use crate::ops::backend::{record, register_grads, FusedOp, KernelPath};
 
 /// The short convolution with SiLU: parents `[x, weight, tail]` (the last a stand-in for `x`
 /// when there is no tail).
@@ -47,13 +47,9 @@ impl<B: KdaKernels> Backward<B, 3> for ShortConvBackward {
         let has_tail = tail.is_some();
         let (dx, dw, dt) = B::short_conv_backward(x, weight, tail, s.seq_starts, dy);
         record(FusedOp::ShortConvBackward, KernelPath::Kernel);
-        let [n_x, n_w, n_t] = ops.parents;
+        let [n_x, n_w, n_t] = ops.parents.map(|n| n.map(|n| n.id));
         let n_t = if has_tail { n_t } else { None };
-        for (node, grad) in [(n_x, Some(dx)), (n_w, Some(dw)), (n_t, dt)] {
-            if let (Some(node), Some(grad)) = (node, grad) {
-                grads.register::<B>(node.id, grad);
-            }
-        }
+        register_grads::<B>(grads, [(n_x, Some(dx)), (n_w, Some(dw)), (n_t, dt)]);
     }
 }
 
@@ -109,20 +105,17 @@ impl<B: KdaKernels> Backward<B, 6> for ChunkBackward {
         };
         let d = B::kda_chunk_backward(input, self.chunk, state.saved, grad_o, Some(grad_s));
         record(FusedOp::KdaChunkBackward, KernelPath::Kernel);
-        let [n_q, n_k, n_v, n_g, n_beta, n_h0] = ops.parents;
+        let [n_q, n_k, n_v, n_g, n_beta, n_h0] = ops.parents.map(|n| n.map(|n| n.id));
         let n_h0 = if state.has_h0 { n_h0 } else { None };
-        for (node, grad) in [
-            (n_q, d.q),
-            (n_k, d.k),
-            (n_v, d.v),
-            (n_g, d.g),
-            (n_beta, d.beta),
-            (n_h0, d.initial_state),
-        ] {
-            if let Some(node) = node {
-                grads.register::<B>(node.id, grad);
-            }
-        }
+        let pairs = [
+            (n_q, Some(d.q)),
+            (n_k, Some(d.k)),
+            (n_v, Some(d.v)),
+            (n_g, Some(d.g)),
+            (n_beta, Some(d.beta)),
+            (n_h0, Some(d.initial_state)),
+        ];
+        register_grads::<B>(grads, pairs);
     }
 }
 
@@ -139,18 +132,21 @@ impl<B: KdaKernels> Backward<B, 3> for NormGatedBackward {
         grads: &mut Gradients,
         checkpointer: &mut Checkpointer,
     ) {
-        let [node_o, node_z, node_w] = ops.parents;
+        let [node_o, node_z, node_w] = ops.parents.map(|n| n.map(|n| n.id));
         let grad = grads.consume::<B>(&ops.node);
         let o: FloatTensor<B> = checkpointer.retrieve_node_output(ops.state.0);
         let z: FloatTensor<B> = checkpointer.retrieve_node_output(ops.state.1);
         let w: FloatTensor<B> = checkpointer.retrieve_node_output(ops.state.2);
         let (d_o, d_z, d_w) = B::rms_norm_gated_backward(o, z, w, grad, self.0);
         record(FusedOp::RmsNormGatedBackward, KernelPath::Kernel);
-        for (node, g) in [(node_o, d_o), (node_z, d_z), (node_w, d_w)] {
-            if let Some(node) = node {
-                grads.register::<B>(node.id, g);
-            }
-        }
+        register_grads::<B>(
+            grads,
+            [
+                (node_o, Some(d_o)),
+                (node_z, Some(d_z)),
+                (node_w, Some(d_w)),
+            ],
+        );
     }
 }
 

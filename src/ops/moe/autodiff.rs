@@ -13,7 +13,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use super::kernels::{MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved};
 use super::situ::GluActivation;
 use crate::nn::balance::HistogramSpec;
-use crate::ops::backend::{record, FusedOp, KernelPath};
+use crate::ops::backend::{record, register_grads, FusedOp, KernelPath};
 
 /// SiTU-GLU without a routing weight: parents `[gate, up]`.
 #[derive(Debug)]
@@ -28,18 +28,13 @@ impl<B: MoeKernels> Backward<B, 2> for SituBackward {
         grads: &mut Gradients,
         checkpointer: &mut Checkpointer,
     ) {
-        let [node_gate, node_up] = ops.parents;
+        let [node_gate, node_up] = ops.parents.map(|n| n.map(|n| n.id));
         let grad = grads.consume::<B>(&ops.node);
         let gate: FloatTensor<B> = checkpointer.retrieve_node_output(ops.state.0);
         let up: FloatTensor<B> = checkpointer.retrieve_node_output(ops.state.1);
         let (dgate, dup, _) = B::situ_glu_backward(gate, up, None, grad, self.0);
         record(FusedOp::SituGluBackward, KernelPath::Kernel);
-        if let Some(node) = node_gate {
-            grads.register::<B>(node.id, dgate);
-        }
-        if let Some(node) = node_up {
-            grads.register::<B>(node.id, dup);
-        }
+        register_grads::<B>(grads, [(node_gate, Some(dgate)), (node_up, Some(dup))]);
     }
 }
 
@@ -56,22 +51,19 @@ impl<B: MoeKernels> Backward<B, 3> for WeightedSituBackward {
         grads: &mut Gradients,
         checkpointer: &mut Checkpointer,
     ) {
-        let [node_gate, node_up, node_weight] = ops.parents;
+        let [node_gate, node_up, node_weight] = ops.parents.map(|n| n.map(|n| n.id));
         let grad = grads.consume::<B>(&ops.node);
         let gate: FloatTensor<B> = checkpointer.retrieve_node_output(ops.state.0);
         let up: FloatTensor<B> = checkpointer.retrieve_node_output(ops.state.1);
         let weight: FloatTensor<B> = checkpointer.retrieve_node_output(ops.state.2);
         let (dgate, dup, dweight) = B::situ_glu_backward(gate, up, Some(weight), grad, self.0);
         record(FusedOp::SituGluBackward, KernelPath::Kernel);
-        if let Some(node) = node_gate {
-            grads.register::<B>(node.id, dgate);
-        }
-        if let Some(node) = node_up {
-            grads.register::<B>(node.id, dup);
-        }
-        if let (Some(node), Some(dw)) = (node_weight, dweight) {
-            grads.register::<B>(node.id, dw);
-        }
+        let pairs = [
+            (node_gate, Some(dgate)),
+            (node_up, Some(dup)),
+            (node_weight, dweight),
+        ];
+        register_grads::<B>(grads, pairs);
     }
 }
 
@@ -114,18 +106,15 @@ impl<B: MoeKernels> Backward<B, 5> for MoeBackward {
         };
         let g = B::moe_experts_backward(input, grad, ops.state.saved);
         record(FusedOp::MoeExpertsBackward, KernelPath::Kernel);
-        let [n_input, n_weights, n_w1, n_w3, n_w2] = ops.parents;
-        for (node, grad) in [
-            (n_input, g.input),
-            (n_weights, g.weights),
-            (n_w1, g.w1),
-            (n_w3, g.w3),
-            (n_w2, g.w2),
-        ] {
-            if let Some(node) = node {
-                grads.register::<B>(node.id, grad);
-            }
-        }
+        let [n_input, n_weights, n_w1, n_w3, n_w2] = ops.parents.map(|n| n.map(|n| n.id));
+        let pairs = [
+            (n_input, Some(g.input)),
+            (n_weights, Some(g.weights)),
+            (n_w1, Some(g.w1)),
+            (n_w3, Some(g.w3)),
+            (n_w2, Some(g.w2)),
+        ];
+        register_grads::<B>(grads, pairs);
     }
 }
 
