@@ -595,9 +595,86 @@ fn chunk_gradients_match_finite_differences_f64() {
 // ---------------------------------------------------------------------------------------------
 // Gate helpers against scalar formulas in f64.
 
-fn sigmoid64(x: f64) -> f64 {
-    1.0 / (1.0 + (-x).exp())
+/// design §4.2's gate in f64: `f: [.., H, K]` row-major, `a_log: [H]`, `dt_bias: [H·K]`.
+fn kda_gate64(
+    fv: &[f64],
+    av: &[f64],
+    dv: &[f64],
+    (h, k): (usize, usize),
+    lb: Option<f32>,
+) -> Vec<f64> {
+    (0..fv.len())
+        .map(|i| {
+            let (hi, ki) = ((i / k) % h, i % k);
+            let x = fv[i] + dv[hi * k + ki];
+            let a = av[hi].exp();
+            match lb {
+                None => -a * if x > 20.0 { x } else { x.exp().ln_1p() },
+                Some(lb) => lb as f64 * sigmoid64(a * x),
+            }
+        })
+        .collect()
 }
+
+/// design §4.2's gated norm in f64 over rows of `cols`.
+fn rms_norm_gated64(ov: &[f64], zv: &[f64], wv: &[f64], cols: usize, eps: f64) -> Vec<f64> {
+    let mut want = Vec::new();
+    for (row, zrow) in ov.chunks(cols).zip(zv.chunks(cols)) {
+        let rms = (row.iter().map(|x| x * x).sum::<f64>() / cols as f64 + eps).sqrt();
+        want.extend(
+            row.iter()
+                .zip(zrow)
+                .zip(wv)
+                .map(|((x, z), w)| x / rms * w * sigmoid64(*z)),
+        );
+    }
+    want
+}
+
+/// The gate and the gated norm on every backend, kernels on and off (the norm has a kernel on
+/// wgpu; both have a tensor-op reference), against the f64 formulas of their f32 inputs.
+fn check_gate_and_norm<B: AutodiffBackend>(device: &B::Device) {
+    let (b, t, h, k) = (2, 3, 3, 5);
+    let mut r = rng(201);
+    let f = randn::<B, 4>(&mut r, [b, t, h, k], 12.0, device);
+    let a_log = uniform::<B, 1>(&mut r, [h], 1.0, 16.0, device).log();
+    let dt_bias = randn::<B, 1>(&mut r, [h * k], 1.0, device);
+    let o = randn::<B, 4>(&mut r, [b, t, h, k], 2.0, device);
+    let z = randn::<B, 4>(&mut r, [b, t, h, k], 3.0, device);
+    let w = randn::<B, 1>(&mut r, [k], 1.0, device);
+    let (fv, av, dv) = (host(f.clone()), host(a_log.clone()), host(dt_bias.clone()));
+    let norm_want = rms_norm_gated64(
+        &host(o.clone()),
+        &host(z.clone()),
+        &host(w.clone()),
+        k,
+        1e-5,
+    );
+    for kernels in [true, false] {
+        for lb in [None, Some(-5.0f32)] {
+            let got = with_kernels(kernels, || {
+                host(kda_gate(f.clone(), a_log.clone(), dt_bias.clone(), lb))
+            });
+            let want = kda_gate64(&fv, &av, &dv, (h, k), lb);
+            assert_close(
+                &format!("kda_gate lb={lb:?}, kernels {kernels}"),
+                &want,
+                &got,
+                1e-5,
+            );
+        }
+        let got = with_kernels(kernels, || {
+            host(rms_norm_gated(o.clone(), z.clone(), w.clone(), 1e-5))
+        });
+        assert_close(
+            &format!("rms_norm_gated, kernels {kernels}"),
+            &norm_want,
+            &got,
+            1e-5,
+        );
+    }
+}
+on_backends!(gate_and_norm_on_backends, check_gate_and_norm);
 
 #[test]
 fn kda_gate_matches_the_scalar_formula() {
@@ -615,17 +692,7 @@ fn kda_gate_matches_the_scalar_formula() {
     );
     for lb in [None, Some(-5.0f32), Some(-0.5)] {
         let got = host(kda_gate(f.clone(), a_log.clone(), dt_bias.clone(), lb));
-        let want: Vec<f64> = (0..fv.len())
-            .map(|i| {
-                let (hi, ki) = ((i / k) % h, i % k);
-                let x = fv[i] + dv[hi * k + ki];
-                let a = av[hi].exp();
-                match lb {
-                    None => -a * if x > 20.0 { x } else { x.exp().ln_1p() },
-                    Some(lb) => lb as f64 * sigmoid64(a * x),
-                }
-            })
-            .collect();
+        let want = kda_gate64(&fv, &av, &dv, (h, k), lb);
         assert!(got.iter().all(|g| *g <= 0.0), "gates must be ≤ 0");
         assert_close(&format!("kda_gate lb={lb:?}"), &want, &got, 1e-12);
     }
@@ -641,17 +708,7 @@ fn rms_norm_gated_matches_the_scalar_formula() {
     let w = randn::<Cpu64, 1>(&mut r, [6], 1.0, &d);
     let eps = 1e-5;
     let got = host(rms_norm_gated(o.clone(), z.clone(), w.clone(), eps));
-    let (ov, zv, wv) = (host(o), host(z), host(w));
-    let mut want = Vec::new();
-    for (row, zrow) in ov.chunks(6).zip(zv.chunks(6)) {
-        let rms = (row.iter().map(|x| x * x).sum::<f64>() / 6.0 + eps).sqrt();
-        want.extend(
-            row.iter()
-                .zip(zrow)
-                .zip(&wv)
-                .map(|((x, z), w)| x / rms * w * sigmoid64(*z)),
-        );
-    }
+    let want = rms_norm_gated64(&host(o), &host(z), &host(w), 6, eps);
     assert_close("rms_norm_gated", &want, &got, 1e-12);
 }
 
