@@ -63,8 +63,9 @@ pub enum MxGradient {
     ZeroWhereClipped,
 }
 
-/// MX fake quantisation `X · Q(x / X)` in blocks of 32 along `axis`, in the input dtype, with a
-/// straight-through gradient.
+/// MX fake quantisation `X · Q(x / X)` in blocks of 32 along `axis`, with a straight-through
+/// gradient. `x`: any shape and float dtype; returns the same shape and dtype (computed in f32, or
+/// f64 for f64 input).
 ///
 /// Inputs must be finite: a block holding NaN or an infinity gives unspecified values (use
 /// [`try_mx_fake_quant`], which checks, where that can happen).
