@@ -169,6 +169,7 @@ fn bench_gpu_experts<G: burn::tensor::backend::Backend>(
         w3: Tensor::stack::<3>(experts.iter().map(|e| e.w3.weight.val()).collect(), 0),
         w2: Tensor::stack::<3>(experts.iter().map(|e| e.w2.weight.val()).collect(), 0),
         activation,
+        hidden_quant: None,
     };
     let fused = |h: Tensor<GAd<G>, 2>| {
         dispatch_fused(&h, &indices, &weights, None, &stacked()).expect("kernel path")

@@ -93,6 +93,7 @@ impl KimiConfig {
                 Ffn::Dense(
                     SituGluConfig::new(d, self.intermediate_size)
                         .with_activation(self.activation)
+                        .with_qat(self.moe.qat.filter(|q| q.dense_ffn))
                         .try_init(device)?,
                 )
             };

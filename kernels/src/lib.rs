@@ -6,6 +6,7 @@
 //! * [`qb_histogram`]: top-k routing and the Quantile Balancing histogram in one pass (design §2, §3).
 //! * [`kda`]: Kimi Delta Attention (design §4): the recurrent decode kernel, the chunked forward and
 //!   backward, and the gated output norm forward and backward.
+//! * [`mx`]: MX fake quantisation, one unit per block of 32 (design §9).
 //! * [`moe`]: dropless dispatch: a stable device-side sort of the routed pairs by expert, a grouped
 //!   matmul over the expert segments (one launch for all experts) and the un-permute (design §2).
 //!
@@ -19,5 +20,6 @@
 
 pub mod kda;
 pub mod moe;
+pub mod mx;
 pub mod qb_histogram;
 pub mod situ;

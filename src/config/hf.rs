@@ -15,6 +15,7 @@ use crate::nn::latent_moe::MoeLayout;
 use crate::nn::router::RouterOptions;
 use crate::nn::situ_glu::GluActivation;
 use crate::ops::moe::route::Scoring;
+use crate::ops::quant::{MxFormat, MxScaleRule, MxSpec, QatConfig};
 
 /// Typed access to one JSON object, with errors that name the field by its full path.
 struct Fields<'a> {
@@ -150,6 +151,12 @@ impl KimiConfig {
         let moe = moe_of(&f, hidden_size, prefix == "text_config.")?;
         let (full_attn_layers, kda) = linear_attention_of(obj, &f, num_hidden_layers)?;
         let mla = mla_of(&f)?;
+        let mut moe = moe;
+        // `quantization_config` sits at the top level of a Hugging Face config, also for K3.
+        let quant = root
+            .get("quantization_config")
+            .or_else(|| obj.get("quantization_config"));
+        moe.qat = quant.map(qat_of).transpose()?;
         let config = Self {
             vocab_size: f.usize("vocab_size")?,
             hidden_size,
@@ -172,6 +179,14 @@ impl KimiConfig {
     /// The Hugging Face `config.json` fields of this config (Kimi-Linear layout, top level), the
     /// inverse of [`from_hf_json`](Self::from_hf_json).
     pub fn to_hf_json(&self) -> Value {
+        let mut value = self.hf_fields();
+        if let (Some(q), Some(obj)) = (self.moe.qat, value.as_object_mut()) {
+            obj.insert("quantization_config".into(), qat_json(&q));
+        }
+        value
+    }
+
+    fn hf_fields(&self) -> Value {
         let (latent, norm) = match self.moe.layout {
             MoeLayout::Standard => (Value::Null, false),
             MoeLayout::Latent { dim } => (json!(dim), false),
@@ -341,6 +356,7 @@ fn moe_of(f: &Fields<'_>, hidden_size: usize, k3: bool) -> Result<MoeFields> {
             weights_from_biased_scores: false,
         },
         balancer: balancer_of(f, k3, scoring)?,
+        qat: None,
     };
     Ok(moe)
 }
@@ -401,6 +417,105 @@ fn mla_of(f: &Fields<'_>) -> Result<MlaFields> {
         use_output_gate: f.bool_or("mla_use_output_gate", false)?,
         use_nope: true,
     })
+}
+
+/// The `quantization_config` of a QAT config (design §9).
+///
+/// Hugging Face's MXFP4 models (`quant_method: "mxfp4"`) record only that the experts' weights are
+/// MXFP4. The crate adds what QAT also needs, with its own field names: `weight_format` and
+/// `activation_format` (`"e2m1"`, `"e4m3"`, `"e5m2"` or null), their scale rules
+/// (`"floor"`, `"ceil"`), and whether the shared experts and dense FFNs are quantised too.
+fn qat_json(q: &QatConfig) -> Value {
+    let format = |s: Option<MxSpec>| s.map(|s| format_name(s.format));
+    let rule = |s: Option<MxSpec>| s.map(|s| rule_name(s.rule));
+    let method = match q.weights.map(|w| w.format) {
+        Some(MxFormat::Fp4E2M1) => "mxfp4",
+        _ => "mx",
+    };
+    json!({
+        "quant_method": method,
+        "weight_format": format(q.weights),
+        "weight_scale_rule": rule(q.weights),
+        "activation_format": format(q.activations),
+        "activation_scale_rule": rule(q.activations),
+        "quantize_shared_experts": q.shared_experts,
+        "quantize_dense_ffn": q.dense_ffn,
+    })
+}
+
+fn format_name(f: MxFormat) -> &'static str {
+    match f {
+        MxFormat::Fp4E2M1 => "e2m1",
+        MxFormat::Fp8E4M3 => "e4m3",
+        MxFormat::Fp8E5M2 => "e5m2",
+    }
+}
+
+fn rule_name(r: MxScaleRule) -> &'static str {
+    match r {
+        MxScaleRule::Floor => "floor",
+        MxScaleRule::Ceil => "ceil",
+    }
+}
+
+/// Reads [`qat_json`]'s document; a plain Hugging Face `{"quant_method": "mxfp4"}` means MXFP4
+/// weights (specification scale rule) and full-precision activations.
+fn qat_of(v: &Value) -> Result<QatConfig> {
+    let obj = v.as_object().ok_or_else(|| {
+        Error::config(
+            "quantization_config",
+            format!("expected an object, got {v}"),
+        )
+    })?;
+    let f = Fields {
+        obj,
+        prefix: "quantization_config.",
+    };
+    let method = f.str_or("quant_method", "")?;
+    if method != "mxfp4" && method != "mx" {
+        return Err(Error::config(
+            f.name("quant_method"),
+            format!("only MX quantisation (\"mxfp4\", \"mx\") is supported, got {method:?}"),
+        ));
+    }
+    let spec =
+        |fmt_key: &str, rule_key: &str, default: Option<MxFormat>| -> Result<Option<MxSpec>> {
+            let format = match f.get(fmt_key) {
+                None if !obj.contains_key(fmt_key) => default,
+                None => None,
+                Some(_) => Some(match f.str_or(fmt_key, "")? {
+                    "e2m1" => MxFormat::Fp4E2M1,
+                    "e4m3" => MxFormat::Fp8E4M3,
+                    "e5m2" => MxFormat::Fp8E5M2,
+                    other => {
+                        return Err(Error::config(
+                            f.name(fmt_key),
+                            format!("expected \"e2m1\", \"e4m3\", \"e5m2\" or null, got {other:?}"),
+                        ))
+                    }
+                }),
+            };
+            let rule = match f.str_or(rule_key, "floor")? {
+                "floor" => MxScaleRule::Floor,
+                "ceil" => MxScaleRule::Ceil,
+                other => {
+                    return Err(Error::config(
+                        f.name(rule_key),
+                        format!("expected \"floor\" or \"ceil\", got {other:?}"),
+                    ))
+                }
+            };
+            Ok(format.map(|format| MxSpec::new(format, rule)))
+        };
+    let weights = spec(
+        "weight_format",
+        "weight_scale_rule",
+        (method == "mxfp4").then_some(MxFormat::Fp4E2M1),
+    )?;
+    let activations = spec("activation_format", "activation_scale_rule", None)?;
+    Ok(QatConfig::new(weights, activations)
+        .with_shared_experts(f.bool_or("quantize_shared_experts", false)?)
+        .with_dense_ffn(f.bool_or("quantize_dense_ffn", false)?))
 }
 
 /// The balancer of a `config.json` (see [`KimiConfig::from_hf_config`]): the crate's own

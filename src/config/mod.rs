@@ -15,6 +15,7 @@ use crate::nn::mla::MlaConfig;
 use crate::nn::router::RouterOptions;
 use crate::nn::situ_glu::GluActivation;
 use crate::ops::moe::route::Scoring;
+use crate::ops::quant::QatConfig;
 
 /// The MoE fields of a [`KimiConfig`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -34,6 +35,10 @@ pub struct MoeFields {
     pub router: RouterOptions,
     /// The load balancer used in training.
     pub balancer: BalancerKind,
+    /// Quantisation-aware training of the experts (design §9); `None`: full precision. In
+    /// `config.json` as `quantization_config`.
+    #[serde(default)]
+    pub qat: Option<QatConfig>,
 }
 
 /// The KDA fields of a [`KimiConfig`] (`linear_attn_config`).
@@ -135,6 +140,7 @@ impl KimiConfig {
                 layout: MoeLayout::StableLatent { dim: 32 },
                 router: RouterOptions::default(),
                 balancer: BalancerKind::quantile(),
+                qat: None,
             },
             kda: KdaFields {
                 num_heads: 2,
@@ -185,6 +191,7 @@ impl KimiConfig {
                     weights_from_biased_scores: false,
                 },
                 balancer: BalancerKind::Sign { gamma: 1e-3 },
+                qat: None,
             },
             kda: KdaFields {
                 num_heads: 32,
@@ -229,6 +236,7 @@ impl KimiConfig {
                 layout: MoeLayout::StableLatent { dim: 3584 },
                 router: RouterOptions::default(),
                 balancer: BalancerKind::quantile(),
+                qat: None,
             },
             kda: KdaFields {
                 num_heads: 96,
@@ -265,6 +273,7 @@ impl KimiConfig {
         .with_router(self.moe.router)
         .with_balancer(self.moe.balancer)
         .with_rms_norm_eps(self.rms_norm_eps)
+        .with_qat(self.moe.qat)
     }
 
     /// Whether layer `i` (0-based) is an MLA layer.

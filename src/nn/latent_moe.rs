@@ -13,6 +13,7 @@ use super::router::{Router, RouterConfig, RouterOptions};
 use super::situ_glu::{GluActivation, SituGlu, SituGluConfig};
 use crate::error::{Error, Result};
 use crate::ops::moe::dispatch::{dispatch, routed_experts, DispatchPlan};
+use crate::ops::quant::QatConfig;
 
 use crate::ops::moe::route::to_host_f32;
 
@@ -75,6 +76,10 @@ pub struct LatentMoeConfig {
     /// Epsilon of the latent RMSNorm.
     #[config(default = 1e-5)]
     pub rms_norm_eps: f64,
+    /// Quantisation-aware training of the routed experts (and of the shared ones if it says so),
+    /// design §9; `None`: full precision.
+    #[config(default = "None")]
+    pub qat: Option<QatConfig>,
 }
 
 impl LatentMoeConfig {
@@ -116,12 +121,15 @@ impl LatentMoeConfig {
     pub fn try_init<B: Backend>(&self, device: &B::Device) -> Result<LatentMoe<B>> {
         self.validate()?;
         let width = self.layout.expert_width(self.d_model);
-        let expert = SituGluConfig::new(width, self.expert_hidden).with_activation(self.activation);
+        let expert = SituGluConfig::new(width, self.expert_hidden)
+            .with_activation(self.activation)
+            .with_qat(self.qat);
         let experts = (0..self.n_experts).map(|_| expert.init(device)).collect();
         let shared = (self.n_shared > 0).then(|| {
             let hidden = self.n_shared * self.shared_hidden.unwrap_or(self.expert_hidden);
             SituGluConfig::new(self.d_model, hidden)
                 .with_activation(self.activation)
+                .with_qat(self.qat.filter(|q| q.shared_experts))
                 .init(device)
         });
         let latent = !matches!(self.layout, MoeLayout::Standard);
@@ -137,6 +145,7 @@ impl LatentMoeConfig {
                     .init(device)
             }),
             balance: BalanceState::new(self.n_experts, self.balancer, device)?,
+            qat: self.qat,
         })
     }
 
@@ -203,6 +212,9 @@ pub struct LatentMoe<B: Backend> {
     pub norm: Option<RmsNorm<B>>,
     /// The balance bias (`gate.e_score_correction_bias`) and the balancer's counts.
     pub balance: BalanceState<B>,
+    /// Quantisation-aware training of the routed experts (design §9).
+    #[module(skip)]
+    pub qat: Option<QatConfig>,
 }
 
 impl<B: Backend> LatentMoe<B> {
@@ -291,6 +303,7 @@ impl<B: Backend> LatentMoe<B> {
                     valid.as_deref(),
                     &experts,
                     activation,
+                    self.qat.as_ref(),
                 )
             }
             None => {

@@ -6,6 +6,8 @@ use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::{backend::Backend, Tensor};
 
+use crate::ops::quant::QatConfig;
+
 pub use crate::ops::moe::GluActivation;
 
 /// Configuration of [`SituGlu`].
@@ -18,6 +20,9 @@ pub struct SituGluConfig {
     /// The gated activation; SiTU-GLU by default, SwiGLU for comparison.
     #[config(default = "GluActivation::situ()")]
     pub activation: GluActivation,
+    /// Quantisation-aware training of the three matmuls (design §9); `None`: full precision.
+    #[config(default = "None")]
+    pub qat: Option<QatConfig>,
 }
 
 impl SituGluConfig {
@@ -43,6 +48,7 @@ impl SituGluConfig {
             w3: super::linear(self.d_model, self.d_hidden, device),
             w2: super::linear(self.d_hidden, self.d_model, device),
             activation: self.activation,
+            qat: self.qat,
         })
     }
 
@@ -70,18 +76,33 @@ pub struct SituGlu<B: Backend> {
     /// The gated activation.
     #[module(skip)]
     pub activation: GluActivation,
+    /// Quantisation-aware training: weights and inputs of `w1`, `w3` and `w2` fake-quantised.
+    #[module(skip)]
+    pub qat: Option<QatConfig>,
 }
 
 impl<B: Backend> SituGlu<B> {
     /// `x: [..., d_model]` → `[..., d_model]`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        self.w2.forward(self.hidden(x))
+        let h = self.hidden(x);
+        match &self.qat {
+            Some(q) => q.linear(&self.w2, h),
+            None => self.w2.forward(h),
+        }
     }
 
-    /// The activated hidden state `act(W1 x, W3 x)`: `[..., d_hidden]`.
+    /// The activated hidden state `act(W1 x, W3 x)`: `[..., d_hidden]` (with QAT, from the
+    /// quantised input and weights; the hidden state itself is quantised by `forward`).
     pub fn hidden<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let gate = self.w1.forward(x.clone());
-        let up = self.w3.forward(x);
+        let (gate, up) = match &self.qat {
+            Some(q) => {
+                // Quantise the input once for both projections.
+                let x = q.activation(x);
+                let plain = QatConfig::new(q.weights, None);
+                (plain.linear(&self.w1, x.clone()), plain.linear(&self.w3, x))
+            }
+            None => (self.w1.forward(x.clone()), self.w3.forward(x)),
+        };
         self.activation.apply(gate, up)
     }
 

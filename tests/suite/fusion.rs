@@ -10,7 +10,9 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
 use kimi_burn::backends::{WgpuCube, WgpuFusion};
 use kimi_burn::model::KimiForCausalLM;
+use kimi_burn::ops::quant::QatConfig;
 use kimi_burn::ops::{kernel_calls, FusedOp};
+use kimi_burn::KimiConfig;
 use rand::Rng;
 
 /// The fused ops a training step of the small model runs, forward and backward.
@@ -34,19 +36,17 @@ type Snapshot = (Vec<f64>, Vec<crate::model::ParamState>);
 /// One training forward and backward of `file`'s weights on `B`, and how many times each training
 /// kernel ran in it.
 fn step<B: AutodiffBackend>(
+    config: &KimiConfig,
     file: &std::path::Path,
     ids: &[i64],
     shape: [usize; 2],
+    kernels: &[FusedOp],
 ) -> (Snapshot, Vec<u64>) {
-    let config = small();
     let device = Default::default();
-    let model = KimiForCausalLM::<B>::from_safetensors(&config, file, &device).unwrap();
-    let before: Vec<u64> = TRAINING_KERNELS
-        .iter()
-        .map(|&op| kernel_calls(op))
-        .collect();
+    let model = KimiForCausalLM::<B>::from_safetensors(config, file, &device).unwrap();
+    let before: Vec<u64> = kernels.iter().map(|&op| kernel_calls(op)).collect();
     let out = logits_and_grads(&model, ids, shape, config.vocab_size, &device);
-    let ran = TRAINING_KERNELS
+    let ran = kernels
         .iter()
         .zip(before)
         .map(|(&op, b)| kernel_calls(op) - b)
@@ -56,8 +56,28 @@ fn step<B: AutodiffBackend>(
 
 #[test]
 fn training_on_fusion_takes_every_kernel_and_matches_the_plain_backend() {
-    let config = small();
-    let dir = std::env::temp_dir().join(format!("kimi-burn-fusion-{}", std::process::id()));
+    check_fusion_training(&small(), "plain", &TRAINING_KERNELS);
+}
+
+/// Quantisation-aware training (routed and shared experts, dense FFNs) on `Fusion` takes the MX
+/// kernel and gives the numbers of the plain backend.
+#[test]
+fn qat_training_on_fusion_takes_the_mx_kernel_and_matches_the_plain_backend() {
+    let mut config = small();
+    config.moe.qat = Some(
+        QatConfig::mxfp4()
+            .with_shared_experts(true)
+            .with_dense_ffn(true),
+    );
+    let mut kernels = TRAINING_KERNELS.to_vec();
+    kernels.push(FusedOp::MxFakeQuant);
+    check_fusion_training(&config, "qat", &kernels);
+}
+
+/// One training step of `config` on the plain CubeCL backend and on `Fusion` (with and without
+/// checkpointing): each of `kernels` ran, and logits and gradients agree.
+fn check_fusion_training(config: &KimiConfig, tag: &str, kernels: &[FusedOp]) {
+    let dir = std::env::temp_dir().join(format!("kimi-burn-fusion-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("model.safetensors");
     config
@@ -69,20 +89,23 @@ fn training_on_fusion_takes_every_kernel_and_matches_the_plain_backend() {
     let ids: Vec<i64> = (0..26)
         .map(|_| r.random_range(0..config.vocab_size as i64))
         .collect();
-    let ((logits_ref, grads_ref), ran) = step::<Autodiff<WgpuCube>>(&file, &ids, shape);
+    let ((logits_ref, grads_ref), ran) =
+        step::<Autodiff<WgpuCube>>(config, &file, &ids, shape, kernels);
     assert!(ran.iter().all(|&n| n > 0), "plain backend kernels {ran:?}");
     let runs = [
         (
             "Autodiff<Fusion>",
-            step::<Autodiff<WgpuFusion>>(&file, &ids, shape),
+            step::<Autodiff<WgpuFusion>>(config, &file, &ids, shape, kernels),
         ),
         (
             "Autodiff<Fusion, BalancedCheckpointing>",
-            step::<Autodiff<WgpuFusion, BalancedCheckpointing>>(&file, &ids, shape),
+            step::<Autodiff<WgpuFusion, BalancedCheckpointing>>(
+                config, &file, &ids, shape, kernels,
+            ),
         ),
     ];
     for (name, ((logits, grads), ran)) in runs {
-        for (op, n) in TRAINING_KERNELS.iter().zip(&ran) {
+        for (op, n) in kernels.iter().zip(&ran) {
             assert!(*n > 0, "{name}: {op:?} did not run its kernel");
         }
         assert_close(&format!("{name} logits"), &logits_ref, &logits, 1e-5);

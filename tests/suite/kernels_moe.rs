@@ -456,6 +456,7 @@ mod dispatch {
                         beta1: 4.0,
                         beta2: Some(25.0),
                     },
+                    hidden_quant: None,
                 };
                 dispatch_fused(&h, &idx, &p, c.valid.as_deref(), &experts).expect("kernel path")
             } else {
@@ -538,6 +539,7 @@ mod dispatch {
                 beta1: 4.0,
                 beta2: Some(25.0),
             },
+            hidden_quant: None,
         };
         use burn::tensor::TensorPrimitive::Float;
         let out = |t| bits(Tensor::<Gpu, 2>::from_primitive(Float(t)));

@@ -440,10 +440,15 @@ pub(crate) fn logits_and_grads<B: AutodiffBackend>(
 #[cfg(feature = "wgpu")]
 #[test]
 fn the_model_on_wgpu_matches_ndarray_on_both_paths() {
-    let config = small();
+    check_wgpu_matches_ndarray(&small(), "plain");
+}
+
+/// [`the_model_on_wgpu_matches_ndarray_on_both_paths`] for `config`; `tag` keeps its files apart.
+#[cfg(feature = "wgpu")]
+pub(crate) fn check_wgpu_matches_ndarray(config: &KimiConfig, tag: &str) {
     let cpu_device = Default::default();
     let reference_model = config.init::<CpuAd>(&cpu_device);
-    let dir = std::env::temp_dir().join(format!("kimi-burn-cross-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("kimi-burn-cross-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("model.safetensors");
     reference_model.save_safetensors(&file).unwrap();
@@ -461,7 +466,7 @@ fn the_model_on_wgpu_matches_ndarray_on_both_paths() {
     );
     let device = Default::default();
     for kernels in [true, false] {
-        let model = KimiForCausalLM::<GpuAd>::from_safetensors(&config, &file, &device).unwrap();
+        let model = KimiForCausalLM::<GpuAd>::from_safetensors(config, &file, &device).unwrap();
         let (logits, grads) = kimi_burn::ops::with_kernels(kernels, || {
             logits_and_grads(&model, &ids, [batch, t], config.vocab_size, &device)
         });

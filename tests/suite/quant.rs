@@ -8,8 +8,10 @@ use kimi_burn::ops::quant::{
     dequantize_mx, mx_fake_quant, mx_fake_quant_with, quantize_mx, try_mx_fake_quant, MxFormat,
     MxGradient, MxScaleRule,
 };
-use kimi_burn::ops::with_kernels;
-use kimi_burn::Error;
+use kimi_burn::ops::quant::{MxSpec, QatConfig};
+use kimi_burn::ops::{last_path, with_kernels, FusedOp, KernelPath};
+use kimi_burn::{Error, KimiConfig};
+use rand::Rng;
 
 const FORMATS: [MxFormat; 3] = [MxFormat::Fp4E2M1, MxFormat::Fp8E4M3, MxFormat::Fp8E5M2];
 const RULES: [MxScaleRule; 2] = [MxScaleRule::Floor, MxScaleRule::Ceil];
@@ -247,6 +249,13 @@ fn check_paths_agree<B: AutodiffBackend>(device: &B::Device) {
                     host_bits,
                     "{what}: this backend's path vs the host loop"
                 );
+                if is_gpu::<B>() {
+                    assert_eq!(
+                        last_path(FusedOp::MxFakeQuant),
+                        Some(KernelPath::Kernel),
+                        "{what}: the kernel must run on wgpu"
+                    );
+                }
                 assert_eq!(
                     on(device, false),
                     host_bits,
@@ -330,4 +339,156 @@ fn non_finite_input_and_a_bad_axis_are_errors() {
     assert!(matches!(err, Error::NonFinite { .. }), "{err}");
     let err = try_mx_fake_quant(x, MxFormat::Fp8E4M3, MxScaleRule::Floor, 2).unwrap_err();
     assert!(err.to_string().contains("axis"), "{err}");
+}
+
+/// Whether `B` is the wgpu test backend (where the kernels must run).
+fn is_gpu<B: 'static>() -> bool {
+    #[cfg(feature = "wgpu")]
+    {
+        std::any::TypeId::of::<B>() == std::any::TypeId::of::<GpuAd>()
+    }
+    #[cfg(not(feature = "wgpu"))]
+    {
+        false
+    }
+}
+
+/// The kernel on random rows of every length from 1 to 70 (full, partial and single-value blocks)
+/// and with values that sit exactly on rounding ties, against the host loop, bit for bit.
+#[cfg(feature = "wgpu")]
+#[test]
+fn the_kernel_matches_the_host_loop_on_ties_and_ragged_rows() {
+    let cpu = Default::default();
+    let gpu = Default::default();
+    let mut r = rng(73);
+    for len in [1usize, 5, 31, 32, 33, 64, 70] {
+        let rows = 6;
+        let mut v = wide_random(74 + len as u64, rows * len);
+        // Ties: k + 0.5 steps of the E2M1 / E4M3 grid at a block maximum of 6 or 448.
+        for (i, x) in v.iter_mut().enumerate().take(rows * len / 2) {
+            let tie = [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.125][i % 8];
+            *x = if r.random_bool(0.5) { tie } else { -tie * 64.0 };
+        }
+        for format in FORMATS {
+            for rule in RULES {
+                let want = bits_of(mx_fake_quant(
+                    tensor::<Cpu, 2>(&v, [rows, len], &cpu),
+                    format,
+                    rule,
+                    1,
+                ));
+                let got = with_kernels(true, || {
+                    bits_of(mx_fake_quant(
+                        tensor::<Gpu, 2>(&v, [rows, len], &gpu),
+                        format,
+                        rule,
+                        1,
+                    ))
+                });
+                assert_eq!(last_path(FusedOp::MxFakeQuant), Some(KernelPath::Kernel));
+                assert_eq!(got, want, "{format:?} {rule:?} rows of {len}");
+            }
+        }
+    }
+}
+
+/// A weight-only QAT layer is the plain layer with fake-quantised weights (blocks along each
+/// matrix's input dimension), bit for bit on the CPU; and a SiTU-GLU FFN with QAT is
+/// `Q(act(Q(x)·Q(W1), Q(x)·Q(W3)))·Q(W2)` spelled out with the op.
+#[test]
+fn qat_quantises_each_matmul_along_its_reduction_dimension() {
+    use burn::module::Param;
+    use kimi_burn::nn::{LatentMoeConfig, MoeLayout, SituGluConfig};
+    let d = Default::default();
+    let cfg = LatentMoeConfig::new(48, 6, 2, 40)
+        .with_layout(MoeLayout::StableLatent { dim: 40 })
+        .with_n_shared(1);
+    let weights_only = QatConfig::new(Some(MxSpec::mxfp4()), None).with_shared_experts(true);
+    let qat = cfg.clone().with_qat(Some(weights_only)).init::<Cpu>(&d);
+    let mut plain = qat.clone();
+    plain.qat = None;
+    let fq = |p: Param<Tensor<Cpu, 2>>| {
+        p.map(|w| mx_fake_quant(w, MxFormat::Fp4E2M1, MxScaleRule::Floor, 0))
+    };
+    for e in plain.experts.iter_mut().chain(plain.shared.iter_mut()) {
+        e.qat = None;
+        e.w1.weight = fq(e.w1.weight.clone());
+        e.w3.weight = fq(e.w3.weight.clone());
+        e.w2.weight = fq(e.w2.weight.clone());
+    }
+    let x = randn::<Cpu, 3>(&mut rng(75), [2, 9, 48], 1.0, &d);
+    for kernels in [true, false] {
+        with_kernels(kernels, || {
+            let a = qat.forward(x.clone()).output;
+            let b = plain.forward(x.clone()).output;
+            assert_eq!(bits_of(a), bits_of(b), "weight-only QAT, kernels {kernels}");
+        });
+    }
+
+    let ffn = SituGluConfig::new(40, 70)
+        .with_qat(Some(QatConfig::mxfp4()))
+        .init::<Cpu>(&d);
+    let x = randn::<Cpu, 2>(&mut rng(76), [5, 40], 1.0, &d);
+    let q8 = |t: Tensor<Cpu, 2>| mx_fake_quant(t, MxFormat::Fp8E4M3, MxScaleRule::Floor, 1);
+    let q4 = |t: Tensor<Cpu, 2>| mx_fake_quant(t, MxFormat::Fp4E2M1, MxScaleRule::Floor, 0);
+    let xq = q8(x.clone());
+    let gate = xq.clone().matmul(q4(ffn.w1.weight.val()));
+    let up = xq.matmul(q4(ffn.w3.weight.val()));
+    let want = q8(ffn.activation.apply(gate, up)).matmul(q4(ffn.w2.weight.val()));
+    assert!(ffn.w2.bias.is_none(), "the Kimi FFNs have no biases");
+    assert_eq!(bits_of(ffn.forward(x)), bits_of(want), "SiTU-GLU with QAT");
+}
+
+/// The whole small model with QAT everywhere (routed and shared experts, dense FFNs) on wgpu, with
+/// the kernels and on the reference, against ndarray: logits and every gradient.
+#[cfg(feature = "wgpu")]
+#[test]
+fn the_qat_model_on_wgpu_matches_ndarray_on_both_paths() {
+    let mut config = crate::model::small();
+    config.moe.qat = Some(
+        QatConfig::mxfp4()
+            .with_shared_experts(true)
+            .with_dense_ffn(true),
+    );
+    crate::model::check_wgpu_matches_ndarray(&config, "qat");
+}
+
+/// The QAT config round-trips through `config.json` as `quantization_config`; a Hugging Face MXFP4
+/// config (`quant_method` only) means MXFP4 weights; other methods and formats are errors.
+#[test]
+fn qat_round_trips_through_the_hf_config() {
+    let mut config = KimiConfig::tiny();
+    for qat in [
+        QatConfig::mxfp4(),
+        QatConfig::new(
+            Some(MxSpec::new(MxFormat::Fp8E5M2, MxScaleRule::Ceil)),
+            None,
+        )
+        .with_dense_ffn(true),
+        QatConfig::new(None, Some(MxSpec::mxfp8())).with_shared_experts(true),
+    ] {
+        config.moe.qat = Some(qat);
+        let json = config.to_hf_json();
+        assert_eq!(KimiConfig::from_hf_json(&json).unwrap(), config, "{json}");
+    }
+    let mut json = KimiConfig::tiny().to_hf_json();
+    assert_eq!(KimiConfig::from_hf_json(&json).unwrap().moe.qat, None);
+    json["quantization_config"] = serde_json::json!({"quant_method": "mxfp4"});
+    assert_eq!(
+        KimiConfig::from_hf_json(&json).unwrap().moe.qat,
+        Some(QatConfig::new(Some(MxSpec::mxfp4()), None))
+    );
+    json["quantization_config"] = serde_json::json!({"quant_method": "gptq"});
+    let err = KimiConfig::from_hf_json(&json).unwrap_err().to_string();
+    assert!(
+        err.contains("quantization_config.quant_method") && err.contains("gptq"),
+        "{err}"
+    );
+    json["quantization_config"] =
+        serde_json::json!({"quant_method": "mx", "weight_format": "e3m0"});
+    let err = KimiConfig::from_hf_json(&json).unwrap_err().to_string();
+    assert!(
+        err.contains("weight_format") && err.contains("e3m0"),
+        "{err}"
+    );
 }

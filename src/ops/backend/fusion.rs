@@ -26,6 +26,7 @@ use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 use crate::nn::balance::HistogramSpec;
 use crate::ops::kda::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
 use crate::ops::moe::{GluActivation, MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved};
+use crate::ops::quant::MxSpec;
 
 /// A fusion tensor of the backend `B` wraps.
 type Ft<B> = FusionTensor<<B as FusionBackend>::FusionRuntime>;
@@ -350,7 +351,7 @@ impl<B: FusionBackend + MoeKernels> MoeKernels for Fusion<B> {
     }
 
     fn moe_experts(input: MoeExpertsInput<Self>) -> Ft<B> {
-        let activation = input.activation;
+        let activation = (input.activation, input.hidden_quant);
         let masked = input.valid.is_some();
         let declared = vec![Out::like(&input.input)];
         let inputs = moe_inputs(input);
@@ -371,7 +372,7 @@ impl<B: FusionBackend + MoeKernels> MoeKernels for Fusion<B> {
         grad: Ft<B>,
         saved: Option<MoeSaved<Self>>,
     ) -> MoeExpertsGrads<Self> {
-        let activation = input.activation;
+        let activation = (input.activation, input.hidden_quant);
         let masked = input.valid.is_some();
         let has_saved = saved.is_some();
         let declared = vec![
@@ -411,6 +412,16 @@ impl<B: FusionBackend + MoeKernels> MoeKernels for Fusion<B> {
             w2,
         }
     }
+    fn mx_fake_quant(x: Ft<B>, spec: MxSpec) -> Ft<B> {
+        let declared = vec![Out::new(x.shape.clone(), DType::F32)];
+        let [y] = outs(call::<B>(
+            "kimi_burn::mx_fake_quant",
+            Inputs::new().float(x),
+            declared,
+            move |mut a| vec![Prim::Float(B::mx_fake_quant(a.float(), spec))],
+        ));
+        y
+    }
 }
 
 /// The tensors of a [`MoeExpertsInput`] in the order [`inner_moe_input`] reads them.
@@ -428,7 +439,7 @@ fn moe_inputs<B: FusionBackend>(input: MoeExpertsInput<Fusion<B>>) -> Inputs<B::
 fn inner_moe_input<B: Backend>(
     a: &mut Args<B>,
     masked: bool,
-    activation: GluActivation,
+    (activation, hidden_quant): (GluActivation, Option<MxSpec>),
 ) -> MoeExpertsInput<B> {
     MoeExpertsInput {
         input: a.float(),
@@ -439,6 +450,7 @@ fn inner_moe_input<B: Backend>(
         w3: a.float(),
         w2: a.float(),
         activation,
+        hidden_quant,
     }
 }
 

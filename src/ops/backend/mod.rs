@@ -84,9 +84,11 @@ pub enum FusedOp {
     RmsNormGated,
     /// Its backward (autodiff).
     RmsNormGatedBackward,
+    /// [`mx_fake_quant`](crate::ops::quant::mx_fake_quant) (forward; the backward is elementwise).
+    MxFakeQuant,
 }
 
-const N_OPS: usize = 13;
+const N_OPS: usize = 14;
 
 impl FusedOp {
     fn slot(self) -> usize {

@@ -14,6 +14,7 @@ use super::kernels::{MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved};
 use super::situ::GluActivation;
 use crate::nn::balance::HistogramSpec;
 use crate::ops::backend::{record, register_grads, FusedOp, KernelPath};
+use crate::ops::quant::MxSpec;
 
 /// SiTU-GLU without a routing weight: parents `[gate, up]`.
 #[derive(Debug)]
@@ -70,7 +71,7 @@ impl<B: MoeKernels> Backward<B, 3> for WeightedSituBackward {
 /// The routed experts: parents `[input, weights, w1, w3, w2]`; the integer routing rides in the
 /// state.
 #[derive(Debug)]
-struct MoeBackward(GluActivation);
+struct MoeBackward(GluActivation, Option<MxSpec>);
 
 #[derive(Debug, Clone)]
 struct MoeState<B: MoeKernels> {
@@ -103,6 +104,7 @@ impl<B: MoeKernels> Backward<B, 5> for MoeBackward {
             w3,
             w2,
             activation: self.0,
+            hidden_quant: self.1,
         };
         let g = B::moe_experts_backward(input, grad, ops.state.saved);
         record(FusedOp::MoeExpertsBackward, KernelPath::Kernel);
@@ -214,6 +216,7 @@ impl<B: MoeKernels, C: CheckpointStrategy> MoeKernels for Autodiff<B, C> {
 
     fn moe_experts(input: MoeExpertsInput<Self>) -> FloatTensor<Self> {
         let activation = input.activation;
+        let hidden_quant = input.hidden_quant;
         let floats = [
             &input.input,
             &input.weights,
@@ -221,7 +224,7 @@ impl<B: MoeKernels, C: CheckpointStrategy> MoeKernels for Autodiff<B, C> {
             &input.w3,
             &input.w2,
         ];
-        let prep = MoeBackward(activation)
+        let prep = MoeBackward(activation, hidden_quant)
             .prepare::<C>(floats.map(|t| t.node.clone()))
             .compute_bound()
             .stateful();
@@ -234,6 +237,7 @@ impl<B: MoeKernels, C: CheckpointStrategy> MoeKernels for Autodiff<B, C> {
             w3: input.w3.primitive.clone(),
             w2: input.w2.primitive.clone(),
             activation,
+            hidden_quant,
         };
         match prep {
             OpsKind::Tracked(mut prep) => {
@@ -269,6 +273,7 @@ impl<B: MoeKernels, C: CheckpointStrategy> MoeKernels for Autodiff<B, C> {
             w3: Self::inner(input.w3),
             w2: Self::inner(input.w2),
             activation: input.activation,
+            hidden_quant: input.hidden_quant,
         };
         let g = B::moe_experts_backward(inner, Self::inner(grad), saved);
         MoeExpertsGrads {
@@ -278,5 +283,9 @@ impl<B: MoeKernels, C: CheckpointStrategy> MoeKernels for Autodiff<B, C> {
             w3: Self::from_inner(g.w3),
             w2: Self::from_inner(g.w2),
         }
+    }
+
+    fn mx_fake_quant(x: FloatTensor<Self>, spec: MxSpec) -> FloatTensor<Self> {
+        Self::from_inner(B::mx_fake_quant(Self::inner(x), spec))
     }
 }

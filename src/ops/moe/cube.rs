@@ -13,6 +13,9 @@ use super::kernels::{MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved};
 use super::situ::GluActivation;
 use crate::nn::balance::HistogramSpec;
 use crate::ops::backend::cube::{contiguous_as, elementwise, empty, f32_scalar, per_row};
+use crate::ops::quant::cube::fake_quant_rows;
+use crate::ops::quant::MxSpec;
+use burn::tensor::ops::FloatTensorOps;
 
 fn dims2<R: CubeRuntime>(t: &T<R>) -> [usize; 2] {
     crate::ops::backend::cube::dims(t, "fused kernels take [rows, cols] tensors")
@@ -498,7 +501,31 @@ fn moe_input_cast<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
         w3: input.w3.clone(),
         w2: input.w2.clone(),
         activation: input.activation,
+        hidden_quant: input.hidden_quant,
     }
+}
+
+/// `x · p` per row: `x: [pairs, h]` f32, `p: [pairs]` f32.
+fn mul_rows<R: CubeRuntime>(x: T<R>, p: T<R>) -> T<R> {
+    let pairs = p.meta.shape()[0];
+    let p = CubeBackendOf::<R>::float_reshape(p, Shape::new([pairs, 1]));
+    CubeBackendOf::<R>::float_mul(x, p)
+}
+
+/// The activated hidden rows entering `W2` with quantisation-aware training: `p · Q(act(g, u))`
+/// in `dtype`, and `Q(act(g, u))` in f32.
+fn quantised_hidden<R: CubeRuntime>(
+    g: &T<R>,
+    u: &T<R>,
+    plan: &Plan<R>,
+    activation: GluActivation,
+    spec: MxSpec,
+    dtype: DType,
+) -> (T<R>, T<R>) {
+    let a = situ_forward(g.clone(), u.clone(), None, activation);
+    let q = fake_quant_rows(a, spec);
+    let act = cast(mul_rows(q.clone(), plan.sorted_weight.clone()), dtype);
+    (act, q)
 }
 
 /// The routed experts' forward; also returns the gate and up projections (sorted pairs).
@@ -507,12 +534,15 @@ fn moe_forward<R: CubeRuntime>(input: MoeExpertsInput<CubeBackendOf<R>>) -> (T<R
     let plan = plan(input.indices, input.valid, input.weights, ex.n);
     let g = grouped_matmul(&ex.h, &ex.w1, &plan, true, false, None, ex.width, ex.hidden);
     let u = grouped_matmul(&ex.h, &ex.w3, &plan, true, false, None, ex.width, ex.hidden);
-    let act = situ_forward(
-        g.clone(),
-        u.clone(),
-        Some(plan.sorted_weight.clone()),
-        input.activation,
-    );
+    let act = match input.hidden_quant {
+        None => situ_forward(
+            g.clone(),
+            u.clone(),
+            Some(plan.sorted_weight.clone()),
+            input.activation,
+        ),
+        Some(spec) => quantised_hidden(&g, &u, &plan, input.activation, spec, ex.h.dtype).0,
+    };
     let y = grouped_matmul(&act, &ex.w2, &plan, false, false, None, ex.hidden, ex.width);
     (combine(&y, &plan, ex.width), g, u)
 }
@@ -539,20 +569,37 @@ fn moe_backward<R: CubeRuntime>(
     };
     // dAct = dY·W2[e]ᵀ, with the rows of dY gathered from the token gradients.
     let d_act = grouped_matmul(&grad, &ex.w2, &plan, true, true, None, l, me);
-    let act = situ_forward(
-        g.clone(),
-        u.clone(),
-        Some(plan.sorted_weight.clone()),
-        input.activation,
-    );
-    let (dg, du, dp) = situ_backward(
-        g,
-        u,
-        Some(plan.sorted_weight.clone()),
-        d_act,
-        input.activation,
-    );
-    let dp = dp.expect("weighted backward returns dp");
+    let (act, dg, du, dp) = match input.hidden_quant {
+        None => {
+            let act = situ_forward(
+                g.clone(),
+                u.clone(),
+                Some(plan.sorted_weight.clone()),
+                input.activation,
+            );
+            let (dg, du, dp) = situ_backward(
+                g,
+                u,
+                Some(plan.sorted_weight.clone()),
+                d_act,
+                input.activation,
+            );
+            (act, dg, du, dp.expect("weighted backward returns dp"))
+        }
+        Some(spec) => {
+            // Straight through Q: dp = Σ Q(a)·dAct, da = p·dAct.
+            let (act, q) = quantised_hidden(&g, &u, &plan, input.activation, spec, ex.h.dtype);
+            let d_act = cast(d_act, DType::F32);
+            let dp = CubeBackendOf::<R>::float_sum_dim(
+                CubeBackendOf::<R>::float_mul(q, d_act.clone()),
+                1,
+            );
+            let dp = CubeBackendOf::<R>::float_reshape(dp, Shape::new([plan.pairs]));
+            let da = cast(mul_rows(d_act, plan.sorted_weight.clone()), ex.h.dtype);
+            let (dg, du, _) = situ_backward(g, u, None, da, input.activation);
+            (act, dg, du, dp)
+        }
+    };
     let dw2 = grouped_wgrad(&act, &grad, &plan, (false, true), me, l, w_dtype);
     let dw1 = grouped_wgrad(&ex.h, &dg, &plan, (true, false), l, me, w_dtype);
     let dw3 = grouped_wgrad(&ex.h, &du, &plan, (true, false), l, me, w_dtype);
@@ -637,5 +684,9 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> MoeKernels
             w3: g.w3,
             w2: g.w2,
         }
+    }
+
+    fn mx_fake_quant(x: T<R>, spec: MxSpec) -> T<R> {
+        fake_quant_rows(x, spec)
     }
 }

@@ -16,6 +16,7 @@ use super::route::Selection;
 use super::situ::GluActivation;
 use crate::ops::backend::{self, FusedOp, KernelPath};
 use crate::ops::precision::restore;
+use crate::ops::quant::{MxSpec, QatConfig};
 
 /// The host-side plan of a dispatch: pairs in expert order and each expert's segment.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -139,6 +140,9 @@ pub struct StackedExperts<B: Backend> {
     pub w2: Tensor<B, 3>,
     /// The experts' activation.
     pub activation: GluActivation,
+    /// MX fake quantisation of the activated hidden rows entering `W2` (quantisation-aware
+    /// training); `None`: full precision.
+    pub hidden_quant: Option<MxSpec>,
 }
 
 /// Whether [`dispatch_fused`] runs on `B` now (a CubeCL backend with the kernels enabled), so
@@ -191,6 +195,7 @@ pub fn dispatch_fused<B: Backend>(
         w3: experts.w3.clone(),
         w2: experts.w2.clone(),
         activation: experts.activation,
+        hidden_quant: experts.hidden_quant,
     };
     let out = backend::on_kernels::<B, _>(op).ok();
     let path = if out.is_some() {
@@ -208,6 +213,8 @@ pub fn dispatch_fused<B: Backend>(
 ///
 /// `experts[e] = [W1, W3, W2]` (`[ℓ, m_e]`, `[ℓ, m_e]`, `[m_e, ℓ]`, no biases), `indices` and
 /// `weights`: `[m, k]`, `selection`: the host copy of `indices`, `valid`: `false` for padding.
+/// With `qat`, the weights (along their input dimension), `h` and the activated hidden rows
+/// (along their features) are fake-quantised, on both paths alike (design §9).
 /// Returns `[m, ℓ]`.
 #[allow(clippy::too_many_arguments)]
 pub fn routed_experts<B: Backend>(
@@ -218,15 +225,27 @@ pub fn routed_experts<B: Backend>(
     valid: Option<&[bool]>,
     experts: &[[Tensor<B, 2>; 3]],
     activation: GluActivation,
+    qat: Option<&QatConfig>,
 ) -> Tensor<B, 2> {
+    let h = match qat {
+        Some(q) => q.activation(h),
+        None => h,
+    };
+    let hidden_quant = qat.and_then(|q| q.activations);
     if backend::kernels_available::<B>() && !experts.is_empty() {
-        let stack =
-            |i: usize| Tensor::stack::<3>(experts.iter().map(|e| e[i].clone()).collect(), 0);
+        let stack = |i: usize| {
+            let w = Tensor::stack::<3>(experts.iter().map(|e| e[i].clone()).collect(), 0);
+            match qat {
+                Some(q) => q.weight(w, 1),
+                None => w,
+            }
+        };
         let stacked = StackedExperts {
             w1: stack(0),
             w3: stack(1),
             w2: stack(2),
             activation,
+            hidden_quant,
         };
         if let Some(u) = dispatch_fused(&h, indices, &weights, valid, &stacked) {
             return u;
@@ -234,10 +253,17 @@ pub fn routed_experts<B: Backend>(
     }
     let width = experts.first().map_or(h.dims()[1], |e| e[2].dims()[1]);
     let plan = DispatchPlan::new(selection, valid);
+    let weight = |w: &Tensor<B, 2>| match qat {
+        Some(q) => q.weight(w.clone(), 0),
+        None => w.clone(),
+    };
     dispatch(h, weights, &plan, width, |e, rows| {
         let [w1, w3, w2] = &experts[e];
-        activation
-            .apply(rows.clone().matmul(w1.clone()), rows.matmul(w3.clone()))
-            .matmul(w2.clone())
+        let a = activation.apply(rows.clone().matmul(weight(w1)), rows.matmul(weight(w3)));
+        let a = match hidden_quant {
+            Some(spec) => spec.fake_quant(a, 1),
+            None => a,
+        };
+        a.matmul(weight(w2))
     })
 }

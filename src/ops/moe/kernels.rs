@@ -8,6 +8,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use super::situ::GluActivation;
 use crate::nn::balance::HistogramSpec;
 use crate::ops::backend::{same, FusedKernels, KernelOp};
+use crate::ops::quant::MxSpec;
 
 /// The routed experts' weights and routing of one dropless MoE call, as backend primitives.
 ///
@@ -30,6 +31,10 @@ pub struct MoeExpertsInput<B: Backend> {
     pub w2: FloatTensor<B>,
     /// The experts' activation.
     pub activation: GluActivation,
+    /// MX fake quantisation of the activated hidden rows before the down projection
+    /// (quantisation-aware training, design §9): `u[t] = Σ p · W2[e]ᵀ·Q(act(…))`, straight-through
+    /// in the backward. `None`: full precision.
+    pub hidden_quant: Option<MxSpec>,
 }
 
 /// What the forward of the routed experts keeps for its backward
@@ -127,6 +132,11 @@ pub trait MoeKernels: Backend {
         grad: FloatTensor<Self>,
         saved: Option<MoeSaved<Self>>,
     ) -> MoeExpertsGrads<Self>;
+
+    /// MX fake quantisation `X · Q(x / X)` in blocks of 32 along the last axis of `x` (design §9),
+    /// exactly (bit-identical to the host loop). `x`: any float dtype; returns f32, same shape.
+    /// Not differentiable (callers add the straight-through gradient).
+    fn mx_fake_quant(x: FloatTensor<Self>, spec: MxSpec) -> FloatTensor<Self>;
 }
 
 /// [`MoeKernels::route_top_k`] on `Tensor`s.
@@ -174,6 +184,7 @@ pub(crate) struct MoeOp<B: Backend> {
     pub w3: burn::tensor::Tensor<B, 3>,
     pub w2: burn::tensor::Tensor<B, 3>,
     pub activation: GluActivation,
+    pub hidden_quant: Option<MxSpec>,
 }
 
 impl<B: Backend> KernelOp<B> for MoeOp<B> {
@@ -197,6 +208,7 @@ impl<B: Backend> KernelOp<B> for MoeOp<B> {
             w3: float::<B, K, 3>(self.w3),
             w2: float::<B, K, 3>(self.w2),
             activation: self.activation,
+            hidden_quant: self.hidden_quant,
         };
         let out = K::moe_experts(input);
         same(Tensor::<K, 2>::from_primitive(TensorPrimitive::Float(out)))

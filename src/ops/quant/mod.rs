@@ -10,21 +10,30 @@
 //! [`quantize_mx`] / [`dequantize_mx`] pack to and from real MX storage, and
 //! `dequantize_mx(quantize_mx(x)) == mx_fake_quant(x)` bit for bit. Every zero comes out as `+0`.
 //!
-//! Paths: on the CPU backends an exact host loop; elsewhere tensor ops that are exact too (powers
-//! of two by repeated exact scaling, the element grid by comparisons with its binade bounds), so
-//! both give the same bits. A CubeCL kernel is not written yet: on wgpu and CUDA the tensor ops
-//! run.
+//! Paths, all exact and so bit-identical: on the CPU backends a host loop; on the CubeCL backends
+//! a kernel with one unit per block that works on the f32 bits (`kimi_burn_kernels::mx`); elsewhere,
+//! and with the kernels switched off, tensor ops (powers of two by repeated exact scaling, the
+//! element grid by comparisons with its binade bounds). The backward is the identity (or a mask),
+//! so it needs no kernel.
+//!
+//! [`QatConfig`] applies these to the matmuls of the experts (and of any `Linear`) for
+//! quantisation-aware training.
 
+#[cfg(feature = "cubecl-kernels")]
+pub(crate) mod cube;
 mod pack;
+mod qat;
 pub(crate) mod scalar;
 
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 
 use crate::error::{Error, Result};
+use crate::ops::backend::{self, FusedKernels, FusedOp, KernelOp, KernelPath};
 use crate::ops::layout;
 use crate::ops::precision::{restore, widen};
 
 pub use pack::{dequantize_mx, quantize_mx, MxTensor};
+pub use qat::{MxSpec, QatConfig};
 
 /// Values per MX block.
 pub const MX_BLOCK: usize = 32;
@@ -151,12 +160,48 @@ fn fake_values<B: Backend, const D: usize>(
 ) -> Tensor<B, D> {
     let last = D - 1;
     let x = x.swap_dims(axis, last);
-    let y = if crate::ops::backend::host::is_cpu_backend::<B>() && x.dtype() == DType::F32 {
+    let y = if backend::host::is_cpu_backend::<B>() && x.dtype() == DType::F32 {
         host_values(x, format, rule)
+    } else if x.dtype() == DType::F32 {
+        let dims = x.dims();
+        let len = dims[D - 1];
+        let rows = dims.iter().product::<usize>() / len.max(1);
+        let op = MxOp {
+            x: layout::reshape::<B, D, 2>(x, [rows, len]),
+            spec: MxSpec::new(format, rule),
+        };
+        match backend::on_kernels::<B, _>(op) {
+            Ok(y) => {
+                backend::record(FusedOp::MxFakeQuant, KernelPath::Kernel);
+                y.reshape(dims)
+            }
+            Err(op) => {
+                backend::record(FusedOp::MxFakeQuant, KernelPath::Reference);
+                layout::reshape(reference_values(op.x, format, rule), dims)
+            }
+        }
     } else {
         reference_values(x, format, rule)
     };
     y.swap_dims(axis, last)
+}
+
+/// [`MoeKernels::mx_fake_quant`](crate::ops::moe::MoeKernels::mx_fake_quant) on a `[rows, len]`
+/// f32 tensor.
+struct MxOp<B: Backend> {
+    x: Tensor<B, 2>,
+    spec: MxSpec,
+}
+
+impl<B: Backend> KernelOp<B> for MxOp<B> {
+    type Output = Tensor<B, 2>;
+
+    fn run<K: FusedKernels>(self) -> Tensor<B, 2> {
+        use burn::tensor::TensorPrimitive;
+        let x: Tensor<K, 2> = backend::same(self.x);
+        let y = K::mx_fake_quant(x.into_primitive().tensor(), self.spec);
+        backend::same(Tensor::<K, 2>::from_primitive(TensorPrimitive::Float(y)))
+    }
 }
 
 /// The exact host loop ([`scalar`]) over the last axis.
