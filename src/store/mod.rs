@@ -6,6 +6,16 @@
 //! `[out, in]` linear weights to Burn's `[in, out]`, and records every problem (missing tensor,
 //! wrong shape, unexpected tensor) so that one error lists them all. A [`Saver`] does the reverse.
 //! The per-module name tables implement [`HfCheckpoint`].
+//!
+//! **Packed MX weights** (design §9). A [`Saver`] made with [`Saver::packing_mx`] writes each weight
+//! that its module trains with MX quantisation-aware training (see
+//! [`QatConfig`](crate::ops::quant::QatConfig)) as two `U8` tensors instead of `{name}`:
+//! `{name}_blocks` `[out, in / 32, B]` (the element codes of each block of 32 along the input
+//! dimension; `B` = 16 for MXFP4, two codes per byte with the first in the low nibble, or 32 for
+//! MXFP8) and `{name}_scales` `[out, in / 32]` (E8M0 bytes, scale `2^(byte − 127)`). This is the
+//! layout of Hugging Face's MXFP4 checkpoints, per matrix. The element format is recorded in the
+//! file's metadata as `mx_format` (`e2m1`, `e4m3` or `e5m2`; `e2m1` when absent). A [`Loader`]
+//! reads such a pair wherever `{name}` is absent, dequantising to the module's dtype.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -16,6 +26,7 @@ use burn::tensor::{backend::Backend, Tensor, TensorData};
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::{Error, Result};
+use crate::ops::quant::{dequantize_host, quantize_mx, MxFormat, MxSpec, MxTensor, MX_BLOCK};
 
 mod kda;
 mod mla;
@@ -36,6 +47,7 @@ pub struct HostTensor {
 pub struct SafeTensorsReader {
     files: Vec<(PathBuf, Vec<u8>)>,
     index: BTreeMap<String, usize>,
+    metadata: HashMap<String, String>,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
@@ -82,9 +94,15 @@ impl SafeTensorsReader {
         let mut reader = Self {
             files: Vec::new(),
             index: BTreeMap::new(),
+            metadata: HashMap::new(),
         };
         for file in files {
             let bytes = std::fs::read(&file).map_err(io_err(&file))?;
+            if let Ok((_, meta)) = SafeTensors::read_metadata(&bytes) {
+                if let Some(m) = meta.metadata() {
+                    reader.metadata.extend(m.clone());
+                }
+            }
             let names: Vec<String> = SafeTensors::deserialize(&bytes)
                 .map_err(|e| Error::SafeTensors {
                     path: file.clone(),
@@ -117,6 +135,37 @@ impl SafeTensorsReader {
             .tensor(name)
             .ok()
             .map(|v| v.shape().to_vec())
+    }
+
+    /// Whether the checkpoint holds `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// A value of the files' `__metadata__` (merged over the shards).
+    pub fn metadata(&self, key: &str) -> Option<&str> {
+        self.metadata.get(key).map(String::as_str)
+    }
+
+    /// Reads `name` as raw bytes with its shape when it is stored as `U8`; `Ok(None)` when absent.
+    pub fn read_u8(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<u8>)>> {
+        let Some(&at) = self.index.get(name) else {
+            return Ok(None);
+        };
+        let (path, bytes) = &self.files[at];
+        let fail = |reason: String| Error::SafeTensors {
+            path: path.clone(),
+            reason,
+        };
+        let st = SafeTensors::deserialize(bytes).map_err(|e| fail(e.to_string()))?;
+        let view = st.tensor(name).map_err(|e| fail(e.to_string()))?;
+        if view.dtype() != Dtype::U8 {
+            return Err(fail(format!(
+                "tensor {name} has dtype {:?}; packed MX tensors are U8",
+                view.dtype()
+            )));
+        }
+        Ok(Some((view.shape().to_vec(), view.data().to_vec())))
     }
 
     /// Reads `name` as f32 (from f32, f16 or bf16 on disk); `Ok(None)` when absent.
@@ -240,10 +289,78 @@ impl<'a, B: Backend> Loader<'a, B> {
         self.param(name, param, &shape)
     }
 
-    /// A bias-free linear layer stored PyTorch-style as `name` with shape `[out, in]`.
+    /// The values of the packed MX pair `{name}_blocks` / `{name}_scales` of a `[out, in]` weight
+    /// (see the module docs).
+    fn fetch_mx(&mut self, name: &str, [d_out, d_in]: [usize; 2]) -> Option<Vec<f32>> {
+        let format = match self.reader.metadata("mx_format").unwrap_or("e2m1") {
+            "e2m1" => MxFormat::Fp4E2M1,
+            "e4m3" => MxFormat::Fp8E4M3,
+            "e5m2" => MxFormat::Fp8E5M2,
+            other => {
+                self.problems.push(format!(
+                    "{name}_blocks: unknown mx_format {other:?} in the file metadata"
+                ));
+                return None;
+            }
+        };
+        let per_block = match format {
+            MxFormat::Fp4E2M1 => MX_BLOCK / 2,
+            _ => MX_BLOCK,
+        };
+        let nb = d_in.div_ceil(MX_BLOCK);
+        let mut part = |suffix: &str, shape: Vec<usize>| {
+            let key = format!("{name}_{suffix}");
+            match self.reader.read_u8(&key) {
+                Ok(Some((s, bytes))) if s == shape => {
+                    self.used.insert(key);
+                    Some(bytes)
+                }
+                Ok(Some((s, _))) => {
+                    self.problems.push(format!(
+                        "wrong shape for {key}: expected {shape:?}, found {s:?}"
+                    ));
+                    None
+                }
+                Ok(None) => {
+                    self.problems
+                        .push(format!("missing tensor {key} (expected shape {shape:?})"));
+                    None
+                }
+                Err(e) => {
+                    self.problems.push(e.to_string());
+                    None
+                }
+            }
+        };
+        let codes = part("blocks", vec![d_out, nb, per_block]);
+        let scales = part("scales", vec![d_out, nb]);
+        let mx = MxTensor {
+            format,
+            shape: vec![d_out, d_in],
+            axis: 1,
+            codes: codes?,
+            scales: scales?,
+        };
+        match dequantize_host(&mx) {
+            Ok((_, values)) => Some(values),
+            Err(e) => {
+                self.problems.push(format!("{name}: {e}"));
+                None
+            }
+        }
+    }
+
+    /// A bias-free linear layer stored PyTorch-style as `name` with shape `[out, in]`, or packed
+    /// as MX blocks and scales (see the module docs).
     pub fn linear(&mut self, name: &str, mut layer: Linear<B>) -> Linear<B> {
         let [d_in, d_out] = layer.weight.dims();
-        let Some(data) = self.fetch(name, &[d_out, d_in]) else {
+        let packed = !self.reader.contains(name) && self.reader.contains(&format!("{name}_blocks"));
+        let data = if packed {
+            self.fetch_mx(name, [d_out, d_in])
+        } else {
+            self.fetch(name, &[d_out, d_in])
+        };
+        let Some(data) = data else {
             return layer;
         };
         let device = self.device.clone();
@@ -284,12 +401,65 @@ impl<'a, B: Backend> Loader<'a, B> {
 #[derive(Debug, Default)]
 pub struct Saver {
     tensors: BTreeMap<String, HostTensor>,
+    packed: BTreeMap<String, (Vec<usize>, Vec<u8>)>,
+    pack_mx: bool,
+    mx_format: Option<MxFormat>,
+    problems: Vec<String>,
 }
 
 impl Saver {
     /// An empty saver.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A saver that writes the weights trained with MX QAT packed (see the module docs).
+    pub fn packing_mx() -> Self {
+        Self {
+            pack_mx: true,
+            ..Self::default()
+        }
+    }
+
+    /// Whether QAT-trained weights are written packed.
+    pub fn packs_mx(&self) -> bool {
+        self.pack_mx
+    }
+
+    /// Adds a bias-free linear layer packed in MX storage along its input dimension:
+    /// `{name}_blocks` and `{name}_scales` (see the module docs). The input width must be a
+    /// multiple of 32 and every weight of one file must share one format ([`write`](Self::write)
+    /// reports it otherwise).
+    pub fn mx_linear<B: Backend>(&mut self, name: &str, layer: &Linear<B>, spec: MxSpec) {
+        let [d_in, d_out] = layer.weight.dims();
+        if d_in % MX_BLOCK != 0 {
+            self.problems.push(format!(
+                "{name}: packed MX storage needs an input width that is a multiple of {MX_BLOCK}, got {d_in}"
+            ));
+            return;
+        }
+        if *self.mx_format.get_or_insert(spec.format) != spec.format {
+            self.problems.push(format!(
+                "{name}: one file holds one MX format, got {:?} after {:?}",
+                spec.format, self.mx_format
+            ));
+            return;
+        }
+        let mx = match quantize_mx(layer.weight.val().transpose(), spec.format, spec.rule, 1) {
+            Ok(mx) => mx,
+            Err(e) => {
+                self.problems.push(format!("{name}: {e}"));
+                return;
+            }
+        };
+        let nb = d_in / MX_BLOCK;
+        let per_block = mx.codes.len() / (d_out * nb).max(1);
+        self.packed.insert(
+            format!("{name}_blocks"),
+            (vec![d_out, nb, per_block], mx.codes),
+        );
+        self.packed
+            .insert(format!("{name}_scales"), (vec![d_out, nb], mx.scales));
     }
 
     /// Adds `tensor` under `name` with the checkpoint shape `hf_shape` (same element count).
@@ -338,9 +508,13 @@ impl Saver {
         &self.tensors
     }
 
-    /// Writes everything as f32 to one `.safetensors` file.
+    /// Writes everything to one `.safetensors` file: floats as f32, packed MX weights as `U8`
+    /// with the format in the metadata. Fails with every problem a packed weight had.
     pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
+        if !self.problems.is_empty() {
+            return Err(Error::Checkpoint(self.problems.join("\n")));
+        }
         let bytes: HashMap<&str, (Vec<usize>, Vec<u8>)> = self
             .tensors
             .iter()
@@ -356,16 +530,29 @@ impl Saver {
             .collect();
         let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = bytes
             .iter()
-            .map(|(k, (shape, data))| {
-                safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), data)
-                    .map(|v| (*k, v))
+            .map(|(k, (shape, data))| (*k, Dtype::F32, shape, data))
+            .chain(
+                self.packed
+                    .iter()
+                    .map(|(k, (shape, data))| (k.as_str(), Dtype::U8, shape, data)),
+            )
+            .map(|(k, dtype, shape, data)| {
+                safetensors::tensor::TensorView::new(dtype, shape.clone(), data).map(|v| (k, v))
             })
             .collect::<std::result::Result<_, _>>()
             .map_err(|e| Error::SafeTensors {
                 path: path.to_path_buf(),
                 reason: e.to_string(),
             })?;
-        safetensors::serialize_to_file(views, None, path).map_err(|e| Error::SafeTensors {
+        let metadata = self.mx_format.map(|f| {
+            let name = match f {
+                MxFormat::Fp4E2M1 => "e2m1",
+                MxFormat::Fp8E4M3 => "e4m3",
+                MxFormat::Fp8E5M2 => "e5m2",
+            };
+            HashMap::from([("mx_format".to_owned(), name.to_owned())])
+        });
+        safetensors::serialize_to_file(views, metadata, path).map_err(|e| Error::SafeTensors {
             path: path.to_path_buf(),
             reason: e.to_string(),
         })

@@ -131,4 +131,18 @@ impl<B: Backend> KimiForCausalLM<B> {
         self.save_hf("", &mut saver);
         saver.write(path)
     }
+
+    /// [`save_safetensors`](Self::save_safetensors) with every weight the model trains with MX
+    /// QAT (the routed experts, and the shared experts and dense FFNs when its
+    /// [`QatConfig`](crate::ops::quant::QatConfig) says so) packed as MX blocks and E8M0 scales
+    /// (layout and names: [`crate::store`]), so a QAT-trained model ships in FP4.
+    /// [`from_safetensors`](Self::from_safetensors) reads it back; the dequantised weights are
+    /// exactly the fake-quantised ones the model computed with, so its logits are unchanged.
+    ///
+    /// Errors when a packed weight's input width is not a multiple of 32.
+    pub fn save_safetensors_packed(&self, path: impl AsRef<Path>) -> Result<()> {
+        let mut saver = Saver::packing_mx();
+        self.save_hf("", &mut saver);
+        saver.write(path)
+    }
 }

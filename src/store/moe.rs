@@ -25,10 +25,17 @@ pub(crate) fn load_glu<B: Backend>(
     glu
 }
 
+/// Saves the three projections; packed as MX when the saver packs and the FFN trains its weights
+/// with MX QAT.
 pub(crate) fn save_glu<B: Backend>(glu: &SituGlu<B>, prefix: &str, names: GluNames, s: &mut Saver) {
-    s.linear(&format!("{prefix}{}.weight", names[0]), &glu.w1);
-    s.linear(&format!("{prefix}{}.weight", names[1]), &glu.w3);
-    s.linear(&format!("{prefix}{}.weight", names[2]), &glu.w2);
+    let pack = glu.qat.and_then(|q| q.weights).filter(|_| s.packs_mx());
+    for (name, layer) in names.iter().zip([&glu.w1, &glu.w3, &glu.w2]) {
+        let name = format!("{prefix}{name}.weight");
+        match pack {
+            Some(spec) => s.mx_linear(&name, layer, spec),
+            None => s.linear(&name, layer),
+        }
+    }
 }
 
 impl<B: Backend> HfCheckpoint<B> for RmsNorm<B> {

@@ -492,3 +492,102 @@ fn qat_round_trips_through_the_hf_config() {
         "{err}"
     );
 }
+
+/// The packed export of a QAT model: the experts' weights as MXFP4 blocks and scales in Hugging
+/// Face's layout (decoded here from the E2M1 table and the E8M0 bytes, independently of the crate),
+/// a file smaller than the f32 one, and loaded back the same logits bit for bit on the CPU.
+#[test]
+fn the_packed_export_loads_back_to_the_same_logits() {
+    use burn::tensor::Int;
+    use kimi_burn::model::KimiForCausalLM;
+    use kimi_burn::store::SafeTensorsReader;
+    let d = Default::default();
+    let mut config = crate::model::small();
+    config.moe.qat = Some(QatConfig::mxfp4().with_shared_experts(true));
+    let model = config.init::<Cpu>(&d);
+    let dir = std::env::temp_dir().join(format!("kimi-burn-mx-export-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (packed, plain) = (
+        dir.join("packed.safetensors"),
+        dir.join("plain.safetensors"),
+    );
+    model.save_safetensors_packed(&packed).unwrap();
+    model.save_safetensors(&plain).unwrap();
+    let size = |p: &std::path::Path| std::fs::metadata(p).unwrap().len();
+    assert!(
+        size(&packed) < size(&plain),
+        "{} vs {}",
+        size(&packed),
+        size(&plain)
+    );
+
+    let reader = SafeTensorsReader::open(&packed).unwrap();
+    let names: Vec<&str> = reader.names().collect();
+    let name = "model.layers.1.block_sparse_moe.experts.0.w1.weight";
+    assert!(
+        !names.contains(&name) && names.contains(&"model.layers.1.block_sparse_moe.gate.weight")
+    );
+    assert!(names.contains(&"model.layers.1.block_sparse_moe.shared_experts.up_proj.weight_scales"));
+    assert!(
+        names.contains(&"model.layers.0.mlp.up_proj.weight"),
+        "dense FFNs stay in f32"
+    );
+    assert_eq!(reader.metadata("mx_format"), Some("e2m1"));
+    let (bshape, blocks) = reader.read_u8(&format!("{name}_blocks")).unwrap().unwrap();
+    let (sshape, scales) = reader.read_u8(&format!("{name}_scales")).unwrap().unwrap();
+    let [out, nb] = [sshape[0], sshape[1]];
+    assert_eq!(bshape, [out, nb, 16]);
+    const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+    let decoded: Vec<f32> = (0..out * nb * 32)
+        .map(|i| {
+            let byte = blocks[i / 2];
+            let code = if i % 2 == 0 { byte & 15 } else { byte >> 4 };
+            let v = E2M1[(code & 7) as usize] * 2f32.powi(scales[i / 32] as i32 - 127);
+            if code & 8 != 0 {
+                -v
+            } else {
+                v
+            }
+        })
+        .map(|v| v + 0.0)
+        .collect();
+    let w1 = match &model.layers[1].ffn {
+        kimi_burn::model::Ffn::Moe(m) => m.experts[0].w1.weight.val(),
+        _ => unreachable!("layer 1 is a MoE layer"),
+    };
+    let want = bits_of(mx_fake_quant(
+        w1.transpose(),
+        MxFormat::Fp4E2M1,
+        MxScaleRule::Floor,
+        1,
+    ));
+    assert_eq!(
+        decoded.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        want
+    );
+
+    let back = KimiForCausalLM::<Cpu>::from_safetensors(&config, &packed, &d).unwrap();
+    let mut r = rng(77);
+    let ids: Vec<i64> = (0..2 * 9).map(|_| r.random_range(0..64)).collect();
+    let ids = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(ids, [2, 9]), &d);
+    assert_eq!(
+        bits_of(model.forward(ids.clone())),
+        bits_of(back.forward(ids)),
+        "logits after the packed round trip"
+    );
+
+    // A width that is not a whole number of blocks cannot be packed: the error names the weight.
+    let mut odd = crate::model::small();
+    odd.moe.qat = Some(QatConfig::mxfp4());
+    odd.moe.layout = kimi_burn::nn::MoeLayout::StableLatent { dim: 40 };
+    let err = odd
+        .init::<Cpu>(&d)
+        .save_safetensors_packed(dir.join("odd.safetensors"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("experts.0.w1.weight") && err.contains("40"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -32,6 +32,7 @@ use crate::ops::backend::{self, FusedKernels, FusedOp, KernelOp, KernelPath};
 use crate::ops::layout;
 use crate::ops::precision::{restore, widen};
 
+pub(crate) use pack::dequantize_host;
 pub use pack::{dequantize_mx, quantize_mx, MxTensor};
 pub use qat::{MxSpec, QatConfig};
 

@@ -117,6 +117,24 @@ pub fn dequantize_mx<B: Backend, const D: usize>(
             (mx.shape.clone(), mx.axis),
         ));
     }
+    let (moved, values) = dequantize_host(mx)?;
+    let moved_tensor = Tensor::<B, D>::from_data(
+        TensorData::new(values, moved),
+        (device, burn::tensor::DType::F32),
+    );
+    Ok(moved_tensor.swap_dims(mx.axis, D - 1))
+}
+
+/// The values of MX storage on the host, in the layout with the quantised axis last (that layout's
+/// shape first). Checks as [`dequantize_mx`].
+pub(crate) fn dequantize_host(mx: &MxTensor) -> Result<(Vec<usize>, Vec<f32>)> {
+    if mx.axis >= mx.shape.len() {
+        return Err(Error::shape(
+            "MxTensor",
+            "an axis below the rank",
+            (mx.shape.clone(), mx.axis),
+        ));
+    }
     let (moved, rows, len) = moved_last(&mx.shape, mx.axis);
     let n = rows * len;
     let blocks_per_row = len.div_ceil(MX_BLOCK);
@@ -152,9 +170,5 @@ pub fn dequantize_mx<B: Backend, const D: usize>(
             scalar::scale_by(decode(code(i), e), s) + 0.0
         })
         .collect();
-    let moved_tensor = Tensor::<B, D>::from_data(
-        TensorData::new(values, moved.clone()),
-        (device, burn::tensor::DType::F32),
-    );
-    Ok(moved_tensor.swap_dims(mx.axis, D - 1))
+    Ok((moved, values))
 }
