@@ -5,13 +5,16 @@
 //! cargo run --release --example train_tiny                       # MQAR, 16 pairs in 256 tokens
 //! cargo run --release --example train_tiny -- --pattern kda      # KDA-only stack
 //! cargo run --release --example train_tiny -- --balancer none    # see experts die
+//! cargo run --release --example train_tiny -- --qat mxfp4 --init runs/train_tiny/model.safetensors \
+//!     --steps 150 --lr 3e-3 --out runs/qat                          # QAT fine-tune, as K3 from SFT on
 //! cargo run --release --example train_tiny -- --help
 //! ```
 //!
 //! Writes into `--out` (default `runs/train_tiny`): `metrics.csv`, `loss_accuracy.png`,
 //! `expert_load.png` (per step), `expert_load_window.png` (the last `--load-window` steps
 //! pooled), `model.safetensors` and `config.json` (loadable with
-//! `KimiForCausalLM::from_safetensors` and `KimiConfig::from_hf_config`).
+//! `KimiForCausalLM::from_safetensors` and `KimiConfig::from_hf_config`); with `--qat`, also
+//! `model.mx.safetensors`, the experts' weights packed in MX storage.
 
 mod plot;
 
@@ -32,6 +35,7 @@ use kimi_burn::data::{
 };
 use kimi_burn::model::{KimiConfig, KimiForCausalLM};
 use kimi_burn::nn::{BalancerKind, MoeStats};
+use kimi_burn::ops::quant::{MxSpec, QatConfig};
 use kimi_burn::optim::{KimiOptimizerConfig, ParamRoles};
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
@@ -106,6 +110,26 @@ enum Optimiser {
     Muon,
     /// AdamW for everything.
     Adamw,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
+enum Qat {
+    /// Full precision.
+    None,
+    /// K3's recipe: routed experts with MXFP4 (E2M1) weights and MXFP8 (E4M3) activations.
+    Mxfp4,
+    /// MXFP8 (E4M3) weights and activations.
+    Mxfp8,
+}
+
+impl Qat {
+    fn config(self) -> Option<QatConfig> {
+        match self {
+            Self::None => None,
+            Self::Mxfp4 => Some(QatConfig::mxfp4()),
+            Self::Mxfp8 => Some(QatConfig::new(Some(MxSpec::mxfp8()), Some(MxSpec::mxfp8()))),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
@@ -190,6 +214,13 @@ struct Args {
     /// Held-out sequences for the final test accuracy.
     #[arg(long, default_value_t = 256)]
     test_sequences: usize,
+    /// Quantisation-aware training of the routed experts (MX formats, design §9).
+    #[arg(long, value_enum, default_value_t = Qat::None)]
+    qat: Qat,
+    /// Start from these weights (a `model.safetensors` of an earlier run with the same model
+    /// options) instead of a random initialisation; the run first reports their test accuracy.
+    #[arg(long)]
+    init: Option<PathBuf>,
     /// Output folder.
     #[arg(long, default_value = "runs/train_tiny")]
     out: PathBuf,
@@ -287,6 +318,7 @@ fn model_config(args: &Args, vocab: usize) -> Result<KimiConfig, String> {
         Balancer::Sign => BalancerKind::Sign { gamma: 1e-3 },
         Balancer::None => BalancerKind::None,
     };
+    c.moe.qat = args.qat.config();
     c.validate().map_err(|e| e.to_string())?;
     Ok(c)
 }
@@ -308,7 +340,15 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
     B::seed(&device, args.seed);
-    let mut model: KimiForCausalLM<B> = config.try_init(&device).map_err(|e| e.to_string())?;
+    let mut model: KimiForCausalLM<B> = match &args.init {
+        None => config.try_init(&device).map_err(|e| e.to_string())?,
+        Some(path) => {
+            let model = KimiForCausalLM::from_safetensors(&config, path, &device)
+                .map_err(|e| format!("--init {}: {e}", path.display()))?;
+            report_init(&model, &config, path, task.as_ref(), args, &device)?;
+            model
+        }
+    };
     let roles = match args.optimiser {
         Optimiser::Muon => model.param_roles(),
         Optimiser::Adamw => ParamRoles::adamw_only(),
@@ -317,7 +357,7 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
         .init(&model, roles)
         .map_err(|e| e.to_string())?;
     let mut rng = SeededRng::new(args.seed);
-    let mut test_rng = SeededRng::new(args.seed ^ 0x5eed_7e57);
+    let mut test_rng = test_rng_of(args);
 
     print_banner(args, &config);
     let bar = progress_bar(args.steps)?;
@@ -398,6 +438,22 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
     )?;
     eval.save_safetensors(args.out.join("model.safetensors"))
         .map_err(|e| e.to_string())?;
+    if config.moe.qat.is_some() {
+        let packed = args.out.join("model.mx.safetensors");
+        eval.save_safetensors_packed(&packed)
+            .map_err(|e| e.to_string())?;
+        // The packed file must give the model that was evaluated.
+        let back = KimiForCausalLM::<B::InnerBackend>::from_safetensors(&config, &packed, &device)
+            .map_err(|e| e.to_string())?;
+        let again = held_out_accuracy(&back, task.as_ref(), args, &mut test_rng_of(args), &device)?;
+        println!(
+            "packed MX export {} ({} bytes, f32 {} bytes): test accuracy {:.4} loaded back",
+            packed.display(),
+            file_len(&packed),
+            file_len(&args.out.join("model.safetensors")),
+            again.fraction().unwrap_or(0.0)
+        );
+    }
     let labelled = plot::register_font();
     plot::write_plots(&args.out, &rows, labelled, args.load_window)?;
 
@@ -418,6 +474,12 @@ fn print_banner(args: &Args, config: &KimiConfig) {
     args.balancer,
     args.optimiser
 );
+    if let Some(q) = config.moe.qat {
+        println!(
+            "QAT: routed experts, weights {:?}, activations {:?}",
+            q.weights, q.activations
+        );
+    }
     if args.task == TaskKind::Mqar {
         let filler = match args.filler {
             Filler::Reserved => format!("reserved filler ({} tokens)", reserved_tokens(args)),
@@ -584,6 +646,46 @@ fn held_out_accuracy<B: Backend>(
         left -= n;
     }
     Ok(test)
+}
+
+/// The held-out test sequences' generator (the same sequences for every evaluation of a run).
+fn test_rng_of(args: &Args) -> SeededRng {
+    SeededRng::new(args.seed ^ 0x5eed_7e57)
+}
+
+fn file_len(path: &std::path::Path) -> u64 {
+    std::fs::metadata(path).map_or(0, |m| m.len())
+}
+
+/// `--init`: the test accuracy of the loaded weights in full precision and, with `--qat`, with
+/// the quantisation applied before any training (post-training quantisation).
+fn report_init<B: AutodiffBackend>(
+    model: &KimiForCausalLM<B>,
+    config: &KimiConfig,
+    path: &std::path::Path,
+    task: &dyn Task,
+    args: &Args,
+    device: &B::Device,
+) -> Result<(), String> {
+    let mut plain = config.clone();
+    plain.moe.qat = None;
+    let full = KimiForCausalLM::<B::InnerBackend>::from_safetensors(&plain, path, device)
+        .map_err(|e| e.to_string())?;
+    let acc = held_out_accuracy(&full, task, args, &mut test_rng_of(args), device)?;
+    println!(
+        "--init {}: test accuracy {:.4} in full precision",
+        path.display(),
+        acc.fraction().unwrap_or(0.0)
+    );
+    if config.moe.qat.is_some() {
+        let acc = held_out_accuracy(&model.valid(), task, args, &mut test_rng_of(args), device)?;
+        println!(
+            "  with {:?} quantisation before training: {:.4}",
+            args.qat,
+            acc.fraction().unwrap_or(0.0)
+        );
+    }
+    Ok(())
 }
 
 /// The closing summary on stdout.

@@ -1,0 +1,137 @@
+//! The cost of MX quantisation-aware training (design §9): the same module with and without QAT
+//! (MXFP4 weights, MXFP8 E4M3 activations on the routed experts), in the same run.
+//!
+//! ```text
+//! cargo bench --bench qat
+//! cargo bench --bench qat --features wgpu     # adds the wgpu (kernel path) groups
+//! ```
+//!
+//! * `qat_latent_moe_n64_k8_d512_l256_4096tok`: the Stable LatentMoE layer of `benches/moe.rs`,
+//!   forward + backward on the CPU backend (host kernels).
+//! * `qat_tiny_train_step_4x256`: one forward + backward of the whole tiny model (the step of
+//!   `train_tiny` without the optimiser) on the CPU backend.
+//! * With `wgpu`: the small MoE of `benches/moe.rs`'s GPU group and the tiny training step on the
+//!   wgpu backend, kernel path (the MX kernel, and the hidden quantisation inside the fused experts).
+//!
+//! The ratio "with QAT / without" of each pair is the cost of QAT.
+
+use burn::backend::{Autodiff, NdArray};
+use burn::tensor::{backend::Backend, Distribution, Int, Tensor, TensorData};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use kimi_burn::model::{KimiConfig, KimiForCausalLM};
+use kimi_burn::nn::{BalancerKind, LatentMoeConfig, MoeLayout};
+use kimi_burn::ops::quant::QatConfig;
+
+type Cpu = NdArray<f32>;
+
+const VARIANTS: [(&str, Option<fn() -> QatConfig>); 2] =
+    [("full_precision", None), ("qat_mxfp4", Some(QatConfig::mxfp4))];
+
+fn ids<B: Backend>(batch: usize, t: usize, vocab: usize, device: &B::Device) -> Tensor<B, 2, Int> {
+    let v: Vec<i64> = (0..batch * t)
+        .map(|i| ((i * 7919) % vocab) as i64)
+        .collect();
+    Tensor::from_data(TensorData::new(v, [batch, t]), device)
+}
+
+/// One forward + backward of `moe` on `x`, then the balance update.
+fn moe_step<B: burn::tensor::backend::AutodiffBackend>(
+    moe: &kimi_burn::nn::LatentMoe<B>,
+    x: &Tensor<B, 3>,
+    device: &B::Device,
+) {
+    let out = moe.forward(x.clone());
+    let grads = out.output.sum().backward();
+    moe.balance.update();
+    drop(grads);
+    B::sync(device).unwrap();
+}
+
+/// One forward + backward of the whole model on `x`, then the balance update.
+fn model_step<B: burn::tensor::backend::AutodiffBackend>(
+    model: &KimiForCausalLM<B>,
+    x: &Tensor<B, 2, Int>,
+    device: &B::Device,
+) {
+    let grads = model.forward(x.clone()).sum().backward();
+    model.update_balance();
+    drop(grads);
+    B::sync(device).unwrap();
+}
+
+fn tiny(qat: Option<QatConfig>) -> KimiConfig {
+    let mut c = KimiConfig::tiny();
+    c.vocab_size = 256;
+    c.moe.qat = qat;
+    c
+}
+
+fn bench_cpu(c: &mut Criterion) {
+    type Ad = Autodiff<Cpu>;
+    let device = Default::default();
+    let mut group = c.benchmark_group("qat_latent_moe_n64_k8_d512_l256_4096tok");
+    group.sample_size(10);
+    let x = Tensor::<Ad, 3>::random([8, 512, 512], Distribution::Normal(0.0, 1.0), &device);
+    for (name, qat) in VARIANTS {
+        let moe = LatentMoeConfig::new(512, 64, 8, 256)
+            .with_layout(MoeLayout::StableLatent { dim: 256 })
+            .with_n_shared(1)
+            .with_shared_hidden(Some(512))
+            .with_balancer(BalancerKind::quantile())
+            .with_qat(qat.map(|f| f()))
+            .init::<Ad>(&device);
+        group.bench_function(BenchmarkId::new("forward_backward", name), |b| {
+            b.iter(|| moe_step(&moe, &x, &device))
+        });
+    }
+    group.finish();
+
+    let mut group = c.benchmark_group("qat_tiny_train_step_4x256");
+    group.sample_size(10);
+    let x = ids::<Ad>(4, 256, 256, &device);
+    for (name, qat) in VARIANTS {
+        let model: KimiForCausalLM<Ad> = tiny(qat.map(|f| f())).init(&device);
+        group.bench_function(BenchmarkId::new("forward_backward", name), |b| {
+            b.iter(|| model_step(&model, &x, &device))
+        });
+    }
+    group.finish();
+}
+
+#[cfg(feature = "wgpu")]
+fn bench_wgpu(c: &mut Criterion) {
+    type G = Autodiff<burn::backend::Wgpu>;
+    let device = Default::default();
+    let mut group = c.benchmark_group("wgpu_qat_moe_n16_k4_d128_l64_1024tok");
+    group.sample_size(10);
+    let x = Tensor::<G, 3>::random([1, 1024, 128], Distribution::Normal(0.0, 1.0), &device);
+    for (name, qat) in VARIANTS {
+        let moe = LatentMoeConfig::new(128, 16, 4, 128)
+            .with_layout(MoeLayout::StableLatent { dim: 64 })
+            .with_n_shared(1)
+            .with_balancer(BalancerKind::quantile())
+            .with_qat(qat.map(|f| f()))
+            .init::<G>(&device);
+        group.bench_function(BenchmarkId::new("forward_backward", name), |b| {
+            b.iter(|| moe_step(&moe, &x, &device))
+        });
+    }
+    group.finish();
+
+    let mut group = c.benchmark_group("wgpu_qat_tiny_train_step_2x256");
+    group.sample_size(10);
+    let x = ids::<G>(2, 256, 256, &device);
+    for (name, qat) in VARIANTS {
+        let model: KimiForCausalLM<G> = tiny(qat.map(|f| f())).init(&device);
+        group.bench_function(BenchmarkId::new("forward_backward", name), |b| {
+            b.iter(|| model_step(&model, &x, &device))
+        });
+    }
+    group.finish();
+}
+
+#[cfg(not(feature = "wgpu"))]
+criterion_group!(benches, bench_cpu);
+#[cfg(feature = "wgpu")]
+criterion_group!(benches, bench_cpu, bench_wgpu);
+criterion_main!(benches);
