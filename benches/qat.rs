@@ -24,8 +24,13 @@ use kimi_burn::ops::quant::QatConfig;
 
 type Cpu = NdArray<f32>;
 
-const VARIANTS: [(&str, Option<fn() -> QatConfig>); 2] =
-    [("full_precision", None), ("qat_mxfp4", Some(QatConfig::mxfp4))];
+/// A QAT recipe, by constructor.
+type Recipe = Option<fn() -> QatConfig>;
+
+const VARIANTS: [(&str, Recipe); 2] = [
+    ("full_precision", None),
+    ("qat_mxfp4", Some(QatConfig::mxfp4)),
+];
 
 fn ids<B: Backend>(batch: usize, t: usize, vocab: usize, device: &B::Device) -> Tensor<B, 2, Int> {
     let v: Vec<i64> = (0..batch * t)

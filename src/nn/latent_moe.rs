@@ -8,11 +8,12 @@ use burn::tensor::{backend::Backend, Bool, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::balance::{BalanceState, BalancerKind, MoeStats, RoutedBatch};
+use super::experts::RoutedExperts;
 use super::norm::{RmsNorm, RmsNormConfig};
 use super::router::{Router, RouterConfig, RouterOptions};
 use super::situ_glu::{GluActivation, SituGlu, SituGluConfig};
 use crate::error::{Error, Result};
-use crate::ops::moe::dispatch::{dispatch, routed_experts, DispatchPlan};
+use crate::ops::moe::dispatch::routed_experts;
 use crate::ops::quant::QatConfig;
 
 use crate::ops::moe::route::to_host_f32;
@@ -121,10 +122,14 @@ impl LatentMoeConfig {
     pub fn try_init<B: Backend>(&self, device: &B::Device) -> Result<LatentMoe<B>> {
         self.validate()?;
         let width = self.layout.expert_width(self.d_model);
-        let expert = SituGluConfig::new(width, self.expert_hidden)
-            .with_activation(self.activation)
-            .with_qat(self.qat);
-        let experts = (0..self.n_experts).map(|_| expert.init(device)).collect();
+        let experts = RoutedExperts::new(
+            self.n_experts,
+            width,
+            self.expert_hidden,
+            self.activation,
+            self.qat,
+            device,
+        );
         let shared = (self.n_shared > 0).then(|| {
             let hidden = self.n_shared * self.shared_hidden.unwrap_or(self.expert_hidden);
             SituGluConfig::new(self.d_model, hidden)
@@ -145,7 +150,6 @@ impl LatentMoeConfig {
                     .init(device)
             }),
             balance: BalanceState::new(self.n_experts, self.balancer, device)?,
-            qat: self.qat,
         })
     }
 
@@ -200,8 +204,8 @@ pub struct MoeOutput<B: Backend> {
 pub struct LatentMoe<B: Backend> {
     /// The router (`gate`).
     pub router: Router<B>,
-    /// The routed experts `experts.{e}` (`w1` gate, `w3` up, `w2` down).
-    pub experts: Vec<SituGlu<B>>,
+    /// The routed experts, stacked (`experts.{e}.{w1,w3,w2}` in checkpoints).
+    pub experts: RoutedExperts<B>,
     /// The shared experts, fused (`shared_experts.{gate,up,down}_proj`).
     pub shared: Option<SituGlu<B>>,
     /// `W_down` `[d, ℓ]` (`routed_expert_down_proj`); absent for a standard MoE.
@@ -212,9 +216,6 @@ pub struct LatentMoe<B: Backend> {
     pub norm: Option<RmsNorm<B>>,
     /// The balance bias (`gate.e_score_correction_bias`) and the balancer's counts.
     pub balance: BalanceState<B>,
-    /// Quantisation-aware training of the routed experts (design §9).
-    #[module(skip)]
-    pub qat: Option<QatConfig>,
 }
 
 impl<B: Backend> LatentMoe<B> {
@@ -286,33 +287,18 @@ impl<B: Backend> LatentMoe<B> {
             Some(down) => down.forward(flat.clone()),
             None => flat.clone(),
         };
-        let width = h.dims()[1];
-        let mut u = match self.uniform_activation() {
-            // One activation and no biases: the op picks the fused kernels or the reference.
-            Some(activation) => {
-                let experts: Vec<[Tensor<B, 2>; 3]> = self
-                    .experts
-                    .iter()
-                    .map(|e| [e.w1.weight.val(), e.w3.weight.val(), e.w2.weight.val()])
-                    .collect();
-                routed_experts(
-                    h,
-                    &routing.indices,
-                    routing.weights,
-                    &routing.selection,
-                    valid.as_deref(),
-                    &experts,
-                    activation,
-                    self.qat.as_ref(),
-                )
-            }
-            None => {
-                let plan = DispatchPlan::new(&routing.selection, valid.as_deref());
-                dispatch(h, routing.weights, &plan, width, |e, rows| {
-                    self.experts[e].forward(rows)
-                })
-            }
+        let h = match &self.experts.qat {
+            Some(q) => q.activation(h),
+            None => h,
         };
+        let mut u = routed_experts(
+            h,
+            &routing.indices,
+            routing.weights,
+            &routing.selection,
+            valid.as_deref(),
+            &self.experts.stacked(),
+        );
         if let Some(norm) = &self.norm {
             u = norm.forward(u);
         }
@@ -327,21 +313,6 @@ impl<B: Backend> LatentMoe<B> {
             output: y.reshape([batch, seq, d]),
             stats,
         })
-    }
-
-    /// The experts' shared activation when they all have the same one and no biases (what
-    /// [`routed_experts`] takes), else `None`.
-    fn uniform_activation(&self) -> Option<GluActivation> {
-        let first = self.experts.first()?;
-        self.experts
-            .iter()
-            .all(|e| {
-                e.activation == first.activation
-                    && e.w1.bias.is_none()
-                    && e.w3.bias.is_none()
-                    && e.w2.bias.is_none()
-            })
-            .then_some(first.activation)
     }
 
     /// Applies the balancer to the bias from the statistics accumulated since the last call

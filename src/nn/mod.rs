@@ -6,6 +6,7 @@
 
 pub mod attn_res;
 pub mod balance;
+mod experts;
 pub mod kda;
 pub mod latent_moe;
 pub mod mla;
@@ -16,6 +17,7 @@ pub mod situ_glu;
 
 pub use attn_res::{AttnResConfig, AttnResMix};
 pub use balance::{BalanceState, Balancer, BalancerKind, MoeStats, QuantileBalancer, SignBalancer};
+pub use experts::RoutedExperts;
 pub use kda::{KdaCache, KdaConfig, KimiDeltaAttention};
 pub use latent_moe::{LatentMoe, LatentMoeConfig, MoeLayout, MoeOutput};
 pub use mla::{GatedMla, MlaConfig};

@@ -37,8 +37,8 @@ impl<B: AutodiffBackend> KimiForCausalLM<B> {
                 }
             }
         }
-        // Experts are per-expert matrices, so the default whole-matrix Muon already
-        // orthogonalises each expert on its own; the FFNs need no override.
+        // The routed experts are stacked `[n, in, out]`: Muon takes the leading axis as a batch
+        // and orthogonalises each expert's matrix on its own, so the FFNs need no override.
         roles
     }
 }

@@ -26,7 +26,7 @@ use burn::tensor::{backend::Backend, Tensor, TensorData};
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::{Error, Result};
-use crate::ops::quant::{dequantize_host, quantize_mx, MxFormat, MxSpec, MxTensor, MX_BLOCK};
+use crate::ops::quant::{dequantize_host, pack_rows, MxFormat, MxSpec, MxTensor, MX_BLOCK};
 
 mod kda;
 mod mla;
@@ -350,17 +350,63 @@ impl<'a, B: Backend> Loader<'a, B> {
         }
     }
 
+    /// The `[out, in]` matrix `name`, stored as it is or packed as MX.
+    fn fetch_matrix(&mut self, name: &str, [d_out, d_in]: [usize; 2]) -> Option<Vec<f32>> {
+        let packed = !self.reader.contains(name) && self.reader.contains(&format!("{name}_blocks"));
+        if packed {
+            self.fetch_mx(name, [d_out, d_in])
+        } else {
+            self.fetch(name, &[d_out, d_in])
+        }
+    }
+
+    /// Stacked matrices `param: [n, in, out]` from `n` PyTorch-style `[out, in]` tensors
+    /// `names[e]` (each stored as it is or packed as MX); unchanged when any is missing or
+    /// mis-shaped (the problems are recorded).
+    ///
+    /// # Panics
+    /// If `names.len() != n`.
+    pub fn stacked_linear(
+        &mut self,
+        names: &[String],
+        param: Param<Tensor<B, 3>>,
+    ) -> Param<Tensor<B, 3>> {
+        let [n, d_in, d_out] = param.dims();
+        assert_eq!(names.len(), n, "one name per stacked matrix");
+        let mut data = vec![0.0f32; n * d_in * d_out];
+        let mut complete = true;
+        for (e, name) in names.iter().enumerate() {
+            match self.fetch_matrix(name, [d_out, d_in]) {
+                Some(m) => {
+                    // [out, in] → [in, out] into slot e.
+                    let slot = &mut data[e * d_in * d_out..(e + 1) * d_in * d_out];
+                    for o in 0..d_out {
+                        for i in 0..d_in {
+                            slot[i * d_out + o] = m[o * d_in + i];
+                        }
+                    }
+                }
+                None => complete = false,
+            }
+        }
+        if !complete {
+            return param;
+        }
+        let device = self.device.clone();
+        param.map(|old| {
+            Tensor::<B, 3>::from_data(
+                TensorData::new(data, [n, d_in, d_out]),
+                (&device, old.dtype()),
+            )
+            .set_require_grad(old.is_require_grad())
+        })
+    }
+
     /// A bias-free linear layer stored PyTorch-style as `name` with shape `[out, in]`, or packed
     /// as MX blocks and scales (see the module docs).
     pub fn linear(&mut self, name: &str, mut layer: Linear<B>) -> Linear<B> {
         let [d_in, d_out] = layer.weight.dims();
-        let packed = !self.reader.contains(name) && self.reader.contains(&format!("{name}_blocks"));
-        let data = if packed {
-            self.fetch_mx(name, [d_out, d_in])
-        } else {
-            self.fetch(name, &[d_out, d_in])
-        };
-        let Some(data) = data else {
+        let Some(data) = self.fetch_matrix(name, [d_out, d_in]) else {
             return layer;
         };
         let device = self.device.clone();
@@ -432,6 +478,53 @@ impl Saver {
     /// reports it otherwise).
     pub fn mx_linear<B: Backend>(&mut self, name: &str, layer: &Linear<B>, spec: MxSpec) {
         let [d_in, d_out] = layer.weight.dims();
+        let data = layer
+            .weight
+            .val()
+            .transpose()
+            .into_data()
+            .iter::<f32>()
+            .collect();
+        self.matrix(name, data, [d_out, d_in], Some(spec));
+    }
+
+    /// Adds stacked matrices `w: [n, in, out]` (Burn's layout per matrix) as `n` PyTorch-style
+    /// `[out, in]` tensors named `names[e]`, packed as MX when `pack` is given (one host read).
+    ///
+    /// # Panics
+    /// If `names.len() != n`.
+    pub fn stacked_linear<B: Backend>(
+        &mut self,
+        names: &[String],
+        w: Tensor<B, 3>,
+        pack: Option<MxSpec>,
+    ) {
+        let [n, d_in, d_out] = w.dims();
+        assert_eq!(names.len(), n, "one name per stacked matrix");
+        let data: Vec<f32> = w.swap_dims(1, 2).into_data().iter::<f32>().collect();
+        for (name, m) in names.iter().zip(data.chunks(d_in * d_out)) {
+            self.matrix(name, m.to_vec(), [d_out, d_in], pack);
+        }
+    }
+
+    /// Adds one `[out, in]` matrix (row-major `data`), packed as MX along `in` when `pack` is given.
+    fn matrix(
+        &mut self,
+        name: &str,
+        data: Vec<f32>,
+        [d_out, d_in]: [usize; 2],
+        pack: Option<MxSpec>,
+    ) {
+        let Some(spec) = pack else {
+            self.tensors.insert(
+                name.to_owned(),
+                HostTensor {
+                    shape: vec![d_out, d_in],
+                    data,
+                },
+            );
+            return;
+        };
         if d_in % MX_BLOCK != 0 {
             self.problems.push(format!(
                 "{name}: packed MX storage needs an input width that is a multiple of {MX_BLOCK}, got {d_in}"
@@ -445,21 +538,21 @@ impl Saver {
             ));
             return;
         }
-        let mx = match quantize_mx(layer.weight.val().transpose(), spec.format, spec.rule, 1) {
-            Ok(mx) => mx,
-            Err(e) => {
-                self.problems.push(format!("{name}: {e}"));
-                return;
-            }
-        };
+        if let Some(bad) = data.iter().find(|v| !v.is_finite()) {
+            self.problems.push(format!(
+                "{name}: {bad} cannot be stored in MX (no block scale)"
+            ));
+            return;
+        }
+        let (codes, scales) = pack_rows(&data, d_in, spec.format, spec.rule);
         let nb = d_in / MX_BLOCK;
-        let per_block = mx.codes.len() / (d_out * nb).max(1);
+        let per_block = codes.len() / (d_out * nb).max(1);
         self.packed.insert(
             format!("{name}_blocks"),
-            (vec![d_out, nb, per_block], mx.codes),
+            (vec![d_out, nb, per_block], codes),
         );
         self.packed
-            .insert(format!("{name}_scales"), (vec![d_out, nb], mx.scales));
+            .insert(format!("{name}_scales"), (vec![d_out, nb], scales));
     }
 
     /// Adds `tensor` under `name` with the checkpoint shape `hf_shape` (same element count).

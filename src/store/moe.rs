@@ -38,6 +38,15 @@ pub(crate) fn save_glu<B: Backend>(glu: &SituGlu<B>, prefix: &str, names: GluNam
     }
 }
 
+/// `{prefix}experts.{e}.{w1,w3,w2}.weight` for every expert, grouped by projection.
+fn expert_names(prefix: &str, n: usize) -> [Vec<String>; 3] {
+    EXPERT_NAMES.map(|w| {
+        (0..n)
+            .map(|e| format!("{prefix}experts.{e}.{w}.weight"))
+            .collect()
+    })
+}
+
 impl<B: Backend> HfCheckpoint<B> for RmsNorm<B> {
     /// `{prefix}weight`.
     fn load_hf(mut self, prefix: &str, l: &mut Loader<'_, B>) -> Self {
@@ -61,11 +70,10 @@ impl<B: Backend> HfCheckpoint<B> for LatentMoe<B> {
         if let Some(bias) = l.vector(&format!("{prefix}gate.e_score_correction_bias"), n) {
             self.balance.set_bias(&bias);
         }
-        self.experts = std::mem::take(&mut self.experts)
-            .into_iter()
-            .enumerate()
-            .map(|(e, glu)| load_glu(glu, &format!("{prefix}experts.{e}."), EXPERT_NAMES, l))
-            .collect();
+        let names = expert_names(prefix, n);
+        self.experts.w1 = l.stacked_linear(&names[0], self.experts.w1);
+        self.experts.w3 = l.stacked_linear(&names[1], self.experts.w3);
+        self.experts.w2 = l.stacked_linear(&names[2], self.experts.w2);
         self.shared = self
             .shared
             .map(|g| load_glu(g, &format!("{prefix}shared_experts."), PROJ_NAMES, l));
@@ -87,8 +95,11 @@ impl<B: Backend> HfCheckpoint<B> for LatentMoe<B> {
             &format!("{prefix}gate.e_score_correction_bias"),
             self.balance.bias_host(),
         );
-        for (e, glu) in self.experts.iter().enumerate() {
-            save_glu(glu, &format!("{prefix}experts.{e}."), EXPERT_NAMES, s);
+        let ex = &self.experts;
+        let pack = ex.qat.and_then(|q| q.weights).filter(|_| s.packs_mx());
+        let names = expert_names(prefix, ex.len());
+        for (names, w) in names.iter().zip([&ex.w1, &ex.w3, &ex.w2]) {
+            s.stacked_linear(names, w.val(), pack);
         }
         if let Some(g) = &self.shared {
             save_glu(g, &format!("{prefix}shared_experts."), PROJ_NAMES, s);

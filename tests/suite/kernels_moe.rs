@@ -589,11 +589,10 @@ mod dispatch {
             "router".to_string(),
             host(moe.router.gate.weight.grad(grads).unwrap()),
         )];
-        for (e, ex) in moe.experts.iter().enumerate() {
-            for (name, lin) in [("w1", &ex.w1), ("w3", &ex.w3), ("w2", &ex.w2)] {
-                let g = lin.weight.grad(grads).map(host).unwrap_or_default();
-                out.push((format!("experts.{e}.{name}"), g));
-            }
+        let ex = &moe.experts;
+        for (name, w) in [("w1", &ex.w1), ("w3", &ex.w3), ("w2", &ex.w2)] {
+            let g = w.grad(grads).map(host).unwrap_or_default();
+            out.push((format!("experts.{name}"), g));
         }
         let lin = |l: &Option<burn::nn::Linear<GpuAd>>| {
             host(l.as_ref().unwrap().weight.grad(grads).unwrap())

@@ -378,7 +378,8 @@ fn optimiser_roles_follow_spec_8_and_leave_the_balance_bias_alone() {
     let Ffn::Moe(moe) = &model.layers[1].ffn else {
         panic!("layer 1 is MoE")
     };
-    assert_eq!(roles.get(moe.experts[3].w2.weight.id), ParamRole::MUON);
+    // Stacked `[n, m_e, ℓ]`: Muon orthogonalises each expert's matrix (batched over `n`).
+    assert_eq!(roles.get(moe.experts.w2.id), ParamRole::MUON);
     assert_eq!(
         roles.get(moe.norm.as_ref().unwrap().weight.id),
         ParamRole::AdamW

@@ -406,11 +406,19 @@ fn qat_quantises_each_matmul_along_its_reduction_dimension() {
     let weights_only = QatConfig::new(Some(MxSpec::mxfp4()), None).with_shared_experts(true);
     let qat = cfg.clone().with_qat(Some(weights_only)).init::<Cpu>(&d);
     let mut plain = qat.clone();
-    plain.qat = None;
     let fq = |p: Param<Tensor<Cpu, 2>>| {
         p.map(|w| mx_fake_quant(w, MxFormat::Fp4E2M1, MxScaleRule::Floor, 0))
     };
-    for e in plain.experts.iter_mut().chain(plain.shared.iter_mut()) {
+    // Stacked `[n, in, out]`: blocks along axis 1.
+    let fq3 = |p: Param<Tensor<Cpu, 3>>| {
+        p.map(|w| mx_fake_quant(w, MxFormat::Fp4E2M1, MxScaleRule::Floor, 1))
+    };
+    let ex = &mut plain.experts;
+    ex.qat = None;
+    ex.w1 = fq3(ex.w1.clone());
+    ex.w3 = fq3(ex.w3.clone());
+    ex.w2 = fq3(ex.w2.clone());
+    for e in plain.shared.iter_mut() {
         e.qat = None;
         e.w1.weight = fq(e.w1.weight.clone());
         e.w3.weight = fq(e.w3.weight.clone());
@@ -552,7 +560,7 @@ fn the_packed_export_loads_back_to_the_same_logits() {
         .map(|v| v + 0.0)
         .collect();
     let w1 = match &model.layers[1].ffn {
-        kimi_burn::model::Ffn::Moe(m) => m.experts[0].w1.weight.val(),
+        kimi_burn::model::Ffn::Moe(m) => m.experts.expert(0).w1.weight.val(),
         _ => unreachable!("layer 1 is a MoE layer"),
     };
     let want = bits_of(mx_fake_quant(

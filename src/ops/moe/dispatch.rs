@@ -16,7 +16,7 @@ use super::route::Selection;
 use super::situ::GluActivation;
 use crate::ops::backend::{self, FusedOp, KernelPath};
 use crate::ops::precision::restore;
-use crate::ops::quant::{MxSpec, QatConfig};
+use crate::ops::quant::MxSpec;
 
 /// The host-side plan of a dispatch: pairs in expert order and each expert's segment.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -208,62 +208,87 @@ pub fn dispatch_fused<B: Backend>(
 }
 
 /// The routed experts of a dropless MoE (design §2), choosing the path itself: the fused kernels
-/// ([`dispatch_fused`], with the weights stacked for them) where they run, else [`dispatch`] over
-/// each expert's `act(h·W1, h·W3)·W2` in tensor ops.
+/// ([`dispatch_fused`]) where they run, else [`dispatch_stacked`] in tensor ops.
 ///
-/// `experts[e] = [W1, W3, W2]` (`[ℓ, m_e]`, `[ℓ, m_e]`, `[m_e, ℓ]`, no biases), `indices` and
-/// `weights`: `[m, k]`, `selection`: the host copy of `indices`, `valid`: `false` for padding.
-/// With `qat`, the weights (along their input dimension), `h` and the activated hidden rows
-/// (along their features) are fake-quantised, on both paths alike (design §9).
-/// Returns `[m, ℓ]`.
-#[allow(clippy::too_many_arguments)]
+/// `experts`: the stacked weights (already quantised for QAT, see
+/// [`RoutedExperts::stacked`](crate::nn::RoutedExperts::stacked)); `indices` and `weights`:
+/// `[m, k]`, `selection`: the host copy of `indices` (the reference path plans on the host),
+/// `valid`: `false` for padding. Returns `[m, ℓ]`.
 pub fn routed_experts<B: Backend>(
     h: Tensor<B, 2>,
     indices: &Tensor<B, 2, Int>,
     weights: Tensor<B, 2>,
     selection: &Selection,
     valid: Option<&[bool]>,
-    experts: &[[Tensor<B, 2>; 3]],
-    activation: GluActivation,
-    qat: Option<&QatConfig>,
+    experts: &StackedExperts<B>,
 ) -> Tensor<B, 2> {
-    let h = match qat {
-        Some(q) => q.activation(h),
-        None => h,
-    };
-    let hidden_quant = qat.and_then(|q| q.activations);
-    if backend::kernels_available::<B>() && !experts.is_empty() {
-        let stack = |i: usize| {
-            let w = Tensor::stack::<3>(experts.iter().map(|e| e[i].clone()).collect(), 0);
-            match qat {
-                Some(q) => q.weight(w, 1),
-                None => w,
-            }
-        };
-        let stacked = StackedExperts {
-            w1: stack(0),
-            w3: stack(1),
-            w2: stack(2),
-            activation,
-            hidden_quant,
-        };
-        if let Some(u) = dispatch_fused(&h, indices, &weights, valid, &stacked) {
-            return u;
+    if let Some(u) = dispatch_fused(&h, indices, &weights, valid, experts) {
+        return u;
+    }
+    let plan = DispatchPlan::new(selection, valid);
+    dispatch_stacked(h, weights, &plan, experts)
+}
+
+/// The routed experts over stacked weights in tensor ops (the reference of [`dispatch_fused`]):
+/// the routed rows are gathered into a zero-padded batch `[n, cap, ℓ]` (`cap`: the largest expert
+/// load of `plan`), run through batched matmuls `act(X·W1, X·W3)·W2` (with the hidden quantisation
+/// of QAT between them), weighted by `p` and scatter-added back:
+/// `out[t] = Σ_{(t,e,p)} p · W2[e]ᵀ·act(W1[e]ᵀ·h[t], W3[e]ᵀ·h[t])`. A constant number of tensor ops
+/// whatever `n`, and the weight gradients come out stacked.
+///
+/// `h: [m, ℓ]`, `weights: [m, k]` (aligned with the plan's selection). Returns `[m, ℓ_out]` in
+/// `h`'s dtype; masked tokens get zeros.
+pub fn dispatch_stacked<B: Backend>(
+    h: Tensor<B, 2>,
+    weights: Tensor<B, 2>,
+    plan: &DispatchPlan,
+    experts: &StackedExperts<B>,
+) -> Tensor<B, 2> {
+    let device = h.device();
+    let dtype = h.dtype();
+    let [m, l] = h.dims();
+    let [n, _, _] = experts.w1.dims();
+    let width = experts.w2.dims()[2];
+    if plan.is_empty() || n == 0 {
+        return Tensor::zeros([m, width], (&device, dtype));
+    }
+    let [_, k] = weights.dims();
+    let cap = plan
+        .offsets
+        .windows(2)
+        .map(|w| w[1] - w[0])
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    // Padding slots read the zero row `m` and carry weight 0 (the zero at index `m·k`).
+    let mut slot_token = vec![m as i64; n * cap];
+    let mut slot_pair = vec![(m * k) as i64; n * cap];
+    for (e, range) in plan.segments() {
+        for (j, at) in range.enumerate() {
+            slot_token[e * cap + j] = plan.tokens[at];
+            slot_pair[e * cap + j] = plan.pairs[at];
         }
     }
-    let width = experts.first().map_or(h.dims()[1], |e| e[2].dims()[1]);
-    let plan = DispatchPlan::new(selection, valid);
-    let weight = |w: &Tensor<B, 2>| match qat {
-        Some(q) => q.weight(w.clone(), 0),
-        None => w.clone(),
+    let slot_token = int_tensor::<B>(&slot_token, &device);
+    let rows = Tensor::cat(vec![h, Tensor::zeros([1, l], (&device, dtype))], 0)
+        .select(0, slot_token.clone())
+        .reshape([n, cap, l]);
+    let a = experts.activation.apply(
+        rows.clone().matmul(experts.w1.clone()),
+        rows.matmul(experts.w3.clone()),
+    );
+    let a = match experts.hidden_quant {
+        Some(spec) => spec.fake_quant(a, 2),
+        None => a,
     };
-    dispatch(h, weights, &plan, width, |e, rows| {
-        let [w1, w3, w2] = &experts[e];
-        let a = activation.apply(rows.clone().matmul(weight(w1)), rows.matmul(weight(w3)));
-        let a = match hidden_quant {
-            Some(spec) => spec.fake_quant(a, 1),
-            None => a,
-        };
-        a.matmul(weight(w2))
-    })
+    let y = a.matmul(experts.w2.clone()).reshape([n * cap, width]);
+    let p = Tensor::cat(
+        vec![weights.reshape([m * k]), Tensor::zeros([1], &device)],
+        0,
+    )
+    .select(0, int_tensor::<B>(&slot_pair, &device));
+    let y = y.mul(restore(p, dtype).unsqueeze_dim::<2>(1));
+    Tensor::<B, 2>::zeros([m + 1, width], (&device, dtype))
+        .select_assign(0, slot_token, y, IndexingUpdateOp::Add)
+        .narrow(0, 0, m)
 }

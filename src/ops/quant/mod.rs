@@ -32,7 +32,7 @@ use crate::ops::backend::{self, FusedKernels, FusedOp, KernelOp, KernelPath};
 use crate::ops::layout;
 use crate::ops::precision::{restore, widen};
 
-pub(crate) use pack::dequantize_host;
+pub(crate) use pack::{dequantize_host, pack_rows};
 pub use pack::{dequantize_mx, quantize_mx, MxTensor};
 pub use qat::{MxSpec, QatConfig};
 

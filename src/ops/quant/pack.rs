@@ -68,6 +68,24 @@ pub fn quantize_mx<B: Backend, const D: usize>(
         });
     }
     let (_, _, len) = moved_last(&shape, axis);
+    let (codes, scales) = pack_rows(&values, len, format, rule);
+    Ok(MxTensor {
+        format,
+        shape,
+        axis,
+        codes,
+        scales,
+    })
+}
+
+/// Element codes and E8M0 scales of finite `values` in rows of `len`, blocks of 32 from each row's
+/// start (FP4 codes two per byte, the first in the low nibble).
+pub(crate) fn pack_rows(
+    values: &[f32],
+    len: usize,
+    format: MxFormat,
+    rule: MxScaleRule,
+) -> (Vec<u8>, Vec<u8>) {
     let e = format.elem();
     let mut codes = Vec::with_capacity(values.len());
     let mut scales = Vec::new();
@@ -92,13 +110,7 @@ pub fn quantize_mx<B: Backend, const D: usize>(
             .collect(),
         _ => codes,
     };
-    Ok(MxTensor {
-        format,
-        shape,
-        axis,
-        codes,
-        scales,
-    })
+    (codes, scales)
 }
 
 /// The values of MX storage as an f32 tensor of `mx.shape`: `dequantize_mx(quantize_mx(x)) ==

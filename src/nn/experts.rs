@@ -1,0 +1,128 @@
+//! The routed experts of a MoE layer as three stacked parameters (design §2).
+
+use burn::module::{Initializer, Module, Param};
+use burn::tensor::{backend::Backend, Tensor};
+
+use super::situ_glu::{GluActivation, SituGlu};
+use crate::ops::moe::dispatch::StackedExperts;
+use crate::ops::quant::QatConfig;
+
+/// The `n` routed experts of a MoE layer, each a bias-free GLU FFN `W2ᵀ·act(W1ᵀh, W3ᵀh)` of width
+/// `ℓ` and hidden width `m_e`, stored stacked along a leading expert axis so that the grouped
+/// kernels and the reference path use the parameters as they are (no restacking per forward, no
+/// split of the gradient).
+///
+/// Checkpoints keep one matrix per expert (`experts.{e}.w1.weight` is `W1[e]ᵀ`, PyTorch's
+/// `[out, in]`); [`crate::store`] splits and joins at save and load. The optimiser treats each
+/// expert's matrix as its own matrix: a rank-3 parameter with the Muon role is orthogonalised per
+/// leading index (a batched Newton–Schulz over `n`).
+#[derive(Module, Debug)]
+pub struct RoutedExperts<B: Backend> {
+    /// Gate projections `W1: [n, ℓ, m_e]`.
+    pub w1: Param<Tensor<B, 3>>,
+    /// Up projections `W3: [n, ℓ, m_e]`.
+    pub w3: Param<Tensor<B, 3>>,
+    /// Down projections `W2: [n, m_e, ℓ]`.
+    pub w2: Param<Tensor<B, 3>>,
+    /// The experts' activation.
+    #[module(skip)]
+    pub activation: GluActivation,
+    /// Quantisation-aware training of the three matmuls (design §9).
+    #[module(skip)]
+    pub qat: Option<QatConfig>,
+}
+
+/// Burn's `Linear` initialisation (uniform in `±1/sqrt(fan_in)`), per expert matrix.
+fn init_stacked<B: Backend>(shape: [usize; 3], device: &B::Device) -> Param<Tensor<B, 3>> {
+    let init = Initializer::KaimingUniform {
+        gain: 1.0 / 3f64.sqrt(),
+        fan_out_only: false,
+    };
+    let p = init.init_with(shape, Some(shape[1]), Some(shape[2]), device);
+    // Eager, like every parameter of this crate: clones must share the same weights.
+    let _ = p.val();
+    p
+}
+
+impl<B: Backend> RoutedExperts<B> {
+    /// `n` experts of width `width` (`ℓ`) and hidden width `hidden` (`m_e`), initialised like
+    /// Burn's `Linear`.
+    pub fn new(
+        n: usize,
+        width: usize,
+        hidden: usize,
+        activation: GluActivation,
+        qat: Option<QatConfig>,
+        device: &B::Device,
+    ) -> Self {
+        Self {
+            w1: init_stacked([n, width, hidden], device),
+            w3: init_stacked([n, width, hidden], device),
+            w2: init_stacked([n, hidden, width], device),
+            activation,
+            qat,
+        }
+    }
+
+    /// The number of experts `n`.
+    pub fn len(&self) -> usize {
+        self.w1.dims()[0]
+    }
+
+    /// True without experts.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The experts' width `ℓ`.
+    pub fn width(&self) -> usize {
+        self.w1.dims()[1]
+    }
+
+    /// The experts' hidden width `m_e`.
+    pub fn hidden(&self) -> usize {
+        self.w1.dims()[2]
+    }
+
+    /// Expert `e` as a standalone [`SituGlu`] (new parameters holding copies of its weights;
+    /// for inspection and tests).
+    ///
+    /// # Panics
+    /// If `e ≥ n`.
+    pub fn expert(&self, e: usize) -> SituGlu<B> {
+        assert!(e < self.len(), "expert {e} of {}", self.len());
+        let pick = |p: &Param<Tensor<B, 3>>| {
+            let [_, a, b] = p.dims();
+            let w: Tensor<B, 2> = p.val().narrow(0, e, 1).reshape([a, b]);
+            let mut layer = burn::nn::LinearConfig::new(a, b)
+                .with_bias(false)
+                .init::<B>(&w.device());
+            layer.weight = Param::from_tensor(w);
+            layer
+        };
+        SituGlu {
+            w1: pick(&self.w1),
+            w3: pick(&self.w3),
+            w2: pick(&self.w2),
+            activation: self.activation,
+            qat: self.qat,
+        }
+    }
+
+    /// The weights the matmuls read, with QAT's weight quantisation applied (blocks along each
+    /// matrix's input dimension), and the hidden quantisation: what
+    /// [`routed_experts`](crate::ops::moe::dispatch::routed_experts) takes.
+    pub fn stacked(&self) -> StackedExperts<B> {
+        let w = |p: &Param<Tensor<B, 3>>| match &self.qat {
+            Some(q) => q.weight(p.val(), 1),
+            None => p.val(),
+        };
+        StackedExperts {
+            w1: w(&self.w1),
+            w3: w(&self.w3),
+            w2: w(&self.w2),
+            activation: self.activation,
+            hidden_quant: self.qat.and_then(|q| q.activations),
+        }
+    }
+}
