@@ -1,9 +1,9 @@
 //! The routed experts of a MoE layer as three stacked parameters (design §2).
 
-use burn::module::{Initializer, Module, Param};
+use burn::module::{Module, Param};
 use burn::tensor::{backend::Backend, Tensor};
 
-use super::situ_glu::{GluActivation, SituGlu};
+use super::situ_glu::{GluActivation, SituGlu, SituGluConfig};
 use crate::ops::moe::dispatch::StackedExperts;
 use crate::ops::quant::QatConfig;
 
@@ -32,21 +32,10 @@ pub struct RoutedExperts<B: Backend> {
     pub qat: Option<QatConfig>,
 }
 
-/// Burn's `Linear` initialisation (uniform in `±1/sqrt(fan_in)`), per expert matrix.
-fn init_stacked<B: Backend>(shape: [usize; 3], device: &B::Device) -> Param<Tensor<B, 3>> {
-    let init = Initializer::KaimingUniform {
-        gain: 1.0 / 3f64.sqrt(),
-        fan_out_only: false,
-    };
-    let p = init.init_with(shape, Some(shape[1]), Some(shape[2]), device);
-    // Eager, like every parameter of this crate: clones must share the same weights.
-    let _ = p.val();
-    p
-}
-
 impl<B: Backend> RoutedExperts<B> {
     /// `n` experts of width `width` (`ℓ`) and hidden width `hidden` (`m_e`), initialised like
-    /// Burn's `Linear`.
+    /// Burn's `Linear` (uniform in `±1/sqrt(fan_in)`), expert by expert in the order `n`
+    /// separate [`SituGlu`] FFNs would draw them, so a seed gives the same weights either way.
     pub fn new(
         n: usize,
         width: usize,
@@ -55,10 +44,27 @@ impl<B: Backend> RoutedExperts<B> {
         qat: Option<QatConfig>,
         device: &B::Device,
     ) -> Self {
+        let config = SituGluConfig::new(width, hidden);
+        let mut parts: [Vec<Tensor<B, 2>>; 3] = Default::default();
+        for _ in 0..n {
+            let e = config.init::<B>(device);
+            parts[0].push(e.w1.weight.val());
+            parts[1].push(e.w3.weight.val());
+            parts[2].push(e.w2.weight.val());
+        }
+        let shapes = [[width, hidden], [width, hidden], [hidden, width]];
+        let [w1, w3, w2] = std::array::from_fn(|i| {
+            let p = std::mem::take(&mut parts[i]);
+            Param::from_tensor(if p.is_empty() {
+                Tensor::zeros([0, shapes[i][0], shapes[i][1]], device)
+            } else {
+                Tensor::stack::<3>(p, 0).detach()
+            })
+        });
         Self {
-            w1: init_stacked([n, width, hidden], device),
-            w3: init_stacked([n, width, hidden], device),
-            w2: init_stacked([n, hidden, width], device),
+            w1,
+            w3,
+            w2,
             activation,
             qat,
         }
