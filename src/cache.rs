@@ -28,11 +28,17 @@ pub struct KimiCache<B: Backend> {
 impl<B: Backend> KimiCache<B> {
     /// An empty cache for a model built from `config`.
     pub fn new(config: &KimiConfig) -> Self {
+        Self::with_capacity(config, 0)
+    }
+
+    /// An empty cache whose MLA layers hold `tokens` positions per sequence before their buffers
+    /// grow (prompt plus new tokens for a generation; see [`MlaCache`]).
+    pub fn with_capacity(config: &KimiConfig, tokens: usize) -> Self {
         Self {
             layers: (0..config.num_hidden_layers)
                 .map(|i| {
                     if config.is_mla_layer(i) {
-                        LayerCache::Mla(MlaCache::new())
+                        LayerCache::Mla(MlaCache::with_capacity(tokens))
                     } else {
                         LayerCache::Kda(KdaCache::new())
                     }

@@ -108,13 +108,13 @@ impl<B: Backend> KimiForCausalLM<B> {
         sampling: Sampling,
     ) -> Result<Tensor<B, 2, Int>> {
         sampling.validate()?;
-        let [batch, _] = prompt.dims();
+        let [batch, prompt_len] = prompt.dims();
         let device = prompt.device();
         let mut rng = StdRng::seed_from_u64(match sampling {
             Sampling::TopP { seed, .. } => seed,
             Sampling::Greedy => 0,
         });
-        let mut cache = KimiCache::new(self.config());
+        let mut cache = KimiCache::with_capacity(self.config(), prompt_len + max_new_tokens);
         let mut out = vec![prompt.clone()];
         let mut input = prompt;
         for _ in 0..max_new_tokens {

@@ -503,3 +503,61 @@ fn presets_give_the_published_mla_shapes() {
     let err = bad.validate().expect_err("rope 0").to_string();
     assert!(err.contains("qk_rope_head_dim"), "{err}");
 }
+
+/// The cache's buffers: appends past the capacity grow them, appends within it write in place, and
+/// what comes back is exactly what was appended (and the padding given, `false` where none was).
+#[test]
+fn the_cache_buffers_grow_and_hold_exactly_the_appended_tokens() {
+    let d = Default::default();
+    let mut r = rng(90);
+    let mut cache = MlaCache::<Cpu>::with_capacity(3);
+    assert_eq!((cache.len(), cache.capacity()), (0, 0));
+    let (mut all_c, mut all_pe, mut all_pad) = (Vec::new(), Vec::new(), Vec::new());
+    for (step, t) in [2usize, 2, 1, 4].into_iter().enumerate() {
+        let c = randn::<Cpu, 3>(&mut r, [2, t, 5], 1.0, &d);
+        let pe = randn::<Cpu, 3>(&mut r, [2, t, 3], 1.0, &d);
+        let pad = (step == 1).then(|| {
+            Tensor::<Cpu, 2, Bool>::from_data(
+                TensorData::new(vec![false, true, true, false], [2, t]),
+                &d,
+            )
+        });
+        all_pad.push(
+            pad.clone()
+                .unwrap_or_else(|| Tensor::full([2, t], false, &d)),
+        );
+        cache.append(c.clone(), pe.clone(), pad).unwrap();
+        all_c.push(c);
+        all_pe.push(pe);
+        let want_capacity = [3, 6, 6, 12][step];
+        assert_eq!(cache.capacity(), want_capacity, "after append {step}");
+    }
+    assert_eq!(cache.len(), 9);
+    let (c, pe) = cache.tensors().unwrap();
+    let bits = |t: Tensor<Cpu, 3>| {
+        t.into_data()
+            .iter::<f32>()
+            .map(f32::to_bits)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(bits(c), bits(Tensor::cat(all_c, 1)));
+    assert_eq!(bits(pe), bits(Tensor::cat(all_pe, 1)));
+    let pad: Vec<bool> = cache
+        .padding()
+        .unwrap()
+        .into_data()
+        .iter::<bool>()
+        .collect();
+    let want: Vec<bool> = Tensor::cat(all_pad, 1).into_data().iter::<bool>().collect();
+    assert_eq!(pad, want);
+    // A batch or width that differs from the cached tokens' is an error, and changes nothing.
+    let err = cache
+        .append(
+            randn::<Cpu, 3>(&mut r, [3, 1, 5], 1.0, &d),
+            randn::<Cpu, 3>(&mut r, [3, 1, 3], 1.0, &d),
+            None,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("batch"), "{err}");
+    assert_eq!(cache.len(), 9);
+}
