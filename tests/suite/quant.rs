@@ -599,3 +599,27 @@ fn the_packed_export_loads_back_to_the_same_logits() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The host loop on inputs large enough to be split over threads, along every axis of a rank-3
+/// tensor (blocks strided in memory for the first two), against the tensor-op reference, bit for bit.
+#[test]
+fn the_threaded_host_loop_matches_the_reference_along_every_axis() {
+    let d = Default::default();
+    let dims = [3, 300, 80];
+    let v = wide_random(78, dims.iter().product());
+    for format in FORMATS {
+        for axis in 0..3 {
+            let run = |kernels: bool| {
+                with_kernels(kernels, || {
+                    bits_of(mx_fake_quant(
+                        tensor::<Cpu, 3>(&v, dims, &d),
+                        format,
+                        MxScaleRule::Floor,
+                        axis,
+                    ))
+                })
+            };
+            assert_eq!(run(true), run(false), "{format:?} axis {axis}");
+        }
+    }
+}

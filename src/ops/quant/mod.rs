@@ -159,11 +159,13 @@ fn fake_values<B: Backend, const D: usize>(
     rule: MxScaleRule,
     axis: usize,
 ) -> Tensor<B, D> {
+    if backend::host::is_cpu_backend::<B>() && x.dtype() == DType::F32 {
+        // The host loop works along any axis in place: no transpose.
+        return host_values(x, format, rule, axis);
+    }
     let last = D - 1;
     let x = x.swap_dims(axis, last);
-    let y = if backend::host::is_cpu_backend::<B>() && x.dtype() == DType::F32 {
-        host_values(x, format, rule)
-    } else if x.dtype() == DType::F32 {
+    let y = if x.dtype() == DType::F32 {
         let dims = x.dims();
         let len = dims[D - 1];
         let rows = dims.iter().product::<usize>() / len.max(1);
@@ -205,16 +207,19 @@ impl<B: Backend> KernelOp<B> for MxOp<B> {
     }
 }
 
-/// The exact host loop ([`scalar`]) over the last axis.
+/// The exact host loop ([`scalar`]) along `axis`.
 fn host_values<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     format: MxFormat,
     rule: MxScaleRule,
+    axis: usize,
 ) -> Tensor<B, D> {
     let dims = x.dims();
     let device = x.device();
+    let outer = dims[..axis].iter().product();
+    let inner = dims[axis + 1..].iter().product();
     let mut data: Vec<f32> = x.into_data().iter::<f32>().collect();
-    scalar::fake_quant_rows(&mut data, dims[D - 1], format, rule);
+    scalar::fake_quant_axis(&mut data, [outer, dims[axis], inner], format, rule);
     Tensor::from_data(TensorData::new(data, dims), &device)
 }
 

@@ -146,9 +146,9 @@ pub(crate) fn fake_quant_block(block: &mut [f32], format: MxFormat, rule: MxScal
     let amax = block.iter().fold(0.0f32, |m, x| m.max(x.abs()));
     let s = scale_exponent(amax, format, rule).unwrap_or(0);
     let e = format.elem();
+    let (down, up) = (Scale::new(-s), Scale::new(s));
     for x in block.iter_mut() {
-        let q = quantize_element(scale_by(*x, -s), e);
-        *x = scale_by(q, s) + 0.0;
+        *x = up.apply(quantize_element(down.apply(*x), e)) + 0.0;
     }
 }
 
@@ -169,6 +169,94 @@ pub(crate) fn fake_quant_rows(data: &mut [f32], len: usize, format: MxFormat, ru
             fake_quant_block(block, format, rule);
         }
     }
+}
+
+/// `x · 2^s` by two precomputed factors (see [`scale_by`]).
+#[derive(Clone, Copy)]
+struct Scale([f32; 2]);
+
+impl Scale {
+    fn new(s: i32) -> Self {
+        let half = s / 2;
+        Self([pow2(half), pow2(s - half)])
+    }
+
+    fn apply(self, x: f32) -> f32 {
+        x * self.0[0] * self.0[1]
+    }
+}
+
+/// [`fake_quant_rows`] along the middle axis of `data` seen as `[outer, len, inner]` (row-major):
+/// blocks of 32 along `len`, one scale per block and per `inner` index. No transpose: the block
+/// maxima of a group of 32 rows are gathered row by row over `inner`. Large inputs are split over
+/// the machine's threads by `outer` (or, for `inner = 1`, by rows).
+pub(crate) fn fake_quant_axis(
+    data: &mut [f32],
+    [outer, len, inner]: [usize; 3],
+    format: MxFormat,
+    rule: MxScaleRule,
+) {
+    if len == 0 || inner == 0 || outer == 0 {
+        return;
+    }
+    debug_assert_eq!(data.len(), outer * len * inner);
+    let threads = if data.len() >= PARALLEL_FROM {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        1
+    };
+    if inner == 1 {
+        let rows = outer;
+        let per = rows.div_ceil(threads.min(rows)) * len;
+        for_chunks(data, per, threads, |chunk| {
+            fake_quant_rows(chunk, len, format, rule)
+        });
+        return;
+    }
+    let plane = len * inner;
+    let per = outer.div_ceil(threads.min(outer)) * plane;
+    for_chunks(data, per, threads, |chunk| {
+        let e = format.elem();
+        let mut amax = vec![0.0f32; inner];
+        let mut scales = vec![(Scale::new(0), Scale::new(0)); inner];
+        for p in chunk.chunks_mut(plane) {
+            for b0 in (0..len).step_by(MX_BLOCK) {
+                let rows = &mut p[b0 * inner..(b0 + MX_BLOCK).min(len) * inner];
+                amax.fill(0.0);
+                for row in rows.chunks(inner) {
+                    for (m, x) in amax.iter_mut().zip(row) {
+                        *m = m.max(x.abs());
+                    }
+                }
+                for (sc, &a) in scales.iter_mut().zip(&amax) {
+                    let s = scale_exponent(a, format, rule).unwrap_or(0);
+                    *sc = (Scale::new(-s), Scale::new(s));
+                }
+                for row in rows.chunks_mut(inner) {
+                    for (x, &(down, up)) in row.iter_mut().zip(&scales) {
+                        *x = up.apply(quantize_element(down.apply(*x), e)) + 0.0;
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Inputs from this many values on are split over threads.
+const PARALLEL_FROM: usize = 1 << 16;
+
+/// Runs `f` on consecutive chunks of `per` values, on up to `threads` scoped threads.
+fn for_chunks(data: &mut [f32], per: usize, threads: usize, f: impl Fn(&mut [f32]) + Sync) {
+    if threads <= 1 || per >= data.len() {
+        f(data);
+        return;
+    }
+    std::thread::scope(|scope| {
+        for chunk in data.chunks_mut(per.max(1)) {
+            let f = &f;
+            scope.spawn(move || f(chunk));
+        }
+    });
 }
 
 #[cfg(test)]
