@@ -91,6 +91,23 @@ fn bench_cpu(c: &mut Criterion) {
     }
     group.finish();
 
+    // The op alone: the layer's stacked expert weights `[64, 256, 256]` along their input axis,
+    // without autodiff, and with it (forward + the straight-through backward).
+    let mut group = c.benchmark_group("mx_fake_quant_64x256x256_axis1");
+    group.sample_size(10);
+    let w = Tensor::<Cpu, 3>::random([64, 256, 256], Distribution::Normal(0.0, 1.0), &device);
+    group.bench_function("forward", |b| {
+        b.iter(|| QatConfig::mxfp4().weight(w.clone(), 1).into_data())
+    });
+    let w_ad = Tensor::<Ad, 3>::from_inner(w.clone()).require_grad();
+    group.bench_function("forward_backward", |b| {
+        b.iter(|| {
+            let grads = QatConfig::mxfp4().weight(w_ad.clone(), 1).sum().backward();
+            drop(grads);
+        })
+    });
+    group.finish();
+
     let mut group = c.benchmark_group("qat_tiny_train_step_4x256");
     group.sample_size(10);
     let x = ids::<Ad>(4, 256, 256, &device);

@@ -28,6 +28,7 @@ pub(crate) mod scalar;
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 
 use crate::error::{Error, Result};
+use crate::ops::backend::host::HostArray;
 use crate::ops::backend::{self, FusedKernels, FusedOp, KernelOp, KernelPath};
 use crate::ops::layout;
 use crate::ops::precision::{restore, widen};
@@ -129,6 +130,16 @@ pub fn mx_fake_quant_with<B: Backend, const D: usize>(
 ) -> Tensor<B, D> {
     check_axis::<D>(axis).unwrap_or_else(|e| panic!("{e}"));
     let (xf, dtype) = widen(x);
+    // On the CPU backends one host op with an identity backward (no composite for the gradient).
+    let xf = if gradient == MxGradient::StraightThrough {
+        let op = HostFakeQuant { format, rule, axis };
+        match backend::host::try_run(&op, [xf]) {
+            Ok(y) => return restore(y, dtype),
+            Err([xf]) => xf,
+        }
+    } else {
+        xf
+    };
     let values = fake_values(xf.clone().detach(), format, rule, axis);
     // Forward: `values + (x − x)`, which is `values` exactly; backward: the upstream gradient.
     let through = xf.clone().sub(xf.clone().detach());
@@ -189,6 +200,40 @@ fn fake_values<B: Backend, const D: usize>(
     y.swap_dims(axis, last)
 }
 
+/// The CPU host op: the exact loop along `axis` forward, the upstream gradient backward.
+#[derive(Debug, Clone, Copy)]
+struct HostFakeQuant {
+    format: MxFormat,
+    rule: MxScaleRule,
+    axis: usize,
+}
+
+impl backend::host::HostOp<1> for HostFakeQuant {
+    type Saved = ();
+
+    fn forward(&self, [x]: &[HostArray; 1], save: bool) -> (HostArray, Option<()>) {
+        let shape = &x.shape;
+        let outer = shape[..self.axis].iter().product();
+        let inner = shape[self.axis + 1..].iter().product();
+        let mut data = x.data.clone();
+        scalar::fake_quant_axis(
+            &mut data,
+            [outer, shape[self.axis], inner],
+            self.format,
+            self.rule,
+        );
+        let out = HostArray {
+            data,
+            shape: shape.clone(),
+        };
+        (out, save.then_some(()))
+    }
+
+    fn backward(&self, _: &[HostArray; 1], _: &(), grad: &HostArray) -> [HostArray; 1] {
+        [grad.clone()]
+    }
+}
+
 /// [`MoeKernels::mx_fake_quant`](crate::ops::moe::MoeKernels::mx_fake_quant) on a `[rows, len]`
 /// f32 tensor.
 struct MxOp<B: Backend> {
@@ -218,7 +263,11 @@ fn host_values<B: Backend, const D: usize>(
     let device = x.device();
     let outer = dims[..axis].iter().product();
     let inner = dims[axis + 1..].iter().product();
-    let mut data: Vec<f32> = x.into_data().iter::<f32>().collect();
+    let mut data: Vec<f32> = x
+        .into_data()
+        .convert_dtype(DType::F32)
+        .into_vec::<f32>()
+        .unwrap_or_else(|e| unreachable!("convert_dtype(F32) gives f32 data: {e:?}"));
     scalar::fake_quant_axis(&mut data, [outer, dims[axis], inner], format, rule);
     Tensor::from_data(TensorData::new(data, dims), &device)
 }

@@ -145,10 +145,9 @@ pub(crate) fn decode(code: u8, e: Elem) -> f32 {
 pub(crate) fn fake_quant_block(block: &mut [f32], format: MxFormat, rule: MxScaleRule) {
     let amax = block.iter().fold(0.0f32, |m, x| m.max(x.abs()));
     let s = scale_exponent(amax, format, rule).unwrap_or(0);
-    let e = format.elem();
-    let (down, up) = (Scale::new(-s), Scale::new(s));
+    let g = Grid::of(format);
     for x in block.iter_mut() {
-        *x = up.apply(quantize_element(down.apply(*x), e)) + 0.0;
+        *x = fake_quant_bits(*x, s, &g);
     }
 }
 
@@ -171,18 +170,73 @@ pub(crate) fn fake_quant_rows(data: &mut [f32], len: usize, format: MxFormat, ru
     }
 }
 
-/// `x · 2^s` by two precomputed factors (see [`scale_by`]).
-#[derive(Clone, Copy)]
-struct Scale([f32; 2]);
-
-impl Scale {
-    fn new(s: i32) -> Self {
-        let half = s / 2;
-        Self([pow2(half), pow2(s - half)])
+/// `X · Q(x / X)` for one value with the block scale `X = 2^s`, in integer arithmetic on the f32
+/// bits (the algorithm of the CubeCL kernel `kimi_burn_kernels::mx`): the significand is shifted
+/// to the element grid with ties to even, saturated, and the result assembled from exponent and
+/// significand. Equal to `scale_by(quantize_element(scale_by(x, −s)), s)` (every zero `+0`), with
+/// neither a division nor a rounding call.
+#[inline]
+pub(crate) fn fake_quant_bits(x: f32, s: i32, g: &Grid) -> f32 {
+    let bits = x.to_bits();
+    let abits = bits & 0x7fff_ffff;
+    if abits == 0 {
+        return 0.0;
     }
+    let biased = (abits >> 23) as i32;
+    let (sig, e0, top) = if biased > 0 {
+        ((abits & 0x7f_ffff) | 0x80_0000, biased - 150, biased - 127)
+    } else {
+        (abits, -149, -118 - abits.leading_zeros() as i32)
+    };
+    let ev = top - s;
+    let qexp = ev.max(g.emin) - g.mbits;
+    let shift = qexp - (e0 - s);
+    let mut q = if shift <= 0 {
+        sig << (-shift) as u32
+    } else if shift < 26 {
+        let sh = shift as u32;
+        let q = sig >> sh;
+        let rem = sig & ((1 << sh) - 1);
+        let half = 1u32 << (sh - 1);
+        q + u32::from(rem > half || (rem == half && q & 1 == 1))
+    } else {
+        0
+    };
+    if qexp == g.emax - g.mbits && q > g.max_sig {
+        q = g.max_sig;
+    }
+    if q == 0 {
+        return 0.0;
+    }
+    let msb = 31 - q.leading_zeros() as i32;
+    let e = qexp + s + msb;
+    let out = if e >= -126 {
+        (((e + 127) as u32) << 23) | ((q << (23 - msb) as u32) & 0x7f_ffff)
+    } else {
+        q << (qexp + s + 149) as u32
+    };
+    f32::from_bits(out | (bits & 0x8000_0000))
+}
 
-    fn apply(self, x: f32) -> f32 {
-        x * self.0[0] * self.0[1]
+/// The element grid of a format for [`fake_quant_bits`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Grid {
+    mbits: i32,
+    emin: i32,
+    emax: i32,
+    /// The largest element is `max_sig · 2^(emax − mbits)`.
+    max_sig: u32,
+}
+
+impl Grid {
+    pub(crate) fn of(format: MxFormat) -> Self {
+        let e = format.elem();
+        Self {
+            mbits: e.mbits,
+            emin: e.emin,
+            emax: e.emax,
+            max_sig: (e.max / pow2(e.emax - e.mbits)) as u32,
+        }
     }
 }
 
@@ -216,9 +270,9 @@ pub(crate) fn fake_quant_axis(
     let plane = len * inner;
     let per = outer.div_ceil(threads.min(outer)) * plane;
     for_chunks(data, per, threads, |chunk| {
-        let e = format.elem();
+        let g = Grid::of(format);
         let mut amax = vec![0.0f32; inner];
-        let mut scales = vec![(Scale::new(0), Scale::new(0)); inner];
+        let mut scales = vec![0i32; inner];
         for p in chunk.chunks_mut(plane) {
             for b0 in (0..len).step_by(MX_BLOCK) {
                 let rows = &mut p[b0 * inner..(b0 + MX_BLOCK).min(len) * inner];
@@ -229,12 +283,11 @@ pub(crate) fn fake_quant_axis(
                     }
                 }
                 for (sc, &a) in scales.iter_mut().zip(&amax) {
-                    let s = scale_exponent(a, format, rule).unwrap_or(0);
-                    *sc = (Scale::new(-s), Scale::new(s));
+                    *sc = scale_exponent(a, format, rule).unwrap_or(0);
                 }
                 for row in rows.chunks_mut(inner) {
-                    for (x, &(down, up)) in row.iter_mut().zip(&scales) {
-                        *x = up.apply(quantize_element(down.apply(*x), e)) + 0.0;
+                    for (x, &s) in row.iter_mut().zip(&scales) {
+                        *x = fake_quant_bits(*x, s, &g);
                     }
                 }
             }
@@ -262,6 +315,33 @@ fn for_chunks(data: &mut [f32], per: usize, threads: usize, f: impl Fn(&mut [f32
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The integer form equals the float form on values spanning every binade, at every block
+    /// scale that can occur for them, in every format.
+    #[test]
+    fn the_bit_form_equals_the_float_form() {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        for format in [MxFormat::Fp4E2M1, MxFormat::Fp8E4M3, MxFormat::Fp8E5M2] {
+            let (e, g) = (format.elem(), Grid::of(format));
+            for _ in 0..200_000 {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let bits = (state as u32) & 0xff7f_ffff; // finite
+                let x = f32::from_bits(bits);
+                let top = if x == 0.0 { 0 } else { floor_log2(x.abs()) };
+                // Any scale from the element's own binade down to 40 binades above it.
+                let s = (top - e.emax + ((state >> 40) % 41) as i32).clamp(-127, 127);
+                let want = scale_by(quantize_element(scale_by(x, -s), e), s) + 0.0;
+                let got = fake_quant_bits(x, s, &g);
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "{format:?} x = {x:e}, s = {s}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn powers_and_logs_are_exact_over_the_whole_range() {
