@@ -27,6 +27,10 @@ fi
 # lavapipe is slow on big dispatches; tests keep their shapes small. Two threads match CI.
 cargo test --workspace --features wgpu,autodiff "$@"
 
+# Both crates as crates.io would receive them: `cargo package` packs each (kimi-burn depends on the
+# packed kimi-burn-kernels by version) and builds the packed sources with default features.
+cargo package --workspace --allow-dirty
+
 # The crate as a Burn project uses it (downstream/): Burn's default features on, where
 # `burn::backend::Wgpu` is `Fusion<CubeBackend<…>>`, and off. Each trains a few steps on lavapipe and
 # fails unless every fused op ran its kernel. Same target folder: the dependencies they share with

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 /// Everything that can go wrong in kimi-burn, with the offending values in the message.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A configuration value is out of range or inconsistent with another one.
     #[error("invalid config `{field}`: {reason}")]

@@ -36,6 +36,7 @@ pub struct Mqar {
 
 /// What fills the positions of an MQAR sequence that are neither pairs nor queries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum MqarFiller {
     /// Random tokens from the whole vocabulary (Zoology's default). A key can then recur as
     /// filler between its pair and its query, followed by a random token that competes with its

@@ -519,6 +519,7 @@ impl HistogramSpec {
 
 /// Which balancer a MoE layer uses.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+#[non_exhaustive]
 pub enum BalancerKind {
     /// Quantile Balancing with this many histogram bins (design §3; default 1000).
     Quantile {
@@ -554,6 +555,7 @@ impl BalancerKind {
 
 /// The balancers a [`BalanceState`] can hold.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub enum AnyBalancer {
     /// Quantile Balancing.
     Quantile(QuantileBalancer),

@@ -20,6 +20,7 @@ use crate::ops::moe::route::to_host_f32;
 
 /// Where the routed experts run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum MoeLayout {
     /// A standard MoE: experts at full width (`ℓ = d`, no projections).
     Standard,

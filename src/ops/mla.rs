@@ -12,6 +12,7 @@ use super::precision::{restore, widen};
 
 /// Which implementation computes the training / prefill attention of the expanded form.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum AttentionKind {
     /// Burn's `attention` op, which a backend may implement with a flash kernel.
     ///

@@ -61,6 +61,7 @@ impl HeadSplit {
 
 /// The optimiser of one parameter (design §8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum ParamRole {
     /// Muon: momentum, Newton–Schulz orthogonalisation, the Moonlight `0.2·sqrt(max(A, B))`
     /// scale; for ≥2-D hidden matrices (attention, FFN, experts, latent projections).

@@ -57,6 +57,7 @@ fn check_mqar_sequence(task: &Mqar, x: &[i64], y: &[i64]) -> Vec<usize> {
                     x[t]
                 ),
                 MqarFiller::Random => {}
+                other => panic!("a filler this test does not know: {other:?}"),
             }
             continue;
         }

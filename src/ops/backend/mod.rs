@@ -57,6 +57,7 @@ pub fn kernel_dtype(dtype: burn::tensor::DType) -> bool {
 
 /// The fused ops, for [`kernel_calls`] and [`last_path`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum FusedOp {
     /// [`situ_glu`](crate::ops::situ_glu) forward.
     SituGlu,

@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 
 /// How router logits become scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[non_exhaustive]
 pub enum Scoring {
     /// `s = σ(logits)` per expert (DeepSeek-V3, Kimi K2/K3): auxiliary-loss-free routing.
     #[default]

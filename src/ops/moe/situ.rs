@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 /// The gated activation of a GLU FFN.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum GluActivation {
     /// SiTU-GLU `β1·tanh(g/β1)·σ(g) ⊙ β2·tanh(v/β2)` (K3; `β1 = 4`, `β2 = Some(25)`).
     Situ {
