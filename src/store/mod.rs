@@ -43,11 +43,24 @@ pub struct HostTensor {
 }
 
 /// The tensors of a checkpoint: one file or a sharded folder.
+///
+/// Each file is memory-mapped and its header parsed once, when the reader opens it; a tensor is
+/// read from the mapping only when asked for, so opening a checkpoint costs its headers, not its
+/// size, and loading copies each tensor once (to f32 for its parameter).
 #[derive(Debug)]
 pub struct SafeTensorsReader {
-    files: Vec<(PathBuf, Vec<u8>)>,
-    index: BTreeMap<String, usize>,
+    files: Vec<(PathBuf, memmap2::Mmap)>,
+    index: BTreeMap<String, Entry>,
     metadata: HashMap<String, String>,
+}
+
+/// Where a tensor lies: its file, dtype, shape and byte range in the mapping.
+#[derive(Debug, Clone)]
+struct Entry {
+    file: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: std::ops::Range<usize>,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
@@ -97,26 +110,34 @@ impl SafeTensorsReader {
             metadata: HashMap::new(),
         };
         for file in files {
-            let bytes = std::fs::read(&file).map_err(io_err(&file))?;
-            if let Ok((_, meta)) = SafeTensors::read_metadata(&bytes) {
-                if let Some(m) = meta.metadata() {
-                    reader.metadata.extend(m.clone());
-                }
-            }
-            let names: Vec<String> = SafeTensors::deserialize(&bytes)
-                .map_err(|e| Error::SafeTensors {
+            let handle = std::fs::File::open(&file).map_err(io_err(&file))?;
+            // SAFETY: the mapping is only read, and only while the reader lives; a checkpoint
+            // changed on disk by another process meanwhile is outside what the crate guards
+            // against (as with every memory-mapped safetensors reader).
+            let map = unsafe { memmap2::Mmap::map(&handle) }.map_err(io_err(&file))?;
+            let (header_len, meta) =
+                SafeTensors::read_metadata(&map).map_err(|e| Error::SafeTensors {
                     path: file.clone(),
                     reason: e.to_string(),
-                })?
-                .names()
-                .into_iter()
-                .map(str::to_owned)
-                .collect();
+                })?;
+            let start = 8 + header_len;
             let at = reader.files.len();
-            for name in names {
-                reader.index.insert(name, at);
+            for (name, info) in meta.tensors() {
+                let (a, b) = info.data_offsets;
+                reader.index.insert(
+                    name,
+                    Entry {
+                        file: at,
+                        dtype: info.dtype,
+                        shape: info.shape.clone(),
+                        bytes: start + a..start + b,
+                    },
+                );
             }
-            reader.files.push((file, bytes));
+            if let Some(m) = meta.metadata() {
+                reader.metadata.extend(m.clone());
+            }
+            reader.files.push((file, map));
         }
         Ok(reader)
     }
@@ -128,13 +149,7 @@ impl SafeTensorsReader {
 
     /// The stored shape of `name`, if present.
     pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        let (path, bytes) = &self.files[*self.index.get(name)?];
-        let _ = path;
-        SafeTensors::deserialize(bytes)
-            .ok()?
-            .tensor(name)
-            .ok()
-            .map(|v| v.shape().to_vec())
+        self.index.get(name).map(|e| e.shape.clone())
     }
 
     /// Whether the checkpoint holds `name`.
@@ -147,43 +162,36 @@ impl SafeTensorsReader {
         self.metadata.get(key).map(String::as_str)
     }
 
+    /// The entry of `name` and its bytes in the mapping.
+    fn raw(&self, name: &str) -> Option<(&Entry, &Path, &[u8])> {
+        let e = self.index.get(name)?;
+        let (path, map) = &self.files[e.file];
+        Some((e, path, &map[e.bytes.clone()]))
+    }
+
     /// Reads `name` as raw bytes with its shape when it is stored as `U8`; `Ok(None)` when absent.
     pub fn read_u8(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<u8>)>> {
-        let Some(&at) = self.index.get(name) else {
+        let Some((e, path, raw)) = self.raw(name) else {
             return Ok(None);
         };
-        let (path, bytes) = &self.files[at];
-        let fail = |reason: String| Error::SafeTensors {
-            path: path.clone(),
-            reason,
-        };
-        let st = SafeTensors::deserialize(bytes).map_err(|e| fail(e.to_string()))?;
-        let view = st.tensor(name).map_err(|e| fail(e.to_string()))?;
-        if view.dtype() != Dtype::U8 {
-            return Err(fail(format!(
-                "tensor {name} has dtype {:?}; packed MX tensors are U8",
-                view.dtype()
-            )));
+        if e.dtype != Dtype::U8 {
+            return Err(Error::SafeTensors {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "tensor {name} has dtype {:?}; packed MX tensors are U8",
+                    e.dtype
+                ),
+            });
         }
-        Ok(Some((view.shape().to_vec(), view.data().to_vec())))
+        Ok(Some((e.shape.clone(), raw.to_vec())))
     }
 
     /// Reads `name` as f32 (from f32, f16 or bf16 on disk); `Ok(None)` when absent.
     pub fn read(&self, name: &str) -> Result<Option<HostTensor>> {
-        let Some(&at) = self.index.get(name) else {
+        let Some((e, path, raw)) = self.raw(name) else {
             return Ok(None);
         };
-        let (path, bytes) = &self.files[at];
-        let st = SafeTensors::deserialize(bytes).map_err(|e| Error::SafeTensors {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
-        let view = st.tensor(name).map_err(|e| Error::SafeTensors {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
-        let raw = view.data();
-        let data: Vec<f32> = match view.dtype() {
+        let data: Vec<f32> = match e.dtype {
             Dtype::F32 => raw
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -198,7 +206,7 @@ impl SafeTensorsReader {
                 .collect(),
             other => {
                 return Err(Error::SafeTensors {
-                    path: path.clone(),
+                    path: path.to_path_buf(),
                     reason: format!(
                         "tensor {name} has dtype {other:?}; only F32, F16 and BF16 are supported"
                     ),
@@ -206,7 +214,7 @@ impl SafeTensorsReader {
             }
         };
         Ok(Some(HostTensor {
-            shape: view.shape().to_vec(),
+            shape: e.shape.clone(),
             data,
         }))
     }
@@ -727,6 +735,36 @@ mod tests {
         let err = reader.read("d.i32").unwrap_err().to_string();
         assert!(err.contains("d.i32") && err.contains("I32"), "{err}");
         assert!(reader.read("missing").unwrap().is_none());
+        std::fs::remove_file(&path).ok();
+    }
+
+    /// A file whose data stops short of what its header announces is refused when it is opened,
+    /// naming the file (the mapping is never read out of range).
+    #[test]
+    fn a_truncated_file_is_an_error_at_open() {
+        let values: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let view = safetensors::tensor::TensorView::new(Dtype::F32, vec![4], &values).unwrap();
+        let path = std::env::temp_dir().join(format!(
+            "kimi-burn-truncated-{}.safetensors",
+            std::process::id()
+        ));
+        safetensors::serialize_to_file(vec![("w", view)], None, &path).unwrap();
+        assert_eq!(
+            SafeTensorsReader::open(&path)
+                .unwrap()
+                .read("w")
+                .unwrap()
+                .unwrap()
+                .data,
+            [1.0, 2.0, 3.0, 4.0]
+        );
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 4]).unwrap();
+        let err = SafeTensorsReader::open(&path).unwrap_err().to_string();
+        assert!(err.contains("kimi-burn-truncated"), "{err}");
         std::fs::remove_file(&path).ok();
     }
 }
