@@ -1,18 +1,18 @@
 //! What the ops of every block share to choose their path: the registry of backends that run the
 //! CubeCL kernels, the kernels on/off switch, the per-op path record, the CPU host-kernel runner
-//! ([`host`]) and the `Fusion` glue ([`fusion`]). Each op decides its own path in its own folder
+//! (`host`) and the `Fusion` glue (`fusion`). Each op decides its own path in its own folder
 //! ([`kda`](crate::ops::kda), [`moe`](crate::ops::moe)); the modules in [`nn`](crate::nn) never
 //! choose one.
 //!
 //! The modules stay generic over any [`Backend`]. An op first offers its tensors to a kernel
 //! implementation, reached through the backend-extension traits
-//! [`MoeKernels`](crate::ops::moe::MoeKernels) and [`KdaKernels`](crate::ops::kda::KdaKernels)
+//! [`MoeKernels`] and [`KdaKernels`]
 //! (implemented with the `wgpu` or `cuda` feature for every `CubeBackend<R, F, I, BT>`, for
 //! `Fusion<B>` over one, and, with custom backward passes, for `Autodiff<B>` over either), and
 //! otherwise runs its reference tensor-op code (or, on the CPU backends, a host kernel).
 //!
 //! **Which backends take the kernel path automatically.** An op's `B` is compared (by `TypeId`)
-//! with this list in [`on_kernels`], and on a match the call is forwarded to `B`'s trait methods:
+//! with this list in `on_kernels`, and on a match the call is forwarded to `B`'s trait methods:
 //!
 //! | feature | backend types |
 //! |---|---|

@@ -83,12 +83,12 @@ impl GluActivation {
 /// the input dtype, but is computed in f32 (or f64 for f64 inputs) whatever the storage dtype.
 /// K3 uses `β1 = 4`, `β2 = Some(25)`. As `β → ∞` it tends to SwiGLU (`SiLU(g)·v`).
 ///
-/// On the CubeCL backends (see [`fused`]) this runs one fused kernel forward and one
+/// On the CubeCL backends (see `ops::backend`) this runs one fused kernel forward and one
 /// backward (design §1 derivatives); elsewhere the tensor ops below.
 ///
 /// # Panics
 /// If `beta1` or `beta2` is not finite and positive, or the shapes differ. Configs validate these
-/// values with an [`Error`](crate::Error) before they reach this op.
+/// values with an `Error` before they reach this op.
 pub fn situ_glu<B: Backend, const D: usize>(
     gate: Tensor<B, D>,
     up: Tensor<B, D>,
