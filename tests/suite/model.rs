@@ -490,3 +490,24 @@ pub(crate) fn check_wgpu_matches_ndarray(config: &KimiConfig, tag: &str) {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Token ids outside the vocabulary are an error naming the range and the values found (on the
+/// CPU backend the check always runs).
+#[test]
+fn token_ids_outside_the_vocabulary_are_an_error() {
+    let device = Default::default();
+    let config = small();
+    let model = config.init::<Cpu>(&device);
+    for bad in [-1i64, 64, 1000] {
+        let ids =
+            Tensor::<Cpu, 2, Int>::from_data(TensorData::new(vec![3, bad, 5, 7], [2, 2]), &device);
+        let err = model.try_forward(ids, None, None).unwrap_err().to_string();
+        assert!(
+            err.contains("0..64") && err.contains(&bad.to_string()),
+            "{err}"
+        );
+    }
+    let ok =
+        Tensor::<Cpu, 2, Int>::from_data(TensorData::new(vec![0i64, 63, 5, 7], [2, 2]), &device);
+    assert!(model.try_forward(ok, None, None).is_ok());
+}

@@ -199,8 +199,9 @@ pub struct FusedRouting<B: Backend> {
 /// `scores: [m, n]` unbiased f32 scores, `bias: [n]`; `valid: [m]` (`false`: padding, not counted
 /// in the histogram; still selected). The selection equals [`select_top_k`] without grouping and
 /// the counts equal the host balancer's on the same input, exactly. Returns `None` as well for
-/// grouped top-k options (the host handles those) and for NaN scores (so the host path reports
-/// them with the token and expert).
+/// grouped top-k options (the host handles those) and, in debug builds, for NaN scores (so the
+/// host path reports them with the token and expert; release builds skip that read, and NaN
+/// scores propagate to the output).
 pub fn route_top_k_fused<B: Backend>(
     scores: &Tensor<B, 2>,
     bias: &[f32],
@@ -222,14 +223,18 @@ pub fn route_top_k_fused<B: Backend>(
         backend::record(FusedOp::RouteTopK, KernelPath::Reference);
         return None;
     }
-    let has_nan = scores
-        .clone()
-        .is_nan()
-        .any()
-        .into_data()
-        .iter::<bool>()
-        .next();
-    if has_nan.unwrap_or(false) {
+    // A read drains the device's stream: release builds skip it, and NaN scores then propagate
+    // to the routing weights, the output and the loss instead of becoming an error here.
+    let has_nan = cfg!(debug_assertions)
+        && scores
+            .clone()
+            .is_nan()
+            .any()
+            .into_data()
+            .iter::<bool>()
+            .next()
+            .unwrap_or(false);
+    if has_nan {
         backend::record(FusedOp::RouteTopK, KernelPath::Reference);
         return None;
     }
