@@ -612,51 +612,187 @@ impl Saver {
     /// Writes everything to one `.safetensors` file: floats as f32, packed MX weights as `U8`
     /// with the format in the metadata. Fails with every problem a packed weight had.
     pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
-        let path = path.as_ref();
-        if !self.problems.is_empty() {
-            return Err(Error::Checkpoint(self.problems.join("\n")));
+        self.check()?;
+        let names: Vec<&str> = self.names().collect();
+        self.write_file(path.as_ref(), &names, StoreDtype::F32)
+    }
+
+    /// Writes everything into the folder `dir` as Hugging Face does: floats in `dtype`, one file
+    /// `model.safetensors` when it fits in `max_shard_bytes`, else shards
+    /// `model-00001-of-0000N.safetensors` of at most that size (a larger tensor gets a shard of
+    /// its own) and `model.safetensors.index.json` with the `weight_map` and the total size.
+    /// Tensors are converted shard by shard, so the extra memory is one shard's. Returns the
+    /// files written.
+    pub fn write_sharded(
+        &self,
+        dir: impl AsRef<Path>,
+        dtype: StoreDtype,
+        max_shard_bytes: u64,
+    ) -> Result<Vec<PathBuf>> {
+        self.check()?;
+        let dir = dir.as_ref();
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        let mut shards: Vec<Vec<&str>> = vec![Vec::new()];
+        let mut size = 0u64;
+        let mut total = 0u64;
+        for name in self.names() {
+            let bytes = self.stored_bytes(name, dtype);
+            total += bytes;
+            let last = shards.last_mut().expect("one shard at least");
+            if !last.is_empty() && size + bytes > max_shard_bytes {
+                shards.push(vec![name]);
+                size = bytes;
+            } else {
+                last.push(name);
+                size += bytes;
+            }
         }
-        let bytes: HashMap<&str, (Vec<usize>, Vec<u8>)> = self
+        if shards.len() == 1 {
+            let path = dir.join("model.safetensors");
+            self.write_file(&path, &shards[0], dtype)?;
+            return Ok(vec![path]);
+        }
+        let n = shards.len();
+        let mut written = Vec::with_capacity(n + 1);
+        let mut weight_map = serde_json::Map::new();
+        for (i, names) in shards.iter().enumerate() {
+            let file = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+            let path = dir.join(&file);
+            self.write_file(&path, names, dtype)?;
+            for name in names {
+                weight_map.insert((*name).to_owned(), serde_json::Value::String(file.clone()));
+            }
+            written.push(path);
+        }
+        let index = serde_json::json!({
+            "metadata": { "total_size": total },
+            "weight_map": weight_map,
+        });
+        let path = dir.join("model.safetensors.index.json");
+        let text = serde_json::to_string_pretty(&index).map_err(|source| Error::Json {
+            path: path.clone(),
+            source,
+        })?;
+        std::fs::write(&path, text).map_err(io_err(&path))?;
+        written.push(path);
+        Ok(written)
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.problems.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Checkpoint(self.problems.join("\n")))
+        }
+    }
+
+    /// Every tensor name, floats and packed, sorted.
+    fn names(&self) -> impl Iterator<Item = &str> {
+        let mut names: Vec<&str> = self
             .tensors
+            .keys()
+            .chain(self.packed.keys())
+            .map(String::as_str)
+            .collect();
+        names.sort_unstable();
+        names.into_iter()
+    }
+
+    /// The bytes `name` takes on disk with floats in `dtype`.
+    fn stored_bytes(&self, name: &str, dtype: StoreDtype) -> u64 {
+        match self.tensors.get(name) {
+            Some(t) => (t.data.len() * dtype.size()) as u64,
+            None => self.packed.get(name).map_or(0, |(_, b)| b.len() as u64),
+        }
+    }
+
+    /// One safetensors file holding `names`.
+    fn write_file(&self, path: &Path, names: &[&str], dtype: StoreDtype) -> Result<()> {
+        let encoded: Vec<Encoded<'_>> = names
             .iter()
-            .map(|(k, t)| {
-                (
-                    k.as_str(),
+            .map(|&name| match self.tensors.get(name) {
+                Some(t) => (
+                    name,
+                    dtype.safetensors(),
+                    t.shape.as_slice(),
+                    std::borrow::Cow::Owned(dtype.encode(&t.data)),
+                ),
+                None => {
+                    let (shape, bytes) = &self.packed[name];
                     (
-                        t.shape.clone(),
-                        t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                    ),
-                )
+                        name,
+                        Dtype::U8,
+                        shape.as_slice(),
+                        std::borrow::Cow::Borrowed(bytes.as_slice()),
+                    )
+                }
             })
             .collect();
-        let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = bytes
+        let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = encoded
             .iter()
-            .map(|(k, (shape, data))| (*k, Dtype::F32, shape, data))
-            .chain(
-                self.packed
-                    .iter()
-                    .map(|(k, (shape, data))| (k.as_str(), Dtype::U8, shape, data)),
-            )
-            .map(|(k, dtype, shape, data)| {
-                safetensors::tensor::TensorView::new(dtype, shape.clone(), data).map(|v| (k, v))
+            .map(|(k, dt, shape, data)| {
+                safetensors::tensor::TensorView::new(*dt, shape.to_vec(), data).map(|v| (*k, v))
             })
             .collect::<std::result::Result<_, _>>()
             .map_err(|e| Error::SafeTensors {
                 path: path.to_path_buf(),
                 reason: e.to_string(),
             })?;
-        let metadata = self.mx_format.map(|f| {
+        let mut metadata = HashMap::from([("format".to_owned(), "pt".to_owned())]);
+        if let Some(f) = self.mx_format {
             let name = match f {
                 MxFormat::Fp4E2M1 => "e2m1",
                 MxFormat::Fp8E4M3 => "e4m3",
                 MxFormat::Fp8E5M2 => "e5m2",
             };
-            HashMap::from([("mx_format".to_owned(), name.to_owned())])
-        });
-        safetensors::serialize_to_file(views, metadata, path).map_err(|e| Error::SafeTensors {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
+            metadata.insert("mx_format".to_owned(), name.to_owned());
+        }
+        safetensors::serialize_to_file(views, Some(metadata), path).map_err(|e| {
+            Error::SafeTensors {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            }
         })
+    }
+}
+
+/// A tensor ready to write: name, dtype, shape and bytes.
+type Encoded<'a> = (&'a str, Dtype, &'a [usize], std::borrow::Cow<'a, [u8]>);
+
+/// The float dtype a checkpoint is written in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum StoreDtype {
+    /// 32-bit floats, exact.
+    #[default]
+    F32,
+    /// bfloat16 (rounded to nearest, ties to even): half the size, what published checkpoints use.
+    Bf16,
+}
+
+impl StoreDtype {
+    fn size(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 => 2,
+        }
+    }
+
+    fn safetensors(self) -> Dtype {
+        match self {
+            Self::F32 => Dtype::F32,
+            Self::Bf16 => Dtype::BF16,
+        }
+    }
+
+    fn encode(self, data: &[f32]) -> Vec<u8> {
+        match self {
+            Self::F32 => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Self::Bf16 => data
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+        }
     }
 }
 

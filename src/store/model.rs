@@ -1,12 +1,12 @@
 //! Checkpoint names of the whole model (design §7) and the `from_safetensors` / `save_safetensors`
 //! entry points.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
 
 use super::moe::{load_glu, save_glu, PROJ_NAMES};
-use super::{HfCheckpoint, Loader, SafeTensorsReader, Saver};
+use super::{HfCheckpoint, Loader, SafeTensorsReader, Saver, StoreDtype};
 use crate::config::KimiConfig;
 use crate::error::Result;
 use crate::model::{DecoderLayer, Ffn, KimiForCausalLM, Mixer};
@@ -130,6 +130,41 @@ impl<B: Backend> KimiForCausalLM<B> {
         let mut saver = Saver::new();
         self.save_hf("", &mut saver);
         saver.write(path)
+    }
+
+    /// Writes a Hugging Face model folder: `config.json` and the weights, sharded by
+    /// `max_shard_bytes` with `model.safetensors.index.json` when they do not fit in one file
+    /// (see [`Saver::write_sharded`]), floats in `dtype` (bf16: half the size, rounded), the
+    /// weights trained with MX QAT packed when `packed_mx`. [`from_safetensors`](Self::from_safetensors)
+    /// on the folder reads it back. Returns the files written.
+    pub fn save_pretrained(
+        &self,
+        dir: impl AsRef<Path>,
+        dtype: StoreDtype,
+        max_shard_bytes: u64,
+        packed_mx: bool,
+    ) -> Result<Vec<PathBuf>> {
+        let dir = dir.as_ref();
+        let mut saver = if packed_mx {
+            Saver::packing_mx()
+        } else {
+            Saver::new()
+        };
+        self.save_hf("", &mut saver);
+        let mut files = saver.write_sharded(dir, dtype, max_shard_bytes)?;
+        let config = dir.join("config.json");
+        let text = serde_json::to_string_pretty(&self.config().to_hf_json()).map_err(|source| {
+            crate::Error::Json {
+                path: config.clone(),
+                source,
+            }
+        })?;
+        std::fs::write(&config, text).map_err(|source| crate::Error::Io {
+            path: config.clone(),
+            source,
+        })?;
+        files.push(config);
+        Ok(files)
     }
 
     /// [`save_safetensors`](Self::save_safetensors) with every weight the model trains with MX

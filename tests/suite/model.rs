@@ -511,3 +511,65 @@ fn token_ids_outside_the_vocabulary_are_an_error() {
         Tensor::<Cpu, 2, Int>::from_data(TensorData::new(vec![0i64, 63, 5, 7], [2, 2]), &device);
     assert!(model.try_forward(ok, None, None).is_ok());
 }
+
+/// `save_pretrained` writes a Hugging Face folder: `config.json`, f32 shards of at most the size
+/// asked (plus the index) that load back to the same logits bit for bit, or one bf16 file holding
+/// every value rounded to bf16.
+#[test]
+fn save_pretrained_shards_and_loads_back() {
+    use kimi_burn::store::{SafeTensorsReader, StoreDtype};
+    let d = Default::default();
+    let config = small();
+    let model = config.init::<Cpu>(&d);
+    let base = std::env::temp_dir().join(format!("kimi-burn-pretrained-{}", std::process::id()));
+    let (f32_dir, bf16_dir) = (base.join("f32"), base.join("bf16"));
+    let max = 200_000u64;
+    let files = model
+        .save_pretrained(&f32_dir, StoreDtype::F32, max, false)
+        .unwrap();
+    let shards: Vec<_> = files
+        .iter()
+        .filter(|f| f.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    assert!(shards.len() > 2, "{files:?}");
+    assert!(f32_dir.join("model.safetensors.index.json").exists());
+    for s in &shards {
+        // Data within the limit; the header adds a few kilobytes.
+        assert!(std::fs::metadata(s).unwrap().len() < max + 20_000, "{s:?}");
+    }
+    let read_config = KimiConfig::from_hf_config(f32_dir.join("config.json")).unwrap();
+    assert_eq!(read_config, config);
+    let back = KimiForCausalLM::<Cpu>::from_safetensors(&read_config, &f32_dir, &d).unwrap();
+    let mut r = rng(59);
+    let x = ids::<Cpu>(&mut r, 2, 7, config.vocab_size, &d);
+    let bits = |t: Tensor<Cpu, 3>| {
+        t.into_data()
+            .iter::<f32>()
+            .map(f32::to_bits)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(bits(model.forward(x.clone())), bits(back.forward(x)));
+
+    let files = model
+        .save_pretrained(&bf16_dir, StoreDtype::Bf16, u64::MAX, false)
+        .unwrap();
+    assert!(
+        files.contains(&bf16_dir.join("model.safetensors")),
+        "{files:?}"
+    );
+    let full = SafeTensorsReader::open(&f32_dir).unwrap();
+    let rounded = SafeTensorsReader::open(&bf16_dir).unwrap();
+    assert_eq!(full.names().count(), rounded.names().count());
+    for name in full.names() {
+        let want: Vec<f32> = full
+            .read(name)
+            .unwrap()
+            .unwrap()
+            .data
+            .iter()
+            .map(|v| half::bf16::from_f32(*v).to_f32())
+            .collect();
+        assert_eq!(rounded.read(name).unwrap().unwrap().data, want, "{name}");
+    }
+    std::fs::remove_dir_all(&base).ok();
+}
