@@ -71,25 +71,58 @@ fn tiny(qat: Option<QatConfig>) -> KimiConfig {
     c
 }
 
-fn bench_cpu(c: &mut Criterion) {
-    type Ad = Autodiff<Cpu>;
-    let device = Default::default();
-    let mut group = c.benchmark_group("qat_latent_moe_n64_k8_d512_l256_4096tok");
+/// The layer of `cfg` on `x_shape` inputs, forward + backward, with and without QAT.
+fn bench_moe_pair<B: burn::tensor::backend::AutodiffBackend>(
+    c: &mut Criterion,
+    group: &str,
+    cfg: LatentMoeConfig,
+    x_shape: [usize; 3],
+) {
+    let device = B::Device::default();
+    let mut group = c.benchmark_group(group);
     group.sample_size(10);
-    let x = Tensor::<Ad, 3>::random([8, 512, 512], Distribution::Normal(0.0, 1.0), &device);
+    let x = Tensor::<B, 3>::random(x_shape, Distribution::Normal(0.0, 1.0), &device);
     for (name, qat) in VARIANTS {
-        let moe = LatentMoeConfig::new(512, 64, 8, 256)
-            .with_layout(MoeLayout::StableLatent { dim: 256 })
-            .with_n_shared(1)
-            .with_shared_hidden(Some(512))
-            .with_balancer(BalancerKind::quantile())
-            .with_qat(qat.map(|f| f()))
-            .init::<Ad>(&device);
+        let moe = cfg.clone().with_qat(qat.map(|f| f())).init::<B>(&device);
         group.bench_function(BenchmarkId::new("forward_backward", name), |b| {
             b.iter(|| moe_step(&moe, &x, &device))
         });
     }
     group.finish();
+}
+
+/// The tiny model's step on `batch` sequences of 256 tokens, with and without QAT.
+fn bench_tiny_pair<B: burn::tensor::backend::AutodiffBackend>(
+    c: &mut Criterion,
+    group: &str,
+    batch: usize,
+) {
+    let device = B::Device::default();
+    let mut group = c.benchmark_group(group);
+    group.sample_size(10);
+    let x = ids::<B>(batch, 256, 256, &device);
+    for (name, qat) in VARIANTS {
+        let model: KimiForCausalLM<B> = tiny(qat.map(|f| f())).init(&device);
+        group.bench_function(BenchmarkId::new("forward_backward", name), |b| {
+            b.iter(|| model_step(&model, &x, &device))
+        });
+    }
+    group.finish();
+}
+
+fn bench_cpu(c: &mut Criterion) {
+    type Ad = Autodiff<Cpu>;
+    let device = Default::default();
+    bench_moe_pair::<Ad>(
+        c,
+        "qat_latent_moe_n64_k8_d512_l256_4096tok",
+        LatentMoeConfig::new(512, 64, 8, 256)
+            .with_layout(MoeLayout::StableLatent { dim: 256 })
+            .with_n_shared(1)
+            .with_shared_hidden(Some(512))
+            .with_balancer(BalancerKind::quantile()),
+        [8, 512, 512],
+    );
 
     // The op alone: the layer's stacked expert weights `[64, 256, 256]` along their input axis,
     // without autodiff, and with it (forward + the straight-through backward).
@@ -108,48 +141,22 @@ fn bench_cpu(c: &mut Criterion) {
     });
     group.finish();
 
-    let mut group = c.benchmark_group("qat_tiny_train_step_4x256");
-    group.sample_size(10);
-    let x = ids::<Ad>(4, 256, 256, &device);
-    for (name, qat) in VARIANTS {
-        let model: KimiForCausalLM<Ad> = tiny(qat.map(|f| f())).init(&device);
-        group.bench_function(BenchmarkId::new("forward_backward", name), |b| {
-            b.iter(|| model_step(&model, &x, &device))
-        });
-    }
-    group.finish();
+    bench_tiny_pair::<Ad>(c, "qat_tiny_train_step_4x256", 4);
 }
 
 #[cfg(feature = "wgpu")]
 fn bench_wgpu(c: &mut Criterion) {
     type G = Autodiff<burn::backend::Wgpu>;
-    let device = Default::default();
-    let mut group = c.benchmark_group("wgpu_qat_moe_n16_k4_d128_l64_1024tok");
-    group.sample_size(10);
-    let x = Tensor::<G, 3>::random([1, 1024, 128], Distribution::Normal(0.0, 1.0), &device);
-    for (name, qat) in VARIANTS {
-        let moe = LatentMoeConfig::new(128, 16, 4, 128)
+    bench_moe_pair::<G>(
+        c,
+        "wgpu_qat_moe_n16_k4_d128_l64_1024tok",
+        LatentMoeConfig::new(128, 16, 4, 128)
             .with_layout(MoeLayout::StableLatent { dim: 64 })
             .with_n_shared(1)
-            .with_balancer(BalancerKind::quantile())
-            .with_qat(qat.map(|f| f()))
-            .init::<G>(&device);
-        group.bench_function(BenchmarkId::new("forward_backward", name), |b| {
-            b.iter(|| moe_step(&moe, &x, &device))
-        });
-    }
-    group.finish();
-
-    let mut group = c.benchmark_group("wgpu_qat_tiny_train_step_2x256");
-    group.sample_size(10);
-    let x = ids::<G>(2, 256, 256, &device);
-    for (name, qat) in VARIANTS {
-        let model: KimiForCausalLM<G> = tiny(qat.map(|f| f())).init(&device);
-        group.bench_function(BenchmarkId::new("forward_backward", name), |b| {
-            b.iter(|| model_step(&model, &x, &device))
-        });
-    }
-    group.finish();
+            .with_balancer(BalancerKind::quantile()),
+        [1, 1024, 128],
+    );
+    bench_tiny_pair::<G>(c, "wgpu_qat_tiny_train_step_2x256", 2);
 }
 
 #[cfg(not(feature = "wgpu"))]
