@@ -90,8 +90,9 @@ impl<B: Backend> RoutedExperts<B> {
         self.w1.dims()[2]
     }
 
-    /// Expert `e` as a standalone [`SituGlu`] (new parameters holding copies of its weights;
-    /// for inspection and tests).
+    /// Expert `e` as a standalone [`SituGlu`] (`w1`, `w3`: `[ℓ, m_e]`, `w2`: `[m_e, ℓ]`; new
+    /// parameters holding copies of its weights, not tracked back to the stack; for inspection and
+    /// tests).
     ///
     /// # Panics
     /// If `e ≥ n`.
@@ -99,12 +100,12 @@ impl<B: Backend> RoutedExperts<B> {
         assert!(e < self.len(), "expert {e} of {}", self.len());
         let pick = |p: &Param<Tensor<B, 3>>| {
             let [_, a, b] = p.dims();
-            let w: Tensor<B, 2> = p.val().narrow(0, e, 1).reshape([a, b]);
-            let mut layer = burn::nn::LinearConfig::new(a, b)
-                .with_bias(false)
-                .init::<B>(&w.device());
-            layer.weight = Param::from_tensor(w);
-            layer
+            // A copy cut out of the stack (detached: a new leaf parameter, not a view).
+            let w: Tensor<B, 2> = p.val().narrow(0, e, 1).reshape([a, b]).detach();
+            burn::nn::Linear {
+                weight: Param::from_tensor(w),
+                bias: None,
+            }
         };
         SituGlu {
             w1: pick(&self.w1),

@@ -1117,3 +1117,21 @@ fn host_activation_kernels_match_the_tensor_ops() {
         }
     }
 }
+
+/// `RoutedExperts::expert` on an autodiff backend: a standalone copy of expert `e` (its weights
+/// equal the stack's slice) whose gradients reach its own parameters, not the stack.
+#[test]
+fn one_expert_cut_out_of_the_stack_is_a_trainable_copy() {
+    let d = Default::default();
+    let moe =
+        moe_config(MoeLayout::StableLatent { dim: 8 }, GluActivation::situ()).init::<CpuAd>(&d);
+    let e = 2;
+    let glu = moe.experts.expert(e);
+    let [_, l, me] = moe.experts.w1.dims();
+    let slice = moe.experts.w1.val().narrow(0, e, 1).reshape([l, me]);
+    assert_eq!(host(glu.w1.weight.val()), host(slice));
+    let x = randn::<CpuAd, 2>(&mut rng(44), [3, l], 1.0, &d);
+    let grads = glu.forward(x).sum().backward();
+    assert!(glu.w1.weight.grad(&grads).is_some() && glu.w2.weight.grad(&grads).is_some());
+    assert!(moe.experts.w1.grad(&grads).is_none());
+}

@@ -25,7 +25,7 @@ mod pack;
 mod qat;
 pub(crate) mod scalar;
 
-use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
+use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::error::{Error, Result};
 use crate::ops::backend::host::HostArray;
@@ -171,8 +171,9 @@ fn fake_values<B: Backend, const D: usize>(
     axis: usize,
 ) -> Tensor<B, D> {
     if backend::host::is_cpu_backend::<B>() && x.dtype() == DType::F32 {
-        // The host loop works along any axis in place: no transpose.
-        return host_values(x, format, rule, axis);
+        // The host op works along any axis in place: no transpose.
+        let op = HostFakeQuant { format, rule, axis };
+        return backend::host::run(&op, [x.into_primitive().tensor()]);
     }
     let last = D - 1;
     let x = x.swap_dims(axis, last);
@@ -250,26 +251,6 @@ impl<B: Backend> KernelOp<B> for MxOp<B> {
         let y = K::mx_fake_quant(x.into_primitive().tensor(), self.spec);
         backend::same(Tensor::<K, 2>::from_primitive(TensorPrimitive::Float(y)))
     }
-}
-
-/// The exact host loop ([`scalar`]) along `axis`.
-fn host_values<B: Backend, const D: usize>(
-    x: Tensor<B, D>,
-    format: MxFormat,
-    rule: MxScaleRule,
-    axis: usize,
-) -> Tensor<B, D> {
-    let dims = x.dims();
-    let device = x.device();
-    let outer = dims[..axis].iter().product();
-    let inner = dims[axis + 1..].iter().product();
-    let mut data: Vec<f32> = x
-        .into_data()
-        .convert_dtype(DType::F32)
-        .into_vec::<f32>()
-        .unwrap_or_else(|e| unreachable!("convert_dtype(F32) gives f32 data: {e:?}"));
-    scalar::fake_quant_axis(&mut data, [outer, dims[axis], inner], format, rule);
-    Tensor::from_data(TensorData::new(data, dims), &device)
 }
 
 /// Bounds for the binary decomposition of exponents in `[-191, 127]`.
