@@ -1,7 +1,9 @@
 //! The routed experts of a MoE layer as three stacked parameters (design §2).
 
-use burn::module::{Module, Param};
-use burn::tensor::{backend::Backend, Tensor};
+use std::cell::Cell;
+
+use burn::module::{Module, Param, ParamId};
+use burn::tensor::{backend::Backend, Distribution, Shape, Tensor};
 
 use super::situ_glu::{GluActivation, SituGlu, SituGluConfig};
 use crate::ops::moe::dispatch::StackedExperts;
@@ -32,6 +34,42 @@ pub struct RoutedExperts<B: Backend> {
     pub qat: Option<QatConfig>,
 }
 
+thread_local! {
+    static SKELETON: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` (a model's `init`) so that the routed experts are built without drawing their values:
+/// their parameters are initialised lazily, like Burn's own `Linear`, and a checkpoint loader
+/// replaces them without ever materialising the random stacks. Used by
+/// [`KimiForCausalLM::from_safetensors`](crate::model::KimiForCausalLM::from_safetensors); a
+/// parameter that is read before it is replaced is initialised then (uniform in
+/// `±1/sqrt(fan_in)`, not in the seeded expert-by-expert order of an eager init).
+pub(crate) fn skeleton<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            SKELETON.with(|s| s.set(self.0));
+        }
+    }
+    let _reset = Reset(SKELETON.with(|s| s.replace(true)));
+    f()
+}
+
+/// A lazily initialised stack `[n, fan_in, fan_out]`, uniform in `±1/sqrt(fan_in)`.
+fn lazy_stack<B: Backend>(shape: [usize; 3], device: &B::Device) -> Param<Tensor<B, 3>> {
+    let bound = 1.0 / (shape[1].max(1) as f64).sqrt();
+    Param::uninitialized(
+        ParamId::new(),
+        move |device: &B::Device, require_grad| {
+            Tensor::<B, 3>::random(shape, Distribution::Uniform(-bound, bound), device)
+                .set_require_grad(require_grad)
+        },
+        device.clone(),
+        true,
+        Shape::new(shape),
+    )
+}
+
 impl<B: Backend> RoutedExperts<B> {
     /// `n` experts of width `width` (`ℓ`) and hidden width `hidden` (`m_e`), initialised like
     /// Burn's `Linear` (uniform in `±1/sqrt(fan_in)`), expert by expert in the order `n`
@@ -44,6 +82,15 @@ impl<B: Backend> RoutedExperts<B> {
         qat: Option<QatConfig>,
         device: &B::Device,
     ) -> Self {
+        if SKELETON.with(Cell::get) {
+            return Self {
+                w1: lazy_stack([n, width, hidden], device),
+                w3: lazy_stack([n, width, hidden], device),
+                w2: lazy_stack([n, hidden, width], device),
+                activation,
+                qat,
+            };
+        }
         let config = SituGluConfig::new(width, hidden);
         let mut parts: [Vec<Tensor<B, 2>>; 3] = Default::default();
         for _ in 0..n {
@@ -72,7 +119,7 @@ impl<B: Backend> RoutedExperts<B> {
 
     /// The number of experts `n`.
     pub fn len(&self) -> usize {
-        self.w1.dims()[0]
+        self.w1.lazy_shape()[0]
     }
 
     /// True without experts.
@@ -82,12 +129,12 @@ impl<B: Backend> RoutedExperts<B> {
 
     /// The experts' width `ℓ`.
     pub fn width(&self) -> usize {
-        self.w1.dims()[1]
+        self.w1.lazy_shape()[1]
     }
 
     /// The experts' hidden width `m_e`.
     pub fn hidden(&self) -> usize {
-        self.w1.dims()[2]
+        self.w1.lazy_shape()[2]
     }
 
     /// Expert `e` as a standalone [`SituGlu`] (`w1`, `w3`: `[ℓ, m_e]`, `w2`: `[m_e, ℓ]`; new

@@ -6,7 +6,7 @@
 
 pub mod attn_res;
 pub mod balance;
-mod experts;
+pub(crate) mod experts;
 pub mod kda;
 pub mod latent_moe;
 pub mod mla;

@@ -19,6 +19,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 
 use burn::module::Param;
 use burn::nn::Linear;
@@ -97,6 +98,26 @@ impl SafeTensorsReader {
                     .collect();
                 shards.sort();
                 shards.dedup();
+                for shard in &shards {
+                    let file = path.join(shard);
+                    if !file.is_file() {
+                        let mut names: Vec<&str> = map
+                            .iter()
+                            .filter(|(_, v)| v.as_str() == Some(shard.as_str()))
+                            .map(|(k, _)| k.as_str())
+                            .collect();
+                        names.sort_unstable();
+                        return Err(Error::SafeTensors {
+                            path: file,
+                            reason: format!(
+                                "missing shard: model.safetensors.index.json maps {} tensors to it \
+                                 (first: {})",
+                                names.len(),
+                                names.first().copied().unwrap_or("none")
+                            ),
+                        });
+                    }
+                }
                 shards.into_iter().map(|s| path.join(s)).collect()
             } else {
                 vec![path.join("model.safetensors")]
@@ -169,6 +190,29 @@ impl SafeTensorsReader {
         Some((e, path, &map[e.bytes.clone()]))
     }
 
+    /// Gives the pages of `e` back to the kernel once they have been copied out: a mapped page
+    /// that was read counts in the process's resident memory until the mapping ends, so without
+    /// this a load would hold the whole checkpoint on top of the model. The mapping is read-only
+    /// and private, so a page read again later is simply faulted back in from the file.
+    fn release(&self, e: &Entry) {
+        #[cfg(unix)]
+        {
+            let map = &self.files[e.file].1;
+            // SAFETY: `DontNeed` on a read-only file mapping only drops the cached pages of the
+            // range (and of the partial pages at its ends); nothing borrows them any more, and the
+            // next access reads the unchanged file again.
+            let _ = unsafe {
+                map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    e.bytes.start,
+                    e.bytes.len(),
+                )
+            };
+        }
+        #[cfg(not(unix))]
+        let _ = e;
+    }
+
     /// Reads `name` as raw bytes with its shape when it is stored as `U8`; `Ok(None)` when absent.
     pub fn read_u8(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<u8>)>> {
         let Some((e, path, raw)) = self.raw(name) else {
@@ -183,7 +227,9 @@ impl SafeTensorsReader {
                 ),
             });
         }
-        Ok(Some((e.shape.clone(), raw.to_vec())))
+        let bytes = raw.to_vec();
+        self.release(e);
+        Ok(Some((e.shape.clone(), bytes)))
     }
 
     /// Reads `name` as f32 (from f32, f16 or bf16 on disk); `Ok(None)` when absent.
@@ -213,6 +259,7 @@ impl SafeTensorsReader {
                 })
             }
         };
+        self.release(e);
         Ok(Some(HostTensor {
             shape: e.shape.clone(),
             data,
@@ -268,6 +315,27 @@ impl<'a, B: Backend> Loader<'a, B> {
         }
     }
 
+    /// `param` holding `data` (row-major, shape `shape`), on the loader's device, in the dtype
+    /// `param` already has (Burn's default float dtype when it is still uninitialised), with its
+    /// gradient requirement. A lazily initialised parameter is never initialised: its random
+    /// values are not drawn, so loading a model costs the model, not twice the model.
+    fn replace<const D: usize>(
+        &self,
+        param: Param<Tensor<B, D>>,
+        data: Vec<f32>,
+        shape: [usize; D],
+        reorder: impl FnOnce(Tensor<B, D>) -> Tensor<B, D>,
+    ) -> Param<Tensor<B, D>> {
+        let data = TensorData::new(data, shape);
+        let tensor = if param.is_initialized() {
+            Tensor::<B, D>::from_data(data, (&self.device, param.val().dtype()))
+        } else {
+            Tensor::<B, D>::from_data(data, &self.device)
+        };
+        let id = param.id;
+        param.transform_for_load(reorder(tensor), id)
+    }
+
     /// Replaces the value of `param` (shape `[..]`) with `name` stored as `hf_shape` (same number
     /// of elements, same row-major order, e.g. `A_log [1, 1, H, 1]` for a `[H]` parameter).
     pub fn param<const D: usize>(
@@ -276,15 +344,11 @@ impl<'a, B: Backend> Loader<'a, B> {
         param: Param<Tensor<B, D>>,
         hf_shape: &[usize],
     ) -> Param<Tensor<B, D>> {
-        let shape = param.dims();
+        let shape = param.lazy_shape().dims::<D>();
         let Some(data) = self.fetch(name, hf_shape) else {
             return param;
         };
-        let device = self.device.clone();
-        param.map(|old| {
-            let t = Tensor::<B, D>::from_data(TensorData::new(data, shape), (&device, old.dtype()));
-            t.set_require_grad(old.is_require_grad())
-        })
+        self.replace(param, data, shape, |t| t)
     }
 
     /// A parameter stored with its own shape.
@@ -293,7 +357,7 @@ impl<'a, B: Backend> Loader<'a, B> {
         name: &str,
         param: Param<Tensor<B, D>>,
     ) -> Param<Tensor<B, D>> {
-        let shape = param.dims().to_vec();
+        let shape = param.lazy_shape().to_vec();
         self.param(name, param, &shape)
     }
 
@@ -379,7 +443,7 @@ impl<'a, B: Backend> Loader<'a, B> {
         names: &[String],
         param: Param<Tensor<B, 3>>,
     ) -> Param<Tensor<B, 3>> {
-        let [n, d_in, d_out] = param.dims();
+        let [n, d_in, d_out] = param.lazy_shape().dims::<3>();
         assert_eq!(names.len(), n, "one name per stacked matrix");
         let mut data = vec![0.0f32; n * d_in * d_out];
         let mut complete = true;
@@ -400,29 +464,17 @@ impl<'a, B: Backend> Loader<'a, B> {
         if !complete {
             return param;
         }
-        let device = self.device.clone();
-        param.map(|old| {
-            Tensor::<B, 3>::from_data(
-                TensorData::new(data, [n, d_in, d_out]),
-                (&device, old.dtype()),
-            )
-            .set_require_grad(old.is_require_grad())
-        })
+        self.replace(param, data, [n, d_in, d_out], |t| t)
     }
 
     /// A bias-free linear layer stored PyTorch-style as `name` with shape `[out, in]`, or packed
     /// as MX blocks and scales (see the module docs).
     pub fn linear(&mut self, name: &str, mut layer: Linear<B>) -> Linear<B> {
-        let [d_in, d_out] = layer.weight.dims();
+        let [d_in, d_out] = layer.weight.lazy_shape().dims::<2>();
         let Some(data) = self.fetch_matrix(name, [d_out, d_in]) else {
             return layer;
         };
-        let device = self.device.clone();
-        layer.weight = layer.weight.map(|old| {
-            Tensor::<B, 2>::from_data(TensorData::new(data, [d_out, d_in]), (&device, old.dtype()))
-                .transpose()
-                .set_require_grad(old.is_require_grad())
-        });
+        layer.weight = self.replace(layer.weight, data, [d_out, d_in], |t| t.transpose());
         layer
     }
 
@@ -451,14 +503,113 @@ impl<'a, B: Backend> Loader<'a, B> {
     }
 }
 
-/// Collects tensors under their Hugging Face names and writes them as one safetensors file.
-#[derive(Debug, Default)]
+/// Where the values of a tensor to write come from: already on the host, or read from the model
+/// (one tensor at a time) when the file is written.
+#[derive(Clone)]
+enum Values {
+    Host(Rc<Vec<f32>>),
+    Model(Rc<dyn Fn() -> Vec<f32>>),
+}
+
+impl Values {
+    fn from_tensor<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Self {
+        Self::Model(Rc::new(move || {
+            tensor.clone().into_data().iter::<f32>().collect()
+        }))
+    }
+
+    fn get(&self) -> std::borrow::Cow<'_, [f32]> {
+        match self {
+            Self::Host(v) => std::borrow::Cow::Borrowed(v.as_slice()),
+            Self::Model(f) => std::borrow::Cow::Owned(f()),
+        }
+    }
+}
+
+/// One tensor of the checkpoint to be written: its shape on disk and how to produce its bytes.
+#[derive(Clone)]
+struct Planned {
+    shape: Vec<usize>,
+    kind: Kind,
+}
+
+#[derive(Clone)]
+enum Kind {
+    /// Floats, written in the file's float dtype.
+    Float(Values),
+    /// One half of a packed MX `[out, in]` matrix (see the module docs).
+    Mx {
+        values: Values,
+        d_in: usize,
+        spec: MxSpec,
+        scales: bool,
+    },
+}
+
+impl Planned {
+    fn bytes(&self, dtype: StoreDtype) -> u64 {
+        let n = self.shape.iter().product::<usize>();
+        match self.kind {
+            Kind::Float(_) => (n * dtype.size()) as u64,
+            Kind::Mx { .. } => n as u64,
+        }
+    }
+
+    fn dtype(&self, dtype: StoreDtype) -> Dtype {
+        match self.kind {
+            Kind::Float(_) => dtype.safetensors(),
+            Kind::Mx { .. } => Dtype::U8,
+        }
+    }
+
+    /// The bytes on disk; reads the values from the model now.
+    fn encode(&self, name: &str, dtype: StoreDtype) -> std::result::Result<Vec<u8>, String> {
+        match &self.kind {
+            Kind::Float(v) => Ok(dtype.encode(&v.get())),
+            Kind::Mx {
+                values,
+                d_in,
+                spec,
+                scales,
+            } => {
+                let data = values.get();
+                if let Some(bad) = data.iter().find(|v| !v.is_finite()) {
+                    return Err(format!(
+                        "{name}: {bad} cannot be stored in MX (no block scale)"
+                    ));
+                }
+                let (codes, s) = pack_rows(&data, *d_in, spec.format, spec.rule);
+                Ok(if *scales { s } else { codes })
+            }
+        }
+    }
+}
+
+/// Collects the tensors of a model under their Hugging Face names and writes them as safetensors
+/// files, one tensor at a time.
+///
+/// Adding a module's tensors records where their values are, not the values: a file is written
+/// tensor by tensor, each read from the model (and converted, transposed or MX-packed) only when
+/// its turn comes, so saving a model needs one tensor's worth of host memory on top of the model,
+/// not a second copy of it. (A `Saver` therefore keeps the model's tensors alive until it is
+/// dropped; it is meant to be filled and written at once.)
+#[derive(Default)]
 pub struct Saver {
-    tensors: BTreeMap<String, HostTensor>,
-    packed: BTreeMap<String, (Vec<usize>, Vec<u8>)>,
+    tensors: BTreeMap<String, Planned>,
     pack_mx: bool,
     mx_format: Option<MxFormat>,
     problems: Vec<String>,
+}
+
+impl std::fmt::Debug for Saver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Saver")
+            .field("tensors", &self.tensors.len())
+            .field("pack_mx", &self.pack_mx)
+            .field("mx_format", &self.mx_format)
+            .field("problems", &self.problems)
+            .finish()
+    }
 }
 
 impl Saver {
@@ -486,18 +637,12 @@ impl Saver {
     /// reports it otherwise).
     pub fn mx_linear<B: Backend>(&mut self, name: &str, layer: &Linear<B>, spec: MxSpec) {
         let [d_in, d_out] = layer.weight.dims();
-        let data = layer
-            .weight
-            .val()
-            .transpose()
-            .into_data()
-            .iter::<f32>()
-            .collect();
-        self.matrix(name, data, [d_out, d_in], Some(spec));
+        let values = Values::from_tensor(layer.weight.val().transpose());
+        self.matrix(name, values, [d_out, d_in], Some(spec));
     }
 
     /// Adds stacked matrices `w: [n, in, out]` (Burn's layout per matrix) as `n` PyTorch-style
-    /// `[out, in]` tensors named `names[e]`, packed as MX when `pack` is given (one host read).
+    /// `[out, in]` tensors named `names[e]`, packed as MX when `pack` is given.
     ///
     /// # Panics
     /// If `names.len() != n`.
@@ -509,26 +654,27 @@ impl Saver {
     ) {
         let [n, d_in, d_out] = w.dims();
         assert_eq!(names.len(), n, "one name per stacked matrix");
-        let data: Vec<f32> = w.swap_dims(1, 2).into_data().iter::<f32>().collect();
-        for (name, m) in names.iter().zip(data.chunks(d_in * d_out)) {
-            self.matrix(name, m.to_vec(), [d_out, d_in], pack);
+        for (e, name) in names.iter().enumerate() {
+            let m = w.clone().narrow(0, e, 1).reshape([d_in, d_out]).transpose();
+            self.matrix(name, Values::from_tensor(m), [d_out, d_in], pack);
         }
     }
 
-    /// Adds one `[out, in]` matrix (row-major `data`), packed as MX along `in` when `pack` is given.
+    /// Adds one `[out, in]` matrix (row-major `values`), packed as MX along `in` when `pack` is
+    /// given.
     fn matrix(
         &mut self,
         name: &str,
-        data: Vec<f32>,
+        values: Values,
         [d_out, d_in]: [usize; 2],
         pack: Option<MxSpec>,
     ) {
         let Some(spec) = pack else {
             self.tensors.insert(
                 name.to_owned(),
-                HostTensor {
+                Planned {
                     shape: vec![d_out, d_in],
-                    data,
+                    kind: Kind::Float(values),
                 },
             );
             return;
@@ -546,37 +692,51 @@ impl Saver {
             ));
             return;
         }
-        if let Some(bad) = data.iter().find(|v| !v.is_finite()) {
-            self.problems.push(format!(
-                "{name}: {bad} cannot be stored in MX (no block scale)"
-            ));
-            return;
-        }
-        let (codes, scales) = pack_rows(&data, d_in, spec.format, spec.rule);
         let nb = d_in / MX_BLOCK;
-        let per_block = codes.len() / (d_out * nb).max(1);
-        self.packed.insert(
-            format!("{name}_blocks"),
-            (vec![d_out, nb, per_block], codes),
-        );
-        self.packed
-            .insert(format!("{name}_scales"), (vec![d_out, nb], scales));
+        let per_block = match spec.format {
+            MxFormat::Fp4E2M1 => MX_BLOCK / 2,
+            _ => MX_BLOCK,
+        };
+        for (suffix, shape, scales) in [
+            ("blocks", vec![d_out, nb, per_block], false),
+            ("scales", vec![d_out, nb], true),
+        ] {
+            self.tensors.insert(
+                format!("{name}_{suffix}"),
+                Planned {
+                    shape,
+                    kind: Kind::Mx {
+                        values: values.clone(),
+                        d_in,
+                        spec,
+                        scales,
+                    },
+                },
+            );
+        }
     }
 
     /// Adds `tensor` under `name` with the checkpoint shape `hf_shape` (same element count).
+    ///
+    /// # Panics
+    /// If the element counts differ.
     pub fn tensor<B: Backend, const D: usize>(
         &mut self,
         name: &str,
         tensor: Tensor<B, D>,
         hf_shape: &[usize],
     ) {
-        let data: Vec<f32> = tensor.into_data().iter::<f32>().collect();
-        debug_assert_eq!(data.len(), hf_shape.iter().product::<usize>());
+        assert_eq!(
+            tensor.shape().num_elements(),
+            hf_shape.iter().product::<usize>(),
+            "{name}: {:?} stored as {hf_shape:?}",
+            tensor.dims()
+        );
         self.tensors.insert(
             name.to_owned(),
-            HostTensor {
+            Planned {
                 shape: hf_shape.to_vec(),
-                data,
+                kind: Kind::Float(Values::from_tensor(tensor)),
             },
         );
     }
@@ -597,16 +757,33 @@ impl Saver {
     pub fn vector(&mut self, name: &str, data: Vec<f32>) {
         self.tensors.insert(
             name.to_owned(),
-            HostTensor {
+            Planned {
                 shape: vec![data.len()],
-                data,
+                kind: Kind::Float(Values::Host(Rc::new(data))),
             },
         );
     }
 
-    /// The collected tensors by name.
-    pub fn tensors(&self) -> &BTreeMap<String, HostTensor> {
-        &self.tensors
+    /// Every tensor name that will be written (packed MX weights as their `_blocks` / `_scales`
+    /// pair), sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// The shape `name` will have in the file.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.tensors.get(name).map(|t| t.shape.as_slice())
+    }
+
+    /// Reads `name` as it will be written in f32 (`None` for packed MX halves and absent names).
+    pub fn read(&self, name: &str) -> Option<HostTensor> {
+        match &self.tensors.get(name)?.kind {
+            Kind::Float(v) => Some(HostTensor {
+                shape: self.tensors[name].shape.clone(),
+                data: v.get().into_owned(),
+            }),
+            Kind::Mx { .. } => None,
+        }
     }
 
     /// Writes everything to one `.safetensors` file: floats as f32, packed MX weights as `U8`
@@ -621,8 +798,7 @@ impl Saver {
     /// `model.safetensors` when it fits in `max_shard_bytes`, else shards
     /// `model-00001-of-0000N.safetensors` of at most that size (a larger tensor gets a shard of
     /// its own) and `model.safetensors.index.json` with the `weight_map` and the total size.
-    /// Tensors are converted shard by shard, so the extra memory is one shard's. Returns the
-    /// files written.
+    /// Tensors are read from the model and written one at a time. Returns the files written.
     pub fn write_sharded(
         &self,
         dir: impl AsRef<Path>,
@@ -635,8 +811,8 @@ impl Saver {
         let mut shards: Vec<Vec<&str>> = vec![Vec::new()];
         let mut size = 0u64;
         let mut total = 0u64;
-        for name in self.names() {
-            let bytes = self.stored_bytes(name, dtype);
+        for (name, t) in &self.tensors {
+            let bytes = t.bytes(dtype);
             total += bytes;
             let last = shards.last_mut().expect("one shard at least");
             if !last.is_empty() && size + bytes > max_shard_bytes {
@@ -686,78 +862,76 @@ impl Saver {
         }
     }
 
-    /// Every tensor name, floats and packed, sorted.
-    fn names(&self) -> impl Iterator<Item = &str> {
-        let mut names: Vec<&str> = self
-            .tensors
-            .keys()
-            .chain(self.packed.keys())
-            .map(String::as_str)
-            .collect();
-        names.sort_unstable();
-        names.into_iter()
-    }
-
-    /// The bytes `name` takes on disk with floats in `dtype`.
-    fn stored_bytes(&self, name: &str, dtype: StoreDtype) -> u64 {
-        match self.tensors.get(name) {
-            Some(t) => (t.data.len() * dtype.size()) as u64,
-            None => self.packed.get(name).map_or(0, |(_, b)| b.len() as u64),
-        }
-    }
-
-    /// One safetensors file holding `names`.
+    /// One safetensors file holding `names`, in that order: the header first (every shape and
+    /// offset is known without the values), then each tensor's bytes as it is read from the
+    /// model. A file that cannot be finished is removed.
     fn write_file(&self, path: &Path, names: &[&str], dtype: StoreDtype) -> Result<()> {
-        let encoded: Vec<Encoded<'_>> = names
-            .iter()
-            .map(|&name| match self.tensors.get(name) {
-                Some(t) => (
-                    name,
-                    dtype.safetensors(),
-                    t.shape.as_slice(),
-                    std::borrow::Cow::Owned(dtype.encode(&t.data)),
-                ),
-                None => {
-                    let (shape, bytes) = &self.packed[name];
-                    (
-                        name,
-                        Dtype::U8,
-                        shape.as_slice(),
-                        std::borrow::Cow::Borrowed(bytes.as_slice()),
-                    )
-                }
-            })
-            .collect();
-        let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = encoded
-            .iter()
-            .map(|(k, dt, shape, data)| {
-                safetensors::tensor::TensorView::new(*dt, shape.to_vec(), data).map(|v| (*k, v))
-            })
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|e| Error::SafeTensors {
-                path: path.to_path_buf(),
-                reason: e.to_string(),
-            })?;
-        let mut metadata = HashMap::from([("format".to_owned(), "pt".to_owned())]);
+        let result = self.try_write_file(path, names, dtype);
+        if result.is_err() {
+            let _ = std::fs::remove_file(path);
+        }
+        result
+    }
+
+    fn try_write_file(&self, path: &Path, names: &[&str], dtype: StoreDtype) -> Result<()> {
+        use std::io::Write;
+        let st_err = |reason: String| Error::SafeTensors {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let mut header = serde_json::Map::new();
+        let mut metadata = serde_json::Map::new();
+        metadata.insert("format".into(), "pt".into());
         if let Some(f) = self.mx_format {
             let name = match f {
                 MxFormat::Fp4E2M1 => "e2m1",
                 MxFormat::Fp8E4M3 => "e4m3",
                 MxFormat::Fp8E5M2 => "e5m2",
             };
-            metadata.insert("mx_format".to_owned(), name.to_owned());
+            metadata.insert("mx_format".into(), name.into());
         }
-        safetensors::serialize_to_file(views, Some(metadata), path).map_err(|e| {
-            Error::SafeTensors {
-                path: path.to_path_buf(),
-                reason: e.to_string(),
+        header.insert("__metadata__".into(), serde_json::Value::Object(metadata));
+        let mut offset = 0u64;
+        for &name in names {
+            let t = &self.tensors[name];
+            let end = offset + t.bytes(dtype);
+            header.insert(
+                name.to_owned(),
+                serde_json::json!({
+                    "dtype": t.dtype(dtype),
+                    "shape": t.shape,
+                    "data_offsets": [offset, end],
+                }),
+            );
+            offset = end;
+        }
+        let mut text = serde_json::to_string(&header).map_err(|e| st_err(e.to_string()))?;
+        // The data starts 8-byte aligned: the header is padded with spaces.
+        while text.len() % 8 != 0 {
+            text.push(' ');
+        }
+        let file = std::fs::File::create(path).map_err(io_err(path))?;
+        let mut out = std::io::BufWriter::new(file);
+        let io = io_err(path);
+        out.write_all(&(text.len() as u64).to_le_bytes())
+            .and_then(|()| out.write_all(text.as_bytes()))
+            .map_err(io)?;
+        for &name in names {
+            let t = &self.tensors[name];
+            let bytes = t.encode(name, dtype).map_err(st_err)?;
+            if bytes.len() as u64 != t.bytes(dtype) {
+                return Err(st_err(format!(
+                    "{name}: {} bytes for the shape {:?}, expected {}",
+                    bytes.len(),
+                    t.shape,
+                    t.bytes(dtype)
+                )));
             }
-        })
+            out.write_all(&bytes).map_err(io_err(path))?;
+        }
+        out.flush().map_err(io_err(path))
     }
 }
-
-/// A tensor ready to write: name, dtype, shape and bytes.
-type Encoded<'a> = (&'a str, Dtype, &'a [usize], std::borrow::Cow<'a, [u8]>);
 
 /// The float dtype a checkpoint is written in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -117,7 +117,9 @@ impl<B: Backend> KimiForCausalLM<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let reader = SafeTensorsReader::open(path)?;
-        let model = config.try_init::<B>(device)?;
+        // Built without drawing the routed experts' values (the bulk of a MoE model): each
+        // parameter is replaced straight from the mapped file.
+        let model = crate::nn::experts::skeleton(|| config.try_init::<B>(device))?;
         let mut loader = Loader::new(&reader, device);
         let model = model.load_hf("", &mut loader);
         loader.finish(true)?;
