@@ -107,7 +107,9 @@ impl KimiConfig {
             });
         }
         let embed_tokens = EmbeddingConfig::new(self.vocab_size, d).init(device);
-        let _ = embed_tokens.weight.val(); // eager: clones must share the same weights
+        if !crate::nn::in_skeleton() {
+            let _ = embed_tokens.weight.val(); // eager: clones must share the same weights
+        }
         Ok(KimiForCausalLM {
             embed_tokens,
             layers,

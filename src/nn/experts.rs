@@ -1,7 +1,5 @@
 //! The routed experts of a MoE layer as three stacked parameters (design §2).
 
-use std::cell::Cell;
-
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::{backend::Backend, Distribution, Shape, Tensor};
 
@@ -34,27 +32,6 @@ pub struct RoutedExperts<B: Backend> {
     pub qat: Option<QatConfig>,
 }
 
-thread_local! {
-    static SKELETON: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Runs `f` (a model's `init`) so that the routed experts are built without drawing their values:
-/// their parameters are initialised lazily, like Burn's own `Linear`, and a checkpoint loader
-/// replaces them without ever materialising the random stacks. Used by
-/// [`KimiForCausalLM::from_safetensors`](crate::model::KimiForCausalLM::from_safetensors); a
-/// parameter that is read before it is replaced is initialised then (uniform in
-/// `±1/sqrt(fan_in)`, not in the seeded expert-by-expert order of an eager init).
-pub(crate) fn skeleton<R>(f: impl FnOnce() -> R) -> R {
-    struct Reset(bool);
-    impl Drop for Reset {
-        fn drop(&mut self) {
-            SKELETON.with(|s| s.set(self.0));
-        }
-    }
-    let _reset = Reset(SKELETON.with(|s| s.replace(true)));
-    f()
-}
-
 /// A lazily initialised stack `[n, fan_in, fan_out]`, uniform in `±1/sqrt(fan_in)`.
 fn lazy_stack<B: Backend>(shape: [usize; 3], device: &B::Device) -> Param<Tensor<B, 3>> {
     let bound = 1.0 / (shape[1].max(1) as f64).sqrt();
@@ -82,7 +59,7 @@ impl<B: Backend> RoutedExperts<B> {
         qat: Option<QatConfig>,
         device: &B::Device,
     ) -> Self {
-        if SKELETON.with(Cell::get) {
+        if super::in_skeleton() {
             return Self {
                 w1: lazy_stack([n, width, hidden], device),
                 w3: lazy_stack([n, width, hidden], device),

@@ -6,7 +6,7 @@
 
 pub mod attn_res;
 pub mod balance;
-pub(crate) mod experts;
+mod experts;
 pub mod kda;
 pub mod latent_moe;
 pub mod mla;
@@ -26,6 +26,8 @@ pub use norm::{RmsNorm, RmsNormConfig};
 pub use router::{Router, RouterConfig, RouterOptions, Routing};
 pub use situ_glu::{GluActivation, SituGlu, SituGluConfig};
 
+use std::cell::Cell;
+
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 
@@ -35,6 +37,35 @@ use burn::tensor::backend::Backend;
 /// cloned before that would draw *different* weights in each clone.
 pub(crate) fn linear<B: Backend>(d_in: usize, d_out: usize, device: &B::Device) -> Linear<B> {
     let layer = LinearConfig::new(d_in, d_out).with_bias(false).init(device);
-    let _ = layer.weight.val();
+    if !in_skeleton() {
+        let _ = layer.weight.val();
+    }
     layer
+}
+
+thread_local! {
+    static SKELETON: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` (a model's `init`) so that its large parameters (linear layers, the embedding, the
+/// stacked routed experts) are built without drawing their values: they stay lazily initialised,
+/// and a checkpoint loader replaces them without ever materialising the random model. Used by
+/// [`KimiForCausalLM::from_safetensors`](crate::model::KimiForCausalLM::from_safetensors). A
+/// parameter read before it is replaced is initialised then, from the same distribution but not
+/// in the seeded order of an eager init (and clones made before that would draw apart, which is
+/// why the normal init is eager).
+pub(crate) fn skeleton<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            SKELETON.with(|s| s.set(self.0));
+        }
+    }
+    let _reset = Reset(SKELETON.with(|s| s.replace(true)));
+    f()
+}
+
+/// Whether a [`skeleton`] build is under way on this thread.
+pub(crate) fn in_skeleton() -> bool {
+    SKELETON.with(Cell::get)
 }

@@ -24,7 +24,7 @@ use std::rc::Rc;
 use burn::module::Param;
 use burn::nn::Linear;
 use burn::tensor::{backend::Backend, Tensor, TensorData};
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
 
 use crate::error::{Error, Result};
 use crate::ops::quant::{dequantize_host, pack_rows, MxFormat, MxSpec, MxTensor, MX_BLOCK};
@@ -45,23 +45,56 @@ pub struct HostTensor {
 
 /// The tensors of a checkpoint: one file or a sharded folder.
 ///
-/// Each file is memory-mapped and its header parsed once, when the reader opens it; a tensor is
-/// read from the mapping only when asked for, so opening a checkpoint costs its headers, not its
-/// size, and loading copies each tensor once (to f32 for its parameter).
+/// Each file's header is parsed once, when the reader opens it; a tensor's bytes are read from its
+/// file (a positioned read) only when asked for, so opening a checkpoint costs its headers, and
+/// loading holds one tensor's bytes at a time besides the model. (A memory mapping would not save
+/// a copy, since every value is converted to f32 for its parameter, and the pages of a mapping
+/// that were read stay resident, together with those the kernel maps around them, until it ends.)
 #[derive(Debug)]
 pub struct SafeTensorsReader {
-    files: Vec<(PathBuf, memmap2::Mmap)>,
+    files: Vec<(PathBuf, std::fs::File)>,
     index: BTreeMap<String, Entry>,
     metadata: HashMap<String, String>,
 }
 
-/// Where a tensor lies: its file, dtype, shape and byte range in the mapping.
+/// Where a tensor lies: its file, dtype, shape and byte range in the file.
 #[derive(Debug, Clone)]
 struct Entry {
     file: usize,
     dtype: Dtype,
     shape: Vec<usize>,
     bytes: std::ops::Range<usize>,
+}
+
+/// Fills `buf` from `file` at `offset` (a positioned read: the reader needs no `&mut`).
+fn read_at(file: &std::fs::File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
+    }
+    #[cfg(windows)]
+    {
+        let mut done = 0;
+        while done < buf.len() {
+            let n = std::os::windows::fs::FileExt::seek_read(
+                file,
+                &mut buf[done..],
+                offset + done as u64,
+            )?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            done += n;
+        }
+        Ok(())
+    }
+    #[cfg(not(any(unix, windows)))]
+    {
+        use std::io::{Read, Seek};
+        let mut f = file;
+        f.seek(std::io::SeekFrom::Start(offset))?;
+        f.read_exact(buf)
+    }
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
@@ -131,36 +164,75 @@ impl SafeTensorsReader {
             metadata: HashMap::new(),
         };
         for file in files {
-            let handle = std::fs::File::open(&file).map_err(io_err(&file))?;
-            // SAFETY: the mapping is only read, and only while the reader lives; a checkpoint
-            // changed on disk by another process meanwhile is outside what the crate guards
-            // against (as with every memory-mapped safetensors reader).
-            let map = unsafe { memmap2::Mmap::map(&handle) }.map_err(io_err(&file))?;
-            let (header_len, meta) =
-                SafeTensors::read_metadata(&map).map_err(|e| Error::SafeTensors {
-                    path: file.clone(),
-                    reason: e.to_string(),
-                })?;
-            let start = 8 + header_len;
-            let at = reader.files.len();
-            for (name, info) in meta.tensors() {
-                let (a, b) = info.data_offsets;
-                reader.index.insert(
-                    name,
-                    Entry {
-                        file: at,
-                        dtype: info.dtype,
-                        shape: info.shape.clone(),
-                        bytes: start + a..start + b,
-                    },
-                );
-            }
-            if let Some(m) = meta.metadata() {
-                reader.metadata.extend(m.clone());
-            }
-            reader.files.push((file, map));
+            reader.add_file(file)?;
         }
         Ok(reader)
+    }
+
+    /// Parses the header of one `.safetensors` file and indexes its tensors.
+    fn add_file(&mut self, file: PathBuf) -> Result<()> {
+        use std::io::Read;
+        let bad = |reason: String| Error::SafeTensors {
+            path: file.clone(),
+            reason,
+        };
+        let mut handle = std::fs::File::open(&file).map_err(io_err(&file))?;
+        let file_len = handle.metadata().map_err(io_err(&file))?.len();
+        let mut len = [0u8; 8];
+        handle.read_exact(&mut len).map_err(io_err(&file))?;
+        let header_len = u64::from_le_bytes(len);
+        if header_len > file_len.saturating_sub(8) || header_len > 100 << 20 {
+            return Err(bad(format!(
+                "a header of {header_len} bytes in a file of {file_len}: not a safetensors file"
+            )));
+        }
+        let mut header = vec![0u8; header_len as usize];
+        handle.read_exact(&mut header).map_err(io_err(&file))?;
+        let header: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(&header).map_err(|e| bad(format!("unreadable header: {e}")))?;
+        let start = 8 + header_len;
+        let at = self.files.len();
+        for (name, info) in header {
+            if name == "__metadata__" {
+                if let Some(m) = info.as_object() {
+                    for (k, v) in m {
+                        if let Some(v) = v.as_str() {
+                            self.metadata.insert(k.clone(), v.to_owned());
+                        }
+                    }
+                }
+                continue;
+            }
+            let field = |key: &str| {
+                info.get(key)
+                    .cloned()
+                    .ok_or_else(|| bad(format!("tensor {name} has no {key:?} in the header")))
+            };
+            let dtype: Dtype = serde_json::from_value(field("dtype")?)
+                .map_err(|e| bad(format!("tensor {name}: unknown dtype ({e})")))?;
+            let shape: Vec<usize> = serde_json::from_value(field("shape")?)
+                .map_err(|e| bad(format!("tensor {name}: bad shape ({e})")))?;
+            let [a, b]: [u64; 2] = serde_json::from_value(field("data_offsets")?)
+                .map_err(|e| bad(format!("tensor {name}: bad data_offsets ({e})")))?;
+            let bits = shape.iter().product::<usize>() as u64 * dtype.bitsize() as u64;
+            if a > b || start + b > file_len || (b - a) * 8 != bits {
+                return Err(bad(format!(
+                    "tensor {name} ({dtype:?}, shape {shape:?}) has data_offsets [{a}, {b}], \
+                     which do not fit its size or the file ({file_len} bytes)"
+                )));
+            }
+            self.index.insert(
+                name,
+                Entry {
+                    file: at,
+                    dtype,
+                    shape,
+                    bytes: (start + a) as usize..(start + b) as usize,
+                },
+            );
+        }
+        self.files.push((file, handle));
+        Ok(())
     }
 
     /// Every tensor name in the checkpoint, sorted.
@@ -183,41 +255,24 @@ impl SafeTensorsReader {
         self.metadata.get(key).map(String::as_str)
     }
 
-    /// The entry of `name` and its bytes in the mapping.
-    fn raw(&self, name: &str) -> Option<(&Entry, &Path, &[u8])> {
+    /// The entry of `name`, its file and its bytes (read now).
+    fn raw(&self, name: &str) -> Option<Result<(&Entry, &Path, Vec<u8>)>> {
         let e = self.index.get(name)?;
-        let (path, map) = &self.files[e.file];
-        Some((e, path, &map[e.bytes.clone()]))
-    }
-
-    /// Gives the pages of `e` back to the kernel once they have been copied out: a mapped page
-    /// that was read counts in the process's resident memory until the mapping ends, so without
-    /// this a load would hold the whole checkpoint on top of the model. The mapping is read-only
-    /// and private, so a page read again later is simply faulted back in from the file.
-    fn release(&self, e: &Entry) {
-        #[cfg(unix)]
-        {
-            let map = &self.files[e.file].1;
-            // SAFETY: `DontNeed` on a read-only file mapping only drops the cached pages of the
-            // range (and of the partial pages at its ends); nothing borrows them any more, and the
-            // next access reads the unchanged file again.
-            let _ = unsafe {
-                map.unchecked_advise_range(
-                    memmap2::UncheckedAdvice::DontNeed,
-                    e.bytes.start,
-                    e.bytes.len(),
-                )
-            };
-        }
-        #[cfg(not(unix))]
-        let _ = e;
+        let (path, file) = &self.files[e.file];
+        let mut bytes = vec![0u8; e.bytes.len()];
+        Some(
+            read_at(file, &mut bytes, e.bytes.start as u64)
+                .map(|()| (e, path.as_path(), bytes))
+                .map_err(io_err(path)),
+        )
     }
 
     /// Reads `name` as raw bytes with its shape when it is stored as `U8`; `Ok(None)` when absent.
     pub fn read_u8(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<u8>)>> {
-        let Some((e, path, raw)) = self.raw(name) else {
+        let Some(raw) = self.raw(name) else {
             return Ok(None);
         };
+        let (e, path, raw) = raw?;
         if e.dtype != Dtype::U8 {
             return Err(Error::SafeTensors {
                 path: path.to_path_buf(),
@@ -227,16 +282,15 @@ impl SafeTensorsReader {
                 ),
             });
         }
-        let bytes = raw.to_vec();
-        self.release(e);
-        Ok(Some((e.shape.clone(), bytes)))
+        Ok(Some((e.shape.clone(), raw)))
     }
 
     /// Reads `name` as f32 (from f32, f16 or bf16 on disk); `Ok(None)` when absent.
     pub fn read(&self, name: &str) -> Result<Option<HostTensor>> {
-        let Some((e, path, raw)) = self.raw(name) else {
+        let Some(raw) = self.raw(name) else {
             return Ok(None);
         };
+        let (e, path, raw) = raw?;
         let data: Vec<f32> = match e.dtype {
             Dtype::F32 => raw
                 .chunks_exact(4)
@@ -259,7 +313,6 @@ impl SafeTensorsReader {
                 })
             }
         };
-        self.release(e);
         Ok(Some(HostTensor {
             shape: e.shape.clone(),
             data,
@@ -512,6 +565,7 @@ enum Values {
 }
 
 impl Values {
+    /// The values of `tensor` (a parameter or a view of one: holding it costs nothing).
     fn from_tensor<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Self {
         Self::Model(Rc::new(move || {
             tensor.clone().into_data().iter::<f32>().collect()
@@ -655,8 +709,13 @@ impl Saver {
         let [n, d_in, d_out] = w.dims();
         assert_eq!(names.len(), n, "one name per stacked matrix");
         for (e, name) in names.iter().enumerate() {
-            let m = w.clone().narrow(0, e, 1).reshape([d_in, d_out]).transpose();
-            self.matrix(name, Values::from_tensor(m), [d_out, d_in], pack);
+            // Cut out when written: a slice taken now could be a copy, held until then.
+            let w = w.clone();
+            let values = Values::Model(Rc::new(move || {
+                let m = w.clone().narrow(0, e, 1).reshape([d_in, d_out]).transpose();
+                m.into_data().iter::<f32>().collect()
+            }));
+            self.matrix(name, values, [d_out, d_in], pack);
         }
     }
 

@@ -117,9 +117,9 @@ impl<B: Backend> KimiForCausalLM<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let reader = SafeTensorsReader::open(path)?;
-        // Built without drawing the routed experts' values (the bulk of a MoE model): each
-        // parameter is replaced straight from the mapped file.
-        let model = crate::nn::experts::skeleton(|| config.try_init::<B>(device))?;
+        // Built without drawing the random values of its large parameters: each is replaced
+        // straight from the file.
+        let model = crate::nn::skeleton(|| config.try_init::<B>(device))?;
         let mut loader = Loader::new(&reader, device);
         let model = model.load_hf("", &mut loader);
         loader.finish(true)?;
