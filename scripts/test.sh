@@ -25,7 +25,7 @@ if ! have_vulkan_driver; then
 fi
 
 # lavapipe is slow on big dispatches; tests keep their shapes small. Two threads match CI.
-cargo test --workspace --features wgpu,autodiff "$@"
+cargo test --workspace --features wgpu,autodiff,tokenizer "$@"
 
 # Both crates as crates.io would receive them: `cargo package` packs each (kimi-burn depends on the
 # packed kimi-burn-kernels by version) and builds the packed sources with default features.

@@ -72,6 +72,14 @@ pub enum Error {
     /// A checkpoint does not match the model: missing, unexpected or mis-shaped tensors.
     #[error("checkpoint does not match the model:\n{0}")]
     Checkpoint(String),
+    /// A tokenizer file is malformed.
+    #[error("cannot read the tokenizer in {path}: {reason}")]
+    Tokenizer {
+        /// The file involved.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
 }
 
 /// Shorthand for `std::result::Result<T, kimi_burn::Error>`.

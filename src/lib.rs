@@ -13,6 +13,8 @@ pub mod nn;
 pub mod ops;
 pub mod optim;
 pub mod store;
+#[cfg(feature = "tokenizer")]
+pub mod tokenizer;
 
 pub use config::KimiConfig;
 pub use error::{Error, Result};

@@ -52,6 +52,7 @@ pub struct HostTensor {
 /// that were read stay resident, together with those the kernel maps around them, until it ends.)
 #[derive(Debug)]
 pub struct SafeTensorsReader {
+    path: PathBuf,
     files: Vec<(PathBuf, std::fs::File)>,
     index: BTreeMap<String, Entry>,
     metadata: HashMap<String, String>,
@@ -159,6 +160,7 @@ impl SafeTensorsReader {
             vec![path.to_path_buf()]
         };
         let mut reader = Self {
+            path: path.to_path_buf(),
             files: Vec::new(),
             index: BTreeMap::new(),
             metadata: HashMap::new(),
@@ -233,6 +235,16 @@ impl SafeTensorsReader {
         }
         self.files.push((file, handle));
         Ok(())
+    }
+
+    /// The file or folder the checkpoint was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The file holding `name`, if present.
+    pub fn file_of(&self, name: &str) -> Option<&Path> {
+        self.index.get(name).map(|e| self.files[e.file].0.as_path())
     }
 
     /// Every tensor name in the checkpoint, sorted.
@@ -347,7 +359,10 @@ impl<'a, B: Backend> Loader<'a, B> {
                 self.used.insert(name.to_owned());
                 if t.shape != hf_shape {
                     self.problems.push(format!(
-                        "wrong shape for {name}: expected {hf_shape:?}, found {:?}",
+                        "wrong shape for {name} in {}: expected {hf_shape:?}, found {:?}",
+                        self.reader
+                            .file_of(name)
+                            .map_or_else(String::new, |f| f.display().to_string()),
                         t.shape
                     ));
                     None
@@ -551,7 +566,12 @@ impl<'a, B: Backend> Loader<'a, B> {
         if problems.is_empty() {
             Ok(())
         } else {
-            Err(Error::Checkpoint(problems.join("\n")))
+            Err(Error::Checkpoint(format!(
+                "{} ({} problems):\n{}",
+                self.reader.path().display(),
+                problems.len(),
+                problems.join("\n")
+            )))
         }
     }
 }

@@ -9,6 +9,8 @@ mod attn_res;
 mod data;
 #[cfg(feature = "wgpu")]
 mod fusion;
+#[cfg(feature = "tokenizer")]
+mod generate;
 mod kda;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod kernels_kda;
@@ -20,4 +22,7 @@ mod model;
 mod moe;
 mod optim;
 mod quant;
+mod scale;
+#[cfg(feature = "tokenizer")]
+mod tokenizer;
 mod train;

@@ -103,6 +103,65 @@ on_backends!(
     check_prefill_then_decode_equals_one_pass
 );
 
+/// Streaming generation hands each step's tokens to the callback as they are produced, stops a
+/// sequence at its first stop token (padding it with that token) and ends when every sequence
+/// has stopped; before a stop it equals plain generation.
+#[test]
+fn streaming_generation_stops_each_sequence_at_its_stop_token() {
+    use kimi_burn::generate::GenerateOptions;
+    let device = Default::default();
+    let mut r = rng(53);
+    let config = small();
+    let model = config.init::<Cpu>(&device);
+    let prompt = ids::<Cpu>(&mut r, 2, 5, config.vocab_size, &device);
+    let plain: Vec<i64> = model
+        .generate(prompt.clone(), 8, Sampling::Greedy)
+        .unwrap()
+        .into_data()
+        .to_vec()
+        .unwrap();
+    let rows: Vec<&[i64]> = plain.chunks(13).map(|row| &row[5..]).collect();
+    // Row 0 stops at its third new token (the first time that token appears in it).
+    let stop = rows[0][2];
+    let first = |row: &[i64]| row.iter().position(|&id| id == stop);
+    let at0 = first(rows[0]).unwrap();
+    let at1 = first(rows[1]);
+    let mut steps: Vec<Vec<i64>> = Vec::new();
+    let options = GenerateOptions::new(8).with_stop_tokens(vec![stop]);
+    let out: Vec<i64> = model
+        .generate_stream(prompt.clone(), &options, |ids| {
+            steps.push(ids.to_vec());
+            true
+        })
+        .unwrap()
+        .into_data()
+        .to_vec()
+        .unwrap();
+    let n = steps.len();
+    // Every sequence has stopped by the last step, or all 8 were made.
+    assert_eq!(n, at1.map_or(8, |a1| at0.max(a1) + 1));
+    for (b, row) in rows.iter().enumerate() {
+        let end = first(row);
+        for (s, step) in steps.iter().enumerate() {
+            let want = match end {
+                Some(e) if s > e => stop,
+                _ => row[s],
+            };
+            assert_eq!(step[b], want, "row {b} step {s}");
+            assert_eq!(out[b * (5 + n) + 5 + s], want);
+        }
+    }
+    // The callback can stop generation.
+    let mut calls = 0;
+    let out = model
+        .generate_stream(prompt, &GenerateOptions::new(8), |_| {
+            calls += 1;
+            calls < 3
+        })
+        .unwrap();
+    assert_eq!((calls, out.dims()), (3, [2, 8]));
+}
+
 #[test]
 fn greedy_generation_equals_repeated_full_forwards() {
     let device = Default::default();
@@ -203,7 +262,13 @@ fn checkpoint_round_trip_and_mismatches_name_the_tensors() {
     let err = KimiForCausalLM::<Cpu>::from_safetensors(&wider, &file, &device)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("wrong shape for model.layers.0.self_attn.q_proj.weight: expected [128, 64], found [64, 64]"), "{err}");
+    assert!(
+        err.contains(&format!(
+            "wrong shape for model.layers.0.self_attn.q_proj.weight in {}: expected [128, 64], found [64, 64]",
+            file.display()
+        )),
+        "{err}"
+    );
     assert!(err.contains("model.layers.0.self_attn.A_log"), "{err}");
     // One more layer: its tensors are missing.
     let mut deeper = config.clone();

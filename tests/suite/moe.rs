@@ -1060,7 +1060,13 @@ fn moe_checkpoint_round_trips_and_reports_mismatches_by_name() {
         err.contains("unexpected tensor model.layers.1.block_sparse_moe.experts.5.w1.weight"),
         "{err}"
     );
-    assert!(err.contains("wrong shape for model.layers.1.block_sparse_moe.gate.weight: expected [5, 12], found [6, 12]"), "{err}");
+    assert!(
+        err.contains(&format!(
+            "wrong shape for model.layers.1.block_sparse_moe.gate.weight in {}: expected [5, 12], found [6, 12]",
+            file.display()
+        )),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
