@@ -82,6 +82,32 @@ impl Batch {
         (inputs, targets)
     }
 
+    /// The batch cut into `parts` micro-batches of consecutive sequences, for gradient
+    /// accumulation: weighting micro-batch `i`'s mean loss by `scored_i / scored` makes the summed
+    /// gradients those of the whole batch's mean loss. Errors unless `parts` divides the number
+    /// of sequences.
+    pub fn split(&self, parts: usize) -> Result<Vec<Batch>> {
+        if parts == 0 || self.batch % parts != 0 {
+            return Err(Error::argument(
+                "parts",
+                format!(
+                    "{parts} micro-batches do not divide a batch of {} sequences",
+                    self.batch
+                ),
+            ));
+        }
+        let rows = self.batch / parts;
+        let len = rows * self.seq_len;
+        Ok((0..parts)
+            .map(|i| Batch {
+                batch: rows,
+                seq_len: self.seq_len,
+                inputs: self.inputs[i * len..(i + 1) * len].to_vec(),
+                targets: self.targets[i * len..(i + 1) * len].to_vec(),
+            })
+            .collect())
+    }
+
     /// Number of scored (non-ignored) targets.
     pub fn scored(&self) -> usize {
         self.targets.iter().filter(|&&t| t != IGNORE_INDEX).count()

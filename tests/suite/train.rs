@@ -58,3 +58,77 @@ fn two_hundred_steps_of_mqar_cut_the_loss() {
         "held-out recall accuracy {frac:.3}, expected > 0.8"
     );
 }
+
+/// Gradient accumulation: two micro-batches of 8 sequences, each loss weighted by its share of
+/// the scored targets, gradients summed and the QB histograms of both pooled into one balance
+/// update, give the same training as one batch of all 16: losses, every parameter (through the
+/// logits on held-out data) and every MoE layer's bias after 5 steps. The two differ only in the
+/// order of f32 sums (the weight gradients sum 16 sequences in one matmul or in two), so the
+/// comparison allows 1e-4 relative.
+#[test]
+fn micro_batches_train_like_their_whole_batch() {
+    use burn::optim::GradientsAccumulator;
+    use kimi_burn::model::Ffn;
+    type B = CpuAd;
+    let device = Default::default();
+    let task = Mqar::new(16, 16, 2).expect("a valid MQAR setting");
+    let mut config = KimiConfig::tiny();
+    config.vocab_size = task.vocab_size();
+    let init = || {
+        B::seed(&device, 11);
+        let model: KimiForCausalLM<B> = config.try_init(&device).expect("tiny preset");
+        let optim = KimiOptimizerConfig::new()
+            .init(&model, model.param_roles())
+            .expect("per-head Muon roles");
+        (model, optim)
+    };
+    let (mut whole, mut whole_optim) = init();
+    let (mut micro, mut micro_optim) = init();
+    let mut rng = SeededRng::new(11);
+    for step in 0..5 {
+        let batch = task.sample_batch(16, &mut rng);
+        let lr = 1e-2;
+        let (inputs, targets) = batch.to_tensors::<B>(&device);
+        let loss = masked_cross_entropy(whole.forward(inputs), targets);
+        let whole_loss = loss.clone().into_scalar().elem::<f64>();
+        let grads = GradientsParams::from_grads(loss.backward(), &whole);
+        whole = whole_optim.step(lr, whole, grads);
+        whole.update_balance();
+
+        let mut acc = GradientsAccumulator::new();
+        let mut micro_loss = 0.0;
+        let parts = batch.split(2).expect("16 = 2 x 8");
+        for part in &parts {
+            let w = part.scored() as f64 / batch.scored() as f64;
+            let (inputs, targets) = part.to_tensors::<B>(&device);
+            let loss = masked_cross_entropy(micro.forward(inputs), targets).mul_scalar(w);
+            micro_loss += loss.clone().into_scalar().elem::<f64>();
+            acc.accumulate(&micro, GradientsParams::from_grads(loss.backward(), &micro));
+        }
+        micro = micro_optim.step(lr, micro, acc.grads());
+        micro.update_balance();
+        assert!(
+            (whole_loss - micro_loss).abs() <= 1e-5 * whole_loss,
+            "step {step}: loss {whole_loss} vs {micro_loss}"
+        );
+    }
+    let held_out = task.sample_batch(8, &mut SeededRng::new(12));
+    let (inputs, _) = held_out.to_tensors::<B>(&device);
+    let logits = |m: &KimiForCausalLM<B>| host(m.valid().forward(inputs.clone().inner()));
+    assert_close("held-out logits", &logits(&whole), &logits(&micro), 1e-4);
+    let biases = |m: &KimiForCausalLM<B>| -> Vec<f64> {
+        m.layers
+            .iter()
+            .filter_map(|l| match &l.ffn {
+                Ffn::Moe(moe) => Some(moe.balance.bias_host()),
+                _ => None,
+            })
+            .flatten()
+            .map(f64::from)
+            .collect()
+    };
+    let (bw, bm) = (biases(&whole), biases(&micro));
+    assert_eq!(bw.len(), 3 * 8, "three MoE layers of eight experts");
+    assert!(bw.iter().any(|&b| b != 0.0), "QB moved the biases: {bw:?}");
+    assert_close("balance biases", &bw, &bm, 1e-4);
+}
