@@ -16,6 +16,8 @@
 //! `KimiForCausalLM::from_safetensors` and `KimiConfig::from_hf_config`); with `--qat`, also
 //! `model.mx.safetensors`, the experts' weights packed in MX storage.
 
+#[path = "../common/font.rs"]
+mod font;
 mod plot;
 
 use std::collections::VecDeque;
@@ -24,7 +26,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
-use burn::optim::{GradientsParams, Optimizer};
+use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -152,9 +154,16 @@ struct Args {
     /// Optimiser steps.
     #[arg(long, default_value_t = 600)]
     steps: usize,
-    /// Sequences per step.
+    /// Sequences per micro-batch (per step without --accum).
     #[arg(long, default_value_t = 16)]
     batch: usize,
+    /// Micro-batches per optimiser step (gradient accumulation): each step trains on
+    /// `--accum × --batch` sequences, one forward and backward per micro-batch, the gradients
+    /// summed (each loss weighted by its share of the scored targets) and the QB histograms of
+    /// all of them pooled into one balance update. The expert-load columns then describe the
+    /// whole step's batch.
+    #[arg(long, default_value_t = 1)]
+    accum: usize,
     /// Tokens per sequence (palindrome: twice the reversed length).
     #[arg(long, default_value_t = 256)]
     seq_len: usize,
@@ -366,27 +375,34 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
     let mut recent_loads: Vec<VecDeque<Vec<u64>>> = vec![VecDeque::new(); moe_layers];
     let mut rows = Vec::new();
     let started = Instant::now();
-    let tokens_per_step = (args.batch * task.seq_len()) as f64;
+    let tokens_per_step = (args.batch * args.accum * task.seq_len()) as f64;
     let mut window = Accuracy::default();
     for step in 0..args.steps {
         let batch = match &short {
-            Some(phase) if step < phase.steps => phase.task.sample_batch(phase.batch, &mut rng),
-            _ => task.sample_batch(args.batch, &mut rng),
+            Some(phase) if step < phase.steps => {
+                phase.task.sample_batch(phase.batch * args.accum, &mut rng)
+            }
+            _ => task.sample_batch(args.batch * args.accum, &mut rng),
         };
-        let (inputs, targets) = batch.to_tensors::<B>(&device);
-        let out = model
-            .try_forward(inputs, None, None)
-            .map_err(|e| e.to_string())?;
-        let acc = accuracy_from_logits(out.logits.clone().detach(), &batch.targets)
-            .map_err(|e| e.to_string())?;
-        let loss = masked_cross_entropy(out.logits, targets);
-        let loss_value: f64 = loss.clone().into_scalar().elem();
+        let (acc, loss_value, moe_stats, grads) = if args.accum == 1 {
+            let (inputs, targets) = batch.to_tensors::<B>(&device);
+            let out = model
+                .try_forward(inputs, None, None)
+                .map_err(|e| e.to_string())?;
+            let acc = accuracy_from_logits(out.logits.clone().detach(), &batch.targets)
+                .map_err(|e| e.to_string())?;
+            let loss = masked_cross_entropy(out.logits, targets);
+            let loss_value: f64 = loss.clone().into_scalar().elem();
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            (acc, loss_value, out.moe_stats, grads)
+        } else {
+            accumulated_step(&model, &batch, args.accum, &device)?
+        };
         if !loss_value.is_finite() {
             return Err(format!(
                 "the loss became {loss_value} at step {step}; try a smaller --lr"
             ));
         }
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
         let lr = learning_rate(args, step);
         model = optim.step(lr, model, grads);
         model.update_balance();
@@ -404,7 +420,7 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
             &mut recent_loads,
             (step, loss_value, lr, tps),
             &acc,
-            &out.moe_stats,
+            &moe_stats,
             &rerouted,
             args.load_window,
         );
@@ -454,7 +470,7 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
             again.fraction().unwrap_or(0.0)
         );
     }
-    let labelled = plot::register_font();
+    let labelled = font::register_font();
     plot::write_plots(&args.out, &rows, labelled, args.load_window)?;
 
     report(args, &rows, train_time, tokens_per_step, &test, labelled);
@@ -502,6 +518,48 @@ fn progress_bar(steps: usize) -> Result<ProgressBar, String> {
         .map_err(|e| e.to_string())?,
     );
     Ok(bar)
+}
+
+/// One optimiser step's gradients over `batch` cut into `parts` micro-batches: a forward and a
+/// backward per micro-batch, each loss weighted by its share of the scored targets so that the
+/// summed gradients are those of the whole batch's mean loss, and every MoE layer's QB histogram
+/// accumulating over all of them (the balance state pools until `update_balance`). Returns the
+/// pooled accuracy, the whole batch's loss, per-layer statistics of the pooled expert loads and
+/// the summed gradients.
+fn accumulated_step<B: AutodiffBackend>(
+    model: &KimiForCausalLM<B>,
+    batch: &kimi_burn::data::Batch,
+    parts: usize,
+    device: &B::Device,
+) -> Result<(Accuracy, f64, Vec<MoeStats>, GradientsParams), String> {
+    let mut grads = GradientsAccumulator::new();
+    let mut acc = Accuracy::default();
+    let mut loss_value = 0.0;
+    let mut loads: Vec<Vec<u64>> = Vec::new();
+    let scored = batch.scored().max(1) as f64;
+    for part in batch.split(parts).map_err(|e| e.to_string())? {
+        let (inputs, targets) = part.to_tensors::<B>(device);
+        let out = model
+            .try_forward(inputs, None, None)
+            .map_err(|e| e.to_string())?;
+        let a = accuracy_from_logits(out.logits.clone().detach(), &part.targets)
+            .map_err(|e| e.to_string())?;
+        acc.correct += a.correct;
+        acc.total += a.total;
+        let loss =
+            masked_cross_entropy(out.logits, targets).mul_scalar(part.scored() as f64 / scored);
+        loss_value += loss.clone().into_scalar().elem::<f64>();
+        loads.resize(out.moe_stats.len(), Vec::new());
+        for (pooled, s) in loads.iter_mut().zip(&out.moe_stats) {
+            pooled.resize(s.tokens_per_expert.len(), 0);
+            for (p, t) in pooled.iter_mut().zip(&s.tokens_per_expert) {
+                *p += t;
+            }
+        }
+        grads.accumulate(model, GradientsParams::from_grads(loss.backward(), model));
+    }
+    let stats = loads.into_iter().map(MoeStats::from_loads).collect();
+    Ok((acc, loss_value, stats, grads.grads()))
 }
 
 /// `--reroute`: the max violation per MoE layer of this step's batch routed again after the
@@ -576,10 +634,10 @@ fn log_step(
 
 /// Rejects flag combinations that make no sense, naming the flags.
 fn check_args(args: &Args) -> Result<(), String> {
-    if args.steps == 0 || args.batch == 0 {
+    if args.steps == 0 || args.batch == 0 || args.accum == 0 {
         return Err(format!(
-            "--steps and --batch must be positive, got {} and {}",
-            args.steps, args.batch
+            "--steps, --batch and --accum must be positive, got {}, {} and {}",
+            args.steps, args.batch, args.accum
         ));
     }
     if !(args.lr.is_finite() && args.lr > 0.0) {

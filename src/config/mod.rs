@@ -1,4 +1,5 @@
-//! Model configuration and the presets `tiny`, `kimi_linear_48b` and `k3` (design §2, §4, §5, §7).
+//! Model configuration, the presets `tiny`, `kimi_linear_48b` and `k3`, and the K3-shaped scaling
+//! family `k3_scaled` / `scaling_presets` (design §2, §4, §5, §7).
 //!
 //! Field names follow the Hugging Face `config.json` of Kimi-Linear / K3 wherever one exists, so
 //! that [`KimiConfig`] reads like the published configs.
@@ -116,6 +117,19 @@ pub fn hybrid_pattern(num_layers: usize) -> Vec<usize> {
     }
     mla
 }
+
+/// Experts per token of [`KimiConfig::k3_scaled`] (K3: 16); the experts are 56 times as many.
+const SCALED_EXPERTS_PER_TOKEN: usize = 2;
+
+/// Name, `hidden_size` and `num_hidden_layers` of each of [`KimiConfig::scaling_presets`].
+const SCALING_SHAPES: [(&str, usize, usize); 6] = [
+    ("s0", 32, 4),
+    ("s1", 64, 4),
+    ("s2", 128, 6),
+    ("s3", 256, 8),
+    ("s4", 512, 10),
+    ("s5", 1024, 12),
+];
 
 impl KimiConfig {
     /// A tiny hybrid (3 KDA + 1 MLA, Stable LatentMoE with QB, SiTU-GLU, AttnRes) that trains
@@ -256,6 +270,108 @@ impl KimiConfig {
                 use_nope: true,
             },
         }
+    }
+
+    /// K3's architecture at width `hidden_size` (`d`) and depth `num_hidden_layers` (`L`): the
+    /// member of the scaling family behind [`scaling_presets`](Self::scaling_presets).
+    ///
+    /// What stays as in K3: the 3:1 KDA:MLA pattern with the last layer MLA
+    /// ([`hybrid_pattern`]), one dense first layer, Stable LatentMoE with QB balancing, SiTU-GLU,
+    /// AttnRes, NoPE MLA with the sigmoid output gate, the full-rank KDA output gate, the KDA gate
+    /// lower bound −5, the short-conv kernel 4, 2 shared experts and untied embeddings. Every width
+    /// follows from `d` (K3's value at `d = 7168` in brackets; "rounded" is to the nearest
+    /// multiple):
+    ///
+    /// | field | rule | K3 |
+    /// |---|---|---|
+    /// | head dim `dh` (KDA key/value; MLA `qk_nope_head_dim`, `v_head_dim`) | `d/8` clamped to [16, 128] (reconstruction) | 128 |
+    /// | KDA and MLA heads `H` | `12·d / (7·dh)` rounded, so `H·dh ≈ 12d/7` | 96 |
+    /// | `qk_rope_head_dim` (shared key, never rotated) | `dh/2` | 64 |
+    /// | `kv_lora_rank` | `4·dh`, at most `d/2` | 512 |
+    /// | `q_lora_rank` | `3d/14` rounded to 16 | 1536 |
+    /// | `intermediate_size` (dense layer 0) | `33d/7` rounded to 16 | 33 792 |
+    /// | `moe_intermediate_size` `m_e` (routed and shared) | `3d/7` rounded to 16 | 3072 |
+    /// | latent width ℓ | `d/2` | 3584 |
+    /// | `vocab_size` | `160d/7` rounded to 256 (K3's own value is a reconstruction) | 163 840 |
+    /// | `attn_res_block_size` | `max(2, ⌈L/8⌉)`: about 8 blocks as in K3, at least 2 layers each (reconstruction) | 12 |
+    /// | experts `n` / per token `k` | 112 / 2, K3's `k/n = 16/896 = 1/56` (reconstruction: see below) | 896 / 16 |
+    ///
+    /// At `d = 7168, L = 93` every rule gives K3's value, so `k3_scaled(7168, 93)` with 896
+    /// experts top-16 is [`k3`](Self::k3) (tested). The experts keep K3's sparsity `k/n = 1/56`
+    /// and K3's granularity `m_e = 3d/7`, but `k = 2` instead of 16: with 16 the routed experts of
+    /// one layer hold `576·d²` parameters (K3's 2.8T), which leaves no room for a model near the
+    /// tiny preset, and the 112 experts each see enough tokens of a small batch for the balancer.
+    /// So the routed experts' share of the active parameters is smaller than K3's.
+    ///
+    /// `hidden_size` should be even (ℓ = d/2) and at least 16.
+    pub fn k3_scaled(hidden_size: usize, num_hidden_layers: usize) -> Self {
+        let d = hidden_size;
+        // `num/den` rounded to the nearest multiple of `m`, at least `m`.
+        let round = |num: usize, den: usize, m: usize| ((num + den * m / 2) / (den * m)).max(1) * m;
+        let head_dim = (d / 8).clamp(16, 128);
+        let heads = ((12 * d + 7 * head_dim / 2) / (7 * head_dim)).max(1);
+        Self {
+            vocab_size: round(160 * d, 7, 256),
+            hidden_size: d,
+            num_hidden_layers,
+            intermediate_size: round(33 * d, 7, 16),
+            first_k_dense_replace: 1,
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: false,
+            activation: GluActivation::situ(),
+            full_attn_layers: hybrid_pattern(num_hidden_layers),
+            attn_res_block_size: Some(num_hidden_layers.div_ceil(8).max(2)),
+            moe: MoeFields {
+                num_experts: 56 * SCALED_EXPERTS_PER_TOKEN,
+                num_experts_per_token: SCALED_EXPERTS_PER_TOKEN,
+                num_shared_experts: 2,
+                moe_intermediate_size: round(3 * d, 7, 16),
+                layout: MoeLayout::StableLatent { dim: d / 2 },
+                router: RouterOptions::default(),
+                balancer: BalancerKind::quantile(),
+                qat: None,
+            },
+            kda: KdaFields {
+                num_heads: heads,
+                head_dim,
+                short_conv_kernel_size: 4,
+                gate_lower_bound: Some(-5.0),
+                use_full_rank_gate: true,
+            },
+            mla: MlaFields {
+                num_heads: heads,
+                q_lora_rank: Some(round(3 * d, 14, 16)),
+                kv_lora_rank: (4 * head_dim).min(d / 2),
+                qk_nope_head_dim: head_dim,
+                qk_rope_head_dim: head_dim / 2,
+                v_head_dim: head_dim,
+                use_output_gate: true,
+                use_nope: true,
+            },
+        }
+    }
+
+    /// The scaling family `s0` … `s5`: [`k3_scaled`](Self::k3_scaled) from about the tiny
+    /// preset's size to about 1B parameters, each 4–6 times the one before, all with 112 experts
+    /// top-2 and 2 shared experts. Parameters as [`num_params`](Self::num_params) and
+    /// [`active_params`](Self::active_params) count them (embedding and `lm_head` included), printed
+    /// by `cargo test --test suite scaling_presets -- --nocapture`:
+    ///
+    /// | preset | `d` | layers | heads × `dh` | `m_e` | dense hidden | vocabulary | total | active |
+    /// |---|---|---|---|---|---|---|---|---|
+    /// | `s0` | 32 | 4 | 3 × 16 | 16 | 144 | 768 | 381 145 | 127 705 |
+    /// | `s1` | 64 | 4 | 7 × 16 | 32 | 304 | 1536 | 1 509 221 | 495 461 |
+    /// | `s2` | 128 | 6 | 14 × 16 | 48 | 608 | 2816 | 7 293 816 | 2 225 016 |
+    /// | `s3` | 256 | 8 | 14 × 32 | 112 | 1200 | 5888 | 44 015 988 | 10 899 828 |
+    /// | `s4` | 512 | 10 | 14 × 64 | 224 | 2416 | 11 776 | 220 296 178 | 49 984 498 |
+    /// | `s5` | 1024 | 12 | 14 × 128 | 432 | 4832 | 23 296 | 1 029 065 374 | 226 167 454 |
+    ///
+    /// Depths are a reconstruction: `d/L` runs from 8 to 85 (K3: 77).
+    pub fn scaling_presets() -> Vec<(&'static str, KimiConfig)> {
+        SCALING_SHAPES
+            .iter()
+            .map(|&(name, d, layers)| (name, Self::k3_scaled(d, layers)))
+            .collect()
     }
 
     /// The MoE layer config of the MoE layers of this model.

@@ -87,7 +87,7 @@ impl Batch {
     /// gradients those of the whole batch's mean loss. Errors unless `parts` divides the number
     /// of sequences.
     pub fn split(&self, parts: usize) -> Result<Vec<Batch>> {
-        if parts == 0 || self.batch % parts != 0 {
+        if parts == 0 || !self.batch.is_multiple_of(parts) {
             return Err(Error::argument(
                 "parts",
                 format!(
