@@ -501,9 +501,14 @@ fn print_banner(args: &Args, config: &KimiConfig) {
             Filler::Reserved => format!("reserved filler ({} tokens)", reserved_tokens(args)),
             other => format!("{other:?} filler").to_lowercase(),
         };
+        let batch = if args.accum > 1 {
+            format!("batch {} × {} micro-batches", args.batch, args.accum)
+        } else {
+            format!("batch {}", args.batch)
+        };
         println!(
-            "MQAR: vocabulary {}, {} tokens, {} pairs, {filler}; batch {}, {} steps, lr {}",
-            args.vocab, args.seq_len, args.pairs, args.batch, args.steps, args.lr
+            "MQAR: vocabulary {}, {} tokens, {} pairs, {filler}; {batch}, {} steps, lr {}",
+            args.vocab, args.seq_len, args.pairs, args.steps, args.lr
         );
     }
 }

@@ -35,6 +35,15 @@ fn model_folder(tag: &str) -> (PathBuf, KimiConfig) {
     (dir, config)
 }
 
+/// Sets `key` of the folder's `config.json` to `value`.
+fn set_config(dir: &Path, key: &str, value: serde_json::Value) {
+    let path = dir.join("config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    json[key] = value;
+    std::fs::write(&path, json.to_string()).unwrap();
+}
+
 fn args(dir: &Path, prompt: &str) -> cli::Args {
     cli::Args {
         model: dir.to_path_buf(),
@@ -122,11 +131,7 @@ fn the_cli_streams_the_decoded_ids_of_generate() {
     let greedy = cli::run::<Cpu>(&a, &device, &mut out).unwrap().generated;
     let stop = greedy[3];
     if !greedy[..3].contains(&stop) {
-        let path = dir.join("config.json");
-        let mut json: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        json["eos_token_id"] = serde_json::json!([stop]);
-        std::fs::write(&path, json.to_string()).unwrap();
+        set_config(&dir, "eos_token_id", serde_json::json!([stop]));
         let mut out = Vec::new();
         let report = cli::run::<Cpu>(&a, &device, &mut out).unwrap();
         assert_eq!(report.generated, greedy[..4].to_vec());
@@ -178,11 +183,7 @@ fn broken_model_folders_are_clear_errors() {
     std::fs::remove_dir_all(&dir).ok();
 
     let (dir, _) = model_folder("shape");
-    let path = dir.join("config.json");
-    let mut json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    json["intermediate_size"] = serde_json::json!(96);
-    std::fs::write(&path, json.to_string()).unwrap();
+    set_config(&dir, "intermediate_size", serde_json::json!(96));
     let err = fails(&dir);
     assert!(
         err.contains("wrong shape for model.layers.0.mlp.gate_proj.weight in")
@@ -227,11 +228,7 @@ fn broken_model_folders_are_clear_errors() {
     std::fs::remove_dir_all(&dir).ok();
 
     let (dir, _) = model_folder("vocab");
-    let path = dir.join("config.json");
-    let mut json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    json["vocab_size"] = serde_json::json!(500);
-    std::fs::write(&path, json.to_string()).unwrap();
+    set_config(&dir, "vocab_size", serde_json::json!(500));
     let err = fails(&dir);
     assert!(
         err.contains("500") && err.contains("tiktoken.model"),

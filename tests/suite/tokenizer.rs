@@ -109,6 +109,15 @@ fn broken(tag: &str, edit: impl FnOnce(&Path)) -> PathBuf {
     dir
 }
 
+/// Applies `edit` to the folder's `tokenizer_config.json`.
+fn edit_config(dir: &Path, edit: &dyn Fn(&mut serde_json::Value)) {
+    let path = dir.join("tokenizer_config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut json);
+    std::fs::write(&path, json.to_string()).unwrap();
+}
+
 /// Malformed files are errors naming the file and what is wrong.
 #[test]
 fn malformed_tokenizer_files_are_clear_errors() {
@@ -123,7 +132,6 @@ fn malformed_tokenizer_files_are_clear_errors() {
         std::fs::remove_dir_all(&dir).ok();
     };
     let model = |dir: &Path| dir.join("tiktoken.model");
-    let config = |dir: &Path| dir.join("tokenizer_config.json");
     check(
         "line",
         &|d| {
@@ -151,22 +159,16 @@ fn malformed_tokenizer_files_are_clear_errors() {
     check(
         "added",
         &|d| {
-            let mut json: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(config(d)).unwrap()).unwrap();
-            json["added_tokens_decoder"]["5"] = serde_json::json!({"content": "<|bad|>"});
-            std::fs::write(config(d), json.to_string()).unwrap();
+            edit_config(d, &|json| {
+                json["added_tokens_decoder"]["5"] = serde_json::json!({"content": "<|bad|>"})
+            })
         },
         "tokenizer_config.json",
         "<|bad|>",
     );
     check(
         "eos",
-        &|d| {
-            let mut json: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(config(d)).unwrap()).unwrap();
-            json["eos_token"] = serde_json::json!("</s>");
-            std::fs::write(config(d), json.to_string()).unwrap();
-        },
+        &|d| edit_config(d, &|json| json["eos_token"] = serde_json::json!("</s>")),
         "tokenizer_config.json",
         "</s>",
     );
