@@ -371,6 +371,10 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
     print_banner(args, &config);
     let bar = progress_bar(args.steps)?;
     let moe_layers = config.num_hidden_layers - config.first_k_dense_replace;
+    // Appended row by row as the run goes, so a run stopped early keeps its metrics.
+    let metrics_path = args.out.join("metrics.csv");
+    let mut metrics = std::fs::File::create(&metrics_path)
+        .map_err(|e| format!("cannot create {}: {e}", metrics_path.display()))?;
     let mut csv = csv_header(moe_layers, args.reroute);
     let mut recent_loads: Vec<VecDeque<Vec<u64>>> = vec![VecDeque::new(); moe_layers];
     let mut rows = Vec::new();
@@ -424,6 +428,9 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
             &rerouted,
             args.load_window,
         );
+        std::io::Write::write_all(&mut metrics, csv.as_bytes())
+            .map_err(|e| format!("cannot write {}: {e}", metrics_path.display()))?;
+        csv.clear();
         let load = row.load.clone();
         rows.push(row);
         let worst = load.iter().map(|l| l.0).fold(0.0, f64::max);
@@ -447,7 +454,6 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
         let path = args.out.join(name);
         std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
     };
-    write("metrics.csv", &csv)?;
     write(
         "config.json",
         &serde_json::to_string_pretty(&config.to_hf_json()).map_err(|e| e.to_string())?,
@@ -583,8 +589,8 @@ fn rerouted_violations<B: AutodiffBackend>(
     Ok(again.moe_stats.iter().map(|s| s.max_violation).collect())
 }
 
-/// Appends one step's row to `metrics.csv` (loss, accuracy, throughput, learning rate, and per MoE
-/// layer the max violation, dead experts, the pooled window violation, the median margin and,
+/// Appends one step's row of `metrics.csv` to `csv` (loss, accuracy, throughput, learning rate,
+/// and per MoE layer the max violation, dead experts, the pooled window violation, the median margin and,
 /// with `--reroute`, the rerouted violation) and returns the step's plot row.
 fn log_step(
     csv: &mut String,
