@@ -3,6 +3,7 @@
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub mod backends;
+pub mod balance_sync;
 pub mod cache;
 pub mod config;
 pub mod data;

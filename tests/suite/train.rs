@@ -132,3 +132,108 @@ fn micro_batches_train_like_their_whole_batch() {
     assert!(bw.iter().any(|&b| b != 0.0), "QB moved the biases: {bw:?}");
     assert_close("balance biases", &bw, &bm, 1e-4);
 }
+
+/// The global balance step of data parallelism (`kimi_burn::balance_sync`): three replicas, each
+/// routing its own batch, sum their balance packets (as a collective all-reduce with `Sum` would)
+/// and each end with exactly the bias of one model that routed all three batches. A replica that
+/// routed with another bias is an error naming the layer, and counts near the exactness bound
+/// survive a sum over the most replicas a packet allows.
+#[test]
+fn summed_balance_packets_give_every_replica_the_global_bias() {
+    use burn::tensor::Tensor;
+    use kimi_burn::balance_sync::MAX_REPLICAS;
+    use kimi_burn::model::Ffn;
+    type B = CpuAd;
+    let device = Default::default();
+    let task = Mqar::new(16, 16, 2).expect("a valid MQAR setting");
+    let mut config = KimiConfig::tiny();
+    config.vocab_size = task.vocab_size();
+    let make = || {
+        B::seed(&device, 21);
+        config.init::<B>(&device)
+    };
+    let replicas: Vec<KimiForCausalLM<B>> = (0..3).map(|_| make()).collect();
+    let single = make();
+    let mut rng = SeededRng::new(21);
+    let biases = |m: &KimiForCausalLM<B>| -> Vec<Vec<f32>> {
+        m.layers
+            .iter()
+            .filter_map(|l| match &l.ffn {
+                Ffn::Moe(moe) => Some(moe.balance.bias_host()),
+                _ => None,
+            })
+            .collect()
+    };
+    for step in 0..2 {
+        for replica in &replicas {
+            let (inputs, _) = task.sample_batch(4, &mut rng).to_tensors::<B>(&device);
+            let _ = replica.forward(inputs.clone());
+            let _ = single.forward(inputs);
+        }
+        let summed = replicas
+            .iter()
+            .map(|m| m.balance_packet().unwrap())
+            .reduce(|a, b| a + b)
+            .unwrap();
+        for replica in &replicas {
+            assert_eq!(replica.apply_balance_packet(summed.clone()).unwrap(), 3);
+            replica.update_balance();
+        }
+        single.update_balance();
+        let want = biases(&single);
+        assert!(
+            want.iter().flatten().any(|&b| b != 0.0),
+            "QB moved the biases"
+        );
+        for (r, replica) in replicas.iter().enumerate() {
+            assert_eq!(biases(replica), want, "replica {r}, step {step}");
+        }
+    }
+
+    // A replica that routed with another bias.
+    let moe = |m: &KimiForCausalLM<B>, i: usize| match &m.layers[i].ffn {
+        Ffn::Moe(moe) => moe.balance.clone(),
+        _ => panic!("layer {i} is a MoE layer"),
+    };
+    let mut shifted = moe(&replicas[1], 2).bias_host();
+    shifted[0] += 0.25;
+    moe(&replicas[1], 2).set_bias(&shifted);
+    for replica in &replicas {
+        let (inputs, _) = task.sample_batch(4, &mut rng).to_tensors::<B>(&device);
+        let _ = replica.forward(inputs);
+    }
+    let summed = replicas
+        .iter()
+        .map(|m| m.balance_packet().unwrap())
+        .reduce(|a, b| a + b)
+        .unwrap();
+    let err = replicas[0]
+        .apply_balance_packet(summed)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("MoE layer 2") && err.contains("different biases"),
+        "{err}"
+    );
+
+    // Counts just under the bound, summed over the most replicas, come back exact.
+    let m = make();
+    let layer = moe(&m, 1);
+    let n = layer.counts().len();
+    let big: Vec<u64> = (0..n as u64)
+        .map(|j| (1u64 << 40) / MAX_REPLICAS - 1 - j)
+        .collect();
+    layer.merge(&big).unwrap();
+    let packet = m.balance_packet().unwrap();
+    let mut summed: Tensor<B, 1> = packet.clone();
+    for _ in 1..MAX_REPLICAS {
+        summed = summed + packet.clone();
+    }
+    assert_eq!(m.apply_balance_packet(summed).unwrap(), MAX_REPLICAS);
+    let want: Vec<u64> = big.iter().map(|c| c * MAX_REPLICAS).collect();
+    assert_eq!(layer.counts(), want);
+    // One more and the packet refuses.
+    layer.merge(&vec![(1u64 << 40) / MAX_REPLICAS; n]).unwrap();
+    let err = m.balance_packet().unwrap_err().to_string();
+    assert!(err.contains("layer 1"), "{err}");
+}
