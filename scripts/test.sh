@@ -24,8 +24,12 @@ if ! have_vulkan_driver; then
     fi
 fi
 
-# lavapipe is slow on big dispatches; tests keep their shapes small. Two threads match CI.
-cargo test --workspace --features wgpu,autodiff,tokenizer "$@"
+# lavapipe is slow on big dispatches; tests keep their shapes small.
+# One test at a time: Burn 0.21's autodiff keeps every graph in one process-wide table and prunes
+# it after each backward, and a prune racing another thread's graph construction can drop a node
+# that thread still needs (seen as a missing parameter gradient in a parallel run). Setting
+# RUST_TEST_THREADS overrides this.
+RUST_TEST_THREADS="${RUST_TEST_THREADS:-1}" cargo test --workspace --features wgpu,autodiff,tokenizer "$@"
 
 # Both crates as crates.io would receive them: `cargo package` packs each (kimi-burn depends on the
 # packed kimi-burn-kernels by version) and builds the packed sources with default features.
