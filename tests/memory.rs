@@ -137,8 +137,15 @@ fn run_step(step: &str, dir: &std::path::Path) -> u64 {
     );
     stdout
         .lines()
-        .find_map(|l| l.strip_prefix("rise="))
-        .and_then(|v| v.trim().parse().ok())
+        // With one test thread the harness prints the line after `test measured_step ... `.
+        .find_map(|l| l.split_once("rise=").map(|(_, v)| v))
+        .and_then(|v| {
+            v.chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+                .parse()
+                .ok()
+        })
         .unwrap_or_else(|| panic!("step {step} printed no rise:\n{stdout}"))
 }
 
