@@ -8,8 +8,49 @@ use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::ElementConversion;
 use kimi_burn::data::{accuracy_from_logits, masked_cross_entropy, Mqar, SeededRng, Task};
-use kimi_burn::model::{KimiConfig, KimiForCausalLM};
+use kimi_burn::model::{Ffn, KimiConfig, KimiForCausalLM};
 use kimi_burn::optim::KimiOptimizerConfig;
+
+/// The MQAR task of these tests (2 pairs in 16 tokens) and the tiny preset sized for it.
+fn small_mqar() -> (Mqar, KimiConfig) {
+    let task = Mqar::new(16, 16, 2).expect("a valid MQAR setting");
+    let mut config = KimiConfig::tiny();
+    config.vocab_size = task.vocab_size();
+    (task, config)
+}
+
+/// `n` models with the same parameters and biases, each with a balance accumulator of its own
+/// (a clone would share it). The copies are loaded from the first one's record rather than
+/// initialised from the same seed: the backend's generator is shared by the tests running in
+/// parallel, so two seeded inits need not draw the same values.
+fn identical_models<B: Backend>(
+    config: &KimiConfig,
+    device: &B::Device,
+    n: usize,
+) -> Vec<KimiForCausalLM<B>> {
+    use burn::module::Module;
+    let first: KimiForCausalLM<B> = config.try_init(device).expect("tiny preset");
+    let mut models: Vec<KimiForCausalLM<B>> = (1..n)
+        .map(|_| {
+            config
+                .init::<B>(device)
+                .load_record(first.clone().into_record())
+        })
+        .collect();
+    models.insert(0, first);
+    models
+}
+
+/// Every MoE layer's balance bias, layer by layer.
+fn moe_biases<B: Backend>(m: &KimiForCausalLM<B>) -> Vec<Vec<f32>> {
+    m.layers
+        .iter()
+        .filter_map(|l| match &l.ffn {
+            Ffn::Moe(moe) => Some(moe.balance.bias_host()),
+            Ffn::Dense(_) => None,
+        })
+        .collect()
+}
 
 #[test]
 fn two_hundred_steps_of_mqar_cut_the_loss() {
@@ -17,9 +58,7 @@ fn two_hundred_steps_of_mqar_cut_the_loss() {
     let device = Default::default();
     B::seed(&device, 7);
     // 2 pairs in 16 tokens, 7 possible keys and 8 values: chance loss is ln 8 ≈ 2.08.
-    let task = Mqar::new(16, 16, 2).expect("a valid MQAR setting");
-    let mut config = KimiConfig::tiny();
-    config.vocab_size = task.vocab_size();
+    let (task, config) = small_mqar();
     let mut model: KimiForCausalLM<B> = config.try_init(&device).expect("tiny preset");
     let mut optim = KimiOptimizerConfig::new()
         .init(&model, model.param_roles())
@@ -68,22 +107,18 @@ fn two_hundred_steps_of_mqar_cut_the_loss() {
 #[test]
 fn micro_batches_train_like_their_whole_batch() {
     use burn::optim::GradientsAccumulator;
-    use kimi_burn::model::Ffn;
     type B = CpuAd;
     let device = Default::default();
-    let task = Mqar::new(16, 16, 2).expect("a valid MQAR setting");
-    let mut config = KimiConfig::tiny();
-    config.vocab_size = task.vocab_size();
-    let init = || {
-        B::seed(&device, 11);
-        let model: KimiForCausalLM<B> = config.try_init(&device).expect("tiny preset");
-        let optim = KimiOptimizerConfig::new()
-            .init(&model, model.param_roles())
-            .expect("per-head Muon roles");
-        (model, optim)
+    let (task, config) = small_mqar();
+    let optim = |model: &KimiForCausalLM<B>| {
+        KimiOptimizerConfig::new()
+            .init(model, model.param_roles())
+            .expect("per-head Muon roles")
     };
-    let (mut whole, mut whole_optim) = init();
-    let (mut micro, mut micro_optim) = init();
+    let mut models = identical_models::<B>(&config, &device, 2);
+    let mut micro = models.pop().expect("two models");
+    let mut whole = models.pop().expect("two models");
+    let (mut whole_optim, mut micro_optim) = (optim(&whole), optim(&micro));
     let mut rng = SeededRng::new(11);
     for step in 0..5 {
         let batch = task.sample_batch(16, &mut rng);
@@ -117,15 +152,7 @@ fn micro_batches_train_like_their_whole_batch() {
     let logits = |m: &KimiForCausalLM<B>| host(m.valid().forward(inputs.clone().inner()));
     assert_close("held-out logits", &logits(&whole), &logits(&micro), 1e-4);
     let biases = |m: &KimiForCausalLM<B>| -> Vec<f64> {
-        m.layers
-            .iter()
-            .filter_map(|l| match &l.ffn {
-                Ffn::Moe(moe) => Some(moe.balance.bias_host()),
-                _ => None,
-            })
-            .flatten()
-            .map(f64::from)
-            .collect()
+        moe_biases(m).into_iter().flatten().map(f64::from).collect()
     };
     let (bw, bm) = (biases(&whole), biases(&micro));
     assert_eq!(bw.len(), 3 * 8, "three MoE layers of eight experts");
@@ -142,28 +169,12 @@ fn micro_batches_train_like_their_whole_batch() {
 fn summed_balance_packets_give_every_replica_the_global_bias() {
     use burn::tensor::Tensor;
     use kimi_burn::balance_sync::MAX_REPLICAS;
-    use kimi_burn::model::Ffn;
     type B = CpuAd;
     let device = Default::default();
-    let task = Mqar::new(16, 16, 2).expect("a valid MQAR setting");
-    let mut config = KimiConfig::tiny();
-    config.vocab_size = task.vocab_size();
-    let make = || {
-        B::seed(&device, 21);
-        config.init::<B>(&device)
-    };
-    let replicas: Vec<KimiForCausalLM<B>> = (0..3).map(|_| make()).collect();
-    let single = make();
+    let (task, config) = small_mqar();
+    let mut replicas = identical_models::<B>(&config, &device, 4);
+    let single = replicas.pop().expect("four models");
     let mut rng = SeededRng::new(21);
-    let biases = |m: &KimiForCausalLM<B>| -> Vec<Vec<f32>> {
-        m.layers
-            .iter()
-            .filter_map(|l| match &l.ffn {
-                Ffn::Moe(moe) => Some(moe.balance.bias_host()),
-                _ => None,
-            })
-            .collect()
-    };
     for step in 0..2 {
         for replica in &replicas {
             let (inputs, _) = task.sample_batch(4, &mut rng).to_tensors::<B>(&device);
@@ -180,13 +191,13 @@ fn summed_balance_packets_give_every_replica_the_global_bias() {
             replica.update_balance();
         }
         single.update_balance();
-        let want = biases(&single);
+        let want = moe_biases(&single);
         assert!(
             want.iter().flatten().any(|&b| b != 0.0),
             "QB moved the biases"
         );
         for (r, replica) in replicas.iter().enumerate() {
-            assert_eq!(biases(replica), want, "replica {r}, step {step}");
+            assert_eq!(moe_biases(replica), want, "replica {r}, step {step}");
         }
     }
 
@@ -217,7 +228,7 @@ fn summed_balance_packets_give_every_replica_the_global_bias() {
     );
 
     // Counts just under the bound, summed over the most replicas, come back exact.
-    let m = make();
+    let m: KimiForCausalLM<B> = config.init(&device);
     let layer = moe(&m, 1);
     let n = layer.counts().len();
     let big: Vec<u64> = (0..n as u64)
