@@ -72,6 +72,15 @@ pub enum Error {
     /// A checkpoint does not match the model: missing, unexpected or mis-shaped tensors.
     #[error("checkpoint does not match the model:\n{0}")]
     Checkpoint(String),
+    /// A data-parallel step failed: a collective operation (`kimi_burn::parallel`), or replicas
+    /// that no longer agree.
+    #[error("data-parallel {op} failed: {reason}")]
+    Collective {
+        /// The operation (`register`, `all-reduce`, `replica check`, ...).
+        op: String,
+        /// What went wrong, with the values involved.
+        reason: String,
+    },
     /// A tokenizer file is malformed.
     #[error("cannot read the tokenizer in {path}: {reason}")]
     Tokenizer {

@@ -13,9 +13,12 @@ pub mod model;
 pub mod nn;
 pub mod ops;
 pub mod optim;
+#[cfg(feature = "collective")]
+pub mod parallel;
 pub mod store;
 #[cfg(feature = "tokenizer")]
 pub mod tokenizer;
+pub mod train;
 
 pub use config::KimiConfig;
 pub use error::{Error, Result};

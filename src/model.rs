@@ -229,6 +229,20 @@ impl<B: Backend> DecoderLayer<B> {
 }
 
 impl<B: Backend> KimiForCausalLM<B> {
+    /// A copy for another data-parallel replica on `device`: the same weights, forked (new
+    /// autodiff leaves, so the replicas' graphs stay apart), and every MoE layer with its own
+    /// balance state ([`BalanceState::replica`](crate::nn::BalanceState::replica)). A plain
+    /// `clone` shares the balancers' counts, which suits an evaluation copy and not a replica.
+    pub fn replica(&self, device: &B::Device) -> Self {
+        let mut copy = self.clone().fork(device);
+        for (mine, theirs) in copy.layers.iter_mut().zip(&self.layers) {
+            if let (Ffn::Moe(mine), Ffn::Moe(theirs)) = (&mut mine.ffn, &theirs.ffn) {
+                mine.balance = theirs.balance.replica(device);
+            }
+        }
+        copy
+    }
+
     /// The config the model was built from.
     pub fn config(&self) -> &KimiConfig {
         &self.config

@@ -659,6 +659,22 @@ impl<B: Backend> BalanceState<B> {
             .unwrap_or_default()
     }
 
+    /// The number of counts [`counts`](Self::counts) returns, without copying them.
+    pub fn counts_len(&self) -> usize {
+        self.lock().as_mut().map_or(0, |b| b.inner().counts().len())
+    }
+
+    /// A copy for another data-parallel replica on `device`: the same bias and balancer state
+    /// (counts included), sharing nothing with `self`. A plain `clone` shares the accumulator
+    /// and the bias state, which is what an evaluation copy wants and a replica must not have.
+    pub fn replica(&self, device: &B::Device) -> Self {
+        let acc = self.lock().clone();
+        Self {
+            bias: RunningState::from_record(self.bias.clone().into_record()).to_device(device),
+            acc: Arc::new(Mutex::new(acc)),
+        }
+    }
+
     /// Adds another replica's counts (one integer all-reduce) before [`update`](Self::update).
     pub fn merge(&self, counts: &[u64]) -> Result<()> {
         match self.lock().as_mut() {

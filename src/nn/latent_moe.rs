@@ -321,6 +321,15 @@ impl<B: Backend> LatentMoe<B> {
     pub fn update_balance(&self) -> Vec<f32> {
         self.balance.update()
     }
+
+    /// A copy for another data-parallel replica on `device`: the same weights, forked (new
+    /// autodiff leaves, so the replicas' graphs stay apart), and its own balance state
+    /// ([`BalanceState::replica`]).
+    pub fn replica(&self, device: &B::Device) -> Self {
+        let mut copy = self.clone().fork(device);
+        copy.balance = self.balance.replica(device);
+        copy
+    }
 }
 
 /// The tokens of a `[batch, seq]` padding mask (`true`: padding) that count, flattened.

@@ -21,6 +21,8 @@ mod mla;
 mod model;
 mod moe;
 mod optim;
+#[cfg(feature = "collective")]
+mod parallel;
 mod quant;
 mod scale;
 #[cfg(feature = "tokenizer")]

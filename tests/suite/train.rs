@@ -12,7 +12,7 @@ use kimi_burn::model::{Ffn, KimiConfig, KimiForCausalLM};
 use kimi_burn::optim::KimiOptimizerConfig;
 
 /// The MQAR task of these tests (2 pairs in 16 tokens) and the tiny preset sized for it.
-fn small_mqar() -> (Mqar, KimiConfig) {
+pub(crate) fn small_mqar() -> (Mqar, KimiConfig) {
     let task = Mqar::new(16, 16, 2).expect("a valid MQAR setting");
     let mut config = KimiConfig::tiny();
     config.vocab_size = task.vocab_size();
@@ -23,7 +23,7 @@ fn small_mqar() -> (Mqar, KimiConfig) {
 /// (a clone would share it). The copies are loaded from the first one's record rather than
 /// initialised from the same seed: the backend's generator is shared by the tests running in
 /// parallel, so two seeded inits need not draw the same values.
-fn identical_models<B: Backend>(
+pub(crate) fn identical_models<B: Backend>(
     config: &KimiConfig,
     device: &B::Device,
     n: usize,
@@ -42,7 +42,7 @@ fn identical_models<B: Backend>(
 }
 
 /// Every MoE layer's balance bias, layer by layer.
-fn moe_biases<B: Backend>(m: &KimiForCausalLM<B>) -> Vec<Vec<f32>> {
+pub(crate) fn moe_biases<B: Backend>(m: &KimiForCausalLM<B>) -> Vec<Vec<f32>> {
     m.layers
         .iter()
         .filter_map(|l| match &l.ffn {

@@ -1,0 +1,86 @@
+//! One training step's gradients for the causal LM: a batch cut into micro-batches (gradient
+//! accumulation), each micro-batch's loss weighted so that the summed gradients are those of the
+//! mean loss over a larger batch (the whole step's, or every data-parallel replica's together).
+//!
+//! The balancers of the MoE layers keep counting over all micro-batches until
+//! [`KimiForCausalLM::update_balance`] (once per optimiser step), so one step's routing statistics
+//! pool the whole batch (design §3).
+
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ElementConversion;
+
+use crate::data::{accuracy_from_logits, masked_cross_entropy, Accuracy, Batch};
+use crate::error::{Error, Result};
+use crate::model::KimiForCausalLM;
+
+/// What [`accumulate_gradients`] returns for one step.
+#[derive(Debug)]
+pub struct StepGradients {
+    /// The summed gradients of the micro-batches' weighted losses.
+    pub grads: GradientsParams,
+    /// The sum of the weighted losses: the batch's share of the mean loss over `scored_total`
+    /// targets (the mean loss itself when the batch is the whole step).
+    pub loss: f64,
+    /// Arg-max accuracy on the batch's scored targets.
+    pub accuracy: Accuracy,
+    /// Per MoE layer, the tokens routed to each expert, summed over the micro-batches.
+    pub loads: Vec<Vec<u64>>,
+}
+
+/// The gradients of one optimiser step over `batch`, in `parts` micro-batches of consecutive
+/// sequences: one forward and one backward per micro-batch, micro-batch `i`'s mean loss weighted
+/// by `scored_i / scored_total`.
+///
+/// `scored_total` is the number of scored targets the step averages over: `batch.scored()` on
+/// one device; with data parallelism, that of the global batch (every replica's), so that the
+/// replicas' gradients summed by an all-reduce are those of the global batch's mean loss.
+///
+/// Errors when `parts` does not divide the batch, when `scored_total` is smaller than the batch's
+/// own scored targets, or when a forward fails (a token outside the vocabulary).
+pub fn accumulate_gradients<B: AutodiffBackend>(
+    model: &KimiForCausalLM<B>,
+    batch: &Batch,
+    parts: usize,
+    scored_total: usize,
+    device: &B::Device,
+) -> Result<StepGradients> {
+    if scored_total < batch.scored() {
+        return Err(Error::argument(
+            "scored_total",
+            format!(
+                "{scored_total} targets for the step, but this batch alone scores {}",
+                batch.scored()
+            ),
+        ));
+    }
+    let denominator = scored_total.max(1) as f64;
+    let mut grads = GradientsAccumulator::new();
+    let mut accuracy = Accuracy::default();
+    let mut loss_value = 0.0;
+    let mut loads: Vec<Vec<u64>> = Vec::new();
+    for part in batch.split(parts)? {
+        let (inputs, targets) = part.to_tensors::<B>(device);
+        let out = model.try_forward(inputs, None, None)?;
+        let a = accuracy_from_logits(out.logits.clone().detach(), &part.targets)?;
+        accuracy.correct += a.correct;
+        accuracy.total += a.total;
+        let loss = masked_cross_entropy(out.logits, targets)
+            .mul_scalar(part.scored() as f64 / denominator);
+        loss_value += loss.clone().into_scalar().elem::<f64>();
+        loads.resize(out.moe_stats.len(), Vec::new());
+        for (pooled, s) in loads.iter_mut().zip(&out.moe_stats) {
+            pooled.resize(s.tokens_per_expert.len(), 0);
+            for (p, t) in pooled.iter_mut().zip(&s.tokens_per_expert) {
+                *p += t;
+            }
+        }
+        grads.accumulate(model, GradientsParams::from_grads(loss.backward(), model));
+    }
+    Ok(StepGradients {
+        grads: grads.grads(),
+        loss: loss_value,
+        accuracy,
+        loads,
+    })
+}
