@@ -13,6 +13,8 @@ use burn::tensor::ElementConversion;
 use crate::data::{accuracy_from_logits, masked_cross_entropy, Accuracy, Batch};
 use crate::error::{Error, Result};
 use crate::model::KimiForCausalLM;
+#[cfg(doc)]
+use crate::nn::MoeStats;
 
 /// What [`accumulate_gradients`] returns for one step.
 #[derive(Debug)]
@@ -26,6 +28,9 @@ pub struct StepGradients {
     pub accuracy: Accuracy,
     /// Per MoE layer, the tokens routed to each expert, summed over the micro-batches.
     pub loads: Vec<Vec<u64>>,
+    /// Per MoE layer, the median selection margin ([`MoeStats::median_margin`]) when the step
+    /// was one micro-batch routed on the host; `None` otherwise (margins do not pool).
+    pub median_margins: Vec<Option<f32>>,
 }
 
 /// The gradients of one optimiser step over `batch`, in `parts` micro-batches of consecutive
@@ -59,6 +64,7 @@ pub fn accumulate_gradients<B: AutodiffBackend>(
     let mut accuracy = Accuracy::default();
     let mut loss_value = 0.0;
     let mut loads: Vec<Vec<u64>> = Vec::new();
+    let mut median_margins = Vec::new();
     for part in batch.split(parts)? {
         let (inputs, targets) = part.to_tensors::<B>(device);
         let out = model.try_forward(inputs, None, None)?;
@@ -68,6 +74,11 @@ pub fn accumulate_gradients<B: AutodiffBackend>(
         let loss = masked_cross_entropy(out.logits, targets)
             .mul_scalar(part.scored() as f64 / denominator);
         loss_value += loss.clone().into_scalar().elem::<f64>();
+        median_margins = out
+            .moe_stats
+            .iter()
+            .map(|s| s.median_margin.filter(|_| parts == 1))
+            .collect();
         loads.resize(out.moe_stats.len(), Vec::new());
         for (pooled, s) in loads.iter_mut().zip(&out.moe_stats) {
             pooled.resize(s.tokens_per_expert.len(), 0);
@@ -82,5 +93,6 @@ pub fn accumulate_gradients<B: AutodiffBackend>(
         loss: loss_value,
         accuracy,
         loads,
+        median_margins,
     })
 }

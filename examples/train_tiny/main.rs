@@ -18,6 +18,8 @@
 
 #[path = "../common/font.rs"]
 mod font;
+#[cfg_attr(not(feature = "collective"), path = "no_parallel.rs")]
+mod parallel;
 mod plot;
 
 use std::collections::VecDeque;
@@ -26,19 +28,19 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
-use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
+use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kimi_burn::config::hybrid_pattern;
 use kimi_burn::data::{
-    accuracy_from_logits, masked_cross_entropy, Accuracy, ByteLm, Mqar, MqarFiller, Palindrome,
-    SeededRng, Task,
+    accuracy_from_logits, Accuracy, ByteLm, Mqar, MqarFiller, Palindrome, SeededRng, Task,
 };
 use kimi_burn::model::{KimiConfig, KimiForCausalLM};
 use kimi_burn::nn::{BalancerKind, MoeStats};
 use kimi_burn::ops::quant::{MxSpec, QatConfig};
 use kimi_burn::optim::{KimiOptimizerConfig, ParamRoles};
+use kimi_burn::train::accumulate_gradients;
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
 enum TaskKind {
@@ -154,7 +156,7 @@ struct Args {
     /// Optimiser steps.
     #[arg(long, default_value_t = 600)]
     steps: usize,
-    /// Sequences per micro-batch (per step without --accum).
+    /// Sequences per micro-batch and device (per step without --accum and --devices).
     #[arg(long, default_value_t = 16)]
     batch: usize,
     /// Micro-batches per optimiser step (gradient accumulation): each step trains on
@@ -164,6 +166,17 @@ struct Args {
     /// whole step's batch.
     #[arg(long, default_value_t = 1)]
     accum: usize,
+    /// Data-parallel replicas (build with `--features collective`): threads of this process,
+    /// each on its own device (`--backend wgpu`: discrete GPU i, `cuda`: GPU i; `ndarray`: all on
+    /// the CPU). Every step trains on `--batch × --accum × --devices` sequences, each replica on
+    /// its share; one burn-collective all-reduce per step sums the gradients, the QB histograms
+    /// and the metrics, so every replica applies the same update and the same bias.
+    #[arg(long, default_value_t = 1)]
+    devices: usize,
+    /// With --devices: after every step, check that all replicas hold the same parameters and
+    /// biases (a digest compared by one more small all-reduce); stop with an error if not.
+    #[arg(long)]
+    check_replicas: bool,
     /// Tokens per sequence (palindrome: twice the reversed length).
     #[arg(long, default_value_t = 256)]
     seq_len: usize,
@@ -245,11 +258,23 @@ fn main() {
 
 fn dispatch(args: &Args) -> Result<(), String> {
     match args.backend {
-        BackendKind::Ndarray => train::<burn::backend::Autodiff<burn::backend::NdArray<f32>>>(args, Default::default()),
+        BackendKind::Ndarray => train::<burn::backend::Autodiff<burn::backend::NdArray<f32>>>(
+            args,
+            vec![Default::default(); args.devices],
+        ),
         #[cfg(feature = "wgpu")]
-        BackendKind::Wgpu => train::<burn::backend::Autodiff<burn::backend::Wgpu>>(args, Default::default()),
+        BackendKind::Wgpu => train::<burn::backend::Autodiff<burn::backend::Wgpu>>(
+            args,
+            match args.devices {
+                1 => vec![Default::default()],
+                n => (0..n).map(burn::backend::wgpu::WgpuDevice::DiscreteGpu).collect(),
+            },
+        ),
         #[cfg(feature = "cuda")]
-        BackendKind::Cuda => train::<burn::backend::Autodiff<burn::backend::Cuda>>(args, Default::default()),
+        BackendKind::Cuda => train::<burn::backend::Autodiff<burn::backend::Cuda>>(
+            args,
+            (0..args.devices).map(burn::backend::cuda::CudaDevice::new).collect(),
+        ),
         #[allow(unreachable_patterns)]
         other => Err(format!(
             "--backend {other:?} needs the crate feature of the same name: cargo run --release --features {} --example train_tiny",
@@ -341,15 +366,15 @@ fn learning_rate(args: &Args, step: usize) -> f64 {
     args.lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()))
 }
 
-fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), String> {
+fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(), String> {
     check_args(args)?;
     let task = make_task(args)?;
-    let short = short_phase(args)?;
     let config = model_config(args, task.vocab_size())?;
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
+    let device = devices[0].clone();
     B::seed(&device, args.seed);
-    let mut model: KimiForCausalLM<B> = match &args.init {
+    let model: KimiForCausalLM<B> = match &args.init {
         None => config.try_init(&device).map_err(|e| e.to_string())?,
         Some(path) => {
             let model = KimiForCausalLM::from_safetensors(&config, path, &device)
@@ -358,94 +383,18 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
             model
         }
     };
-    let roles = match args.optimiser {
-        Optimiser::Muon => model.param_roles(),
-        Optimiser::Adamw => ParamRoles::adamw_only(),
-    };
-    let mut optim = KimiOptimizerConfig::new()
-        .init(&model, roles)
-        .map_err(|e| e.to_string())?;
-    let mut rng = SeededRng::new(args.seed);
-    let mut test_rng = test_rng_of(args);
-
     print_banner(args, &config);
-    let bar = progress_bar(args.steps)?;
-    let moe_layers = config.num_hidden_layers - config.first_k_dense_replace;
-    // Appended row by row as the run goes, so a run stopped early keeps its metrics.
-    let metrics_path = args.out.join("metrics.csv");
-    let mut metrics = std::fs::File::create(&metrics_path)
-        .map_err(|e| format!("cannot create {}: {e}", metrics_path.display()))?;
-    let mut csv = csv_header(moe_layers, args.reroute);
-    let mut recent_loads: Vec<VecDeque<Vec<u64>>> = vec![VecDeque::new(); moe_layers];
-    let mut rows = Vec::new();
-    let started = Instant::now();
-    let tokens_per_step = (args.batch * args.accum * task.seq_len()) as f64;
-    let mut window = Accuracy::default();
-    for step in 0..args.steps {
-        let batch = match &short {
-            Some(phase) if step < phase.steps => {
-                phase.task.sample_batch(phase.batch * args.accum, &mut rng)
-            }
-            _ => task.sample_batch(args.batch * args.accum, &mut rng),
-        };
-        let (acc, loss_value, moe_stats, grads) = if args.accum == 1 {
-            let (inputs, targets) = batch.to_tensors::<B>(&device);
-            let out = model
-                .try_forward(inputs, None, None)
-                .map_err(|e| e.to_string())?;
-            let acc = accuracy_from_logits(out.logits.clone().detach(), &batch.targets)
-                .map_err(|e| e.to_string())?;
-            let loss = masked_cross_entropy(out.logits, targets);
-            let loss_value: f64 = loss.clone().into_scalar().elem();
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            (acc, loss_value, out.moe_stats, grads)
-        } else {
-            accumulated_step(&model, &batch, args.accum, &device)?
-        };
-        if !loss_value.is_finite() {
-            return Err(format!(
-                "the loss became {loss_value} at step {step}; try a smaller --lr"
-            ));
-        }
-        let lr = learning_rate(args, step);
-        model = optim.step(lr, model, grads);
-        model.update_balance();
-        let rerouted = if args.reroute {
-            rerouted_violations(&model, &batch, &device)?
-        } else {
-            Vec::new()
-        };
-
-        window.correct += acc.correct;
-        window.total += acc.total;
-        let tps = (step + 1) as f64 * tokens_per_step / started.elapsed().as_secs_f64();
-        let row = log_step(
-            &mut csv,
-            &mut recent_loads,
-            (step, loss_value, lr, tps),
-            &acc,
-            &moe_stats,
-            &rerouted,
-            args.load_window,
-        );
-        std::io::Write::write_all(&mut metrics, csv.as_bytes())
-            .map_err(|e| format!("cannot write {}: {e}", metrics_path.display()))?;
-        csv.clear();
-        let load = row.load.clone();
-        rows.push(row);
-        let worst = load.iter().map(|l| l.0).fold(0.0, f64::max);
-        let dead: usize = load.iter().map(|l| l.1).sum();
-        bar.set_message(format!(
-            "loss {loss_value:.3} acc {:.3} | max violation {worst:.2} dead {dead} | {tps:.0} tok/s",
-            window.fraction().unwrap_or(0.0)
-        ));
-        if step % 10 == 9 {
-            window = Accuracy::default();
-        }
-        bar.inc(1);
-    }
-    bar.finish();
-    let train_time = started.elapsed().as_secs_f64();
+    let Trained {
+        model,
+        rows,
+        train_time,
+    } = if devices.len() == 1 {
+        train_loop(args, model, &device, None)?.ok_or("the only replica reports")?
+    } else {
+        parallel::train_replicas(args, &model, &devices)?
+    };
+    let tokens_per_step = (args.batch * args.accum * args.devices * task.seq_len()) as f64;
+    let mut test_rng = test_rng_of(args);
 
     // Held-out sequences, evaluated without autodiff.
     let eval = model.valid();
@@ -483,6 +432,188 @@ fn train<B: AutodiffBackend>(args: &Args, device: B::Device) -> Result<(), Strin
     Ok(())
 }
 
+/// What the reporting replica's training loop hands back.
+struct Trained<B: AutodiffBackend> {
+    model: KimiForCausalLM<B>,
+    rows: Vec<plot::Row>,
+    train_time: f64,
+}
+
+/// One replica's data-parallel membership in the training loop (see `parallel.rs`).
+struct Replication<B: AutodiffBackend> {
+    rank: usize,
+    replicas: usize,
+    /// Sums the gradients, the balance counts and the given values over the replicas.
+    sync: SyncFn<B>,
+    /// `--check-replicas`: errors unless every replica holds the same parameters and biases.
+    check: Option<CheckFn<B>>,
+}
+
+type SyncFn<B> = Box<
+    dyn FnMut(
+        &KimiForCausalLM<B>,
+        GradientsParams,
+        &[f32],
+    ) -> Result<(GradientsParams, Vec<f32>), String>,
+>;
+type CheckFn<B> = Box<dyn Fn(&KimiForCausalLM<B>) -> Result<(), String>>;
+
+/// The training loop of one replica (the only one without `--devices`): every replica samples
+/// the same global batch of `--batch × --accum × --devices` sequences and trains on its shard;
+/// replica 0 logs, and returns what it trained. The others return `None`.
+fn train_loop<B: AutodiffBackend>(
+    args: &Args,
+    mut model: KimiForCausalLM<B>,
+    device: &B::Device,
+    mut dp: Option<Replication<B>>,
+) -> Result<Option<Trained<B>>, String> {
+    let task = make_task(args)?;
+    let short = short_phase(args)?;
+    let (rank, replicas) = dp.as_ref().map_or((0, 1), |d| (d.rank, d.replicas));
+    let reporting = rank == 0;
+    let config = model.config().clone();
+    let roles = match args.optimiser {
+        Optimiser::Muon => model.param_roles(),
+        Optimiser::Adamw => ParamRoles::adamw_only(),
+    };
+    let mut optim = KimiOptimizerConfig::new()
+        .init(&model, roles)
+        .map_err(|e| e.to_string())?;
+    let mut rng = SeededRng::new(args.seed);
+
+    let bar = if reporting {
+        progress_bar(args.steps)?
+    } else {
+        ProgressBar::hidden()
+    };
+    let moe_layers = config.num_hidden_layers - config.first_k_dense_replace;
+    // Appended row by row as the run goes, so a run stopped early keeps its metrics.
+    let metrics_path = args.out.join("metrics.csv");
+    let mut metrics = if reporting {
+        Some(
+            std::fs::File::create(&metrics_path)
+                .map_err(|e| format!("cannot create {}: {e}", metrics_path.display()))?,
+        )
+    } else {
+        None
+    };
+    let mut csv = csv_header(moe_layers, args.reroute);
+    let mut recent_loads: Vec<VecDeque<Vec<u64>>> = vec![VecDeque::new(); moe_layers];
+    let mut rows = Vec::new();
+    let started = Instant::now();
+    let tokens_per_step = (args.batch * args.accum * replicas * task.seq_len()) as f64;
+    let mut window = Accuracy::default();
+    for step in 0..args.steps {
+        let sequences = args.accum * replicas;
+        let batch = match &short {
+            Some(phase) if step < phase.steps => {
+                phase.task.sample_batch(phase.batch * sequences, &mut rng)
+            }
+            _ => task.sample_batch(args.batch * sequences, &mut rng),
+        };
+        let shard = if replicas > 1 {
+            batch
+                .split(replicas)
+                .map_err(|e| e.to_string())?
+                .swap_remove(rank)
+        } else {
+            batch.clone()
+        };
+        let local = accumulate_gradients(&model, &shard, args.accum, batch.scored(), device)
+            .map_err(|e| e.to_string())?;
+        let margins = local.median_margins.clone();
+        let (grads, loss_value, acc, loads) = match dp.as_mut() {
+            None => (local.grads, local.loss, local.accuracy, local.loads),
+            Some(dp) => {
+                let mut extra = vec![
+                    local.loss as f32,
+                    local.accuracy.correct as f32,
+                    local.accuracy.total as f32,
+                ];
+                extra.extend(local.loads.iter().flatten().map(|&l| l as f32));
+                let (grads, summed) = (dp.sync)(&model, local.grads, &extra)?;
+                let acc = Accuracy {
+                    correct: summed[1] as usize,
+                    total: summed[2] as usize,
+                };
+                let mut at = 3;
+                let loads = local
+                    .loads
+                    .iter()
+                    .map(|l| {
+                        let pooled = summed[at..at + l.len()].iter().map(|&c| c as u64).collect();
+                        at += l.len();
+                        pooled
+                    })
+                    .collect();
+                (grads, f64::from(summed[0]), acc, loads)
+            }
+        };
+        if !loss_value.is_finite() {
+            return Err(format!(
+                "the loss became {loss_value} at step {step}; try a smaller --lr"
+            ));
+        }
+        let lr = learning_rate(args, step);
+        model = optim.step(lr, model, grads);
+        model.update_balance();
+        if let Some(check) = dp.as_ref().and_then(|d| d.check.as_ref()) {
+            check(&model).map_err(|e| format!("step {step}: {e}"))?;
+        }
+        let Some(metrics) = metrics.as_mut() else {
+            continue;
+        };
+        let moe_stats: Vec<MoeStats> = loads
+            .into_iter()
+            .zip(&margins)
+            .map(|(l, &m)| MoeStats {
+                median_margin: m.filter(|_| replicas == 1),
+                ..MoeStats::from_loads(l)
+            })
+            .collect();
+        let rerouted = if args.reroute {
+            rerouted_violations(&model, &batch, device)?
+        } else {
+            Vec::new()
+        };
+
+        window.correct += acc.correct;
+        window.total += acc.total;
+        let tps = (step + 1) as f64 * tokens_per_step / started.elapsed().as_secs_f64();
+        let row = log_step(
+            &mut csv,
+            &mut recent_loads,
+            (step, loss_value, lr, tps),
+            &acc,
+            &moe_stats,
+            &rerouted,
+            args.load_window,
+        );
+        std::io::Write::write_all(metrics, csv.as_bytes())
+            .map_err(|e| format!("cannot write {}: {e}", metrics_path.display()))?;
+        csv.clear();
+        let load = row.load.clone();
+        rows.push(row);
+        let worst = load.iter().map(|l| l.0).fold(0.0, f64::max);
+        let dead: usize = load.iter().map(|l| l.1).sum();
+        bar.set_message(format!(
+            "loss {loss_value:.3} acc {:.3} | max violation {worst:.2} dead {dead} | {tps:.0} tok/s",
+            window.fraction().unwrap_or(0.0)
+        ));
+        if step % 10 == 9 {
+            window = Accuracy::default();
+        }
+        bar.inc(1);
+    }
+    bar.finish();
+    let train_time = started.elapsed().as_secs_f64();
+    Ok(reporting.then_some(Trained {
+        model,
+        rows,
+        train_time,
+    }))
+}
+
 /// The run's first lines: task, model size, balancer, optimiser.
 fn print_banner(args: &Args, config: &KimiConfig) {
     println!(
@@ -507,11 +638,13 @@ fn print_banner(args: &Args, config: &KimiConfig) {
             Filler::Reserved => format!("reserved filler ({} tokens)", reserved_tokens(args)),
             other => format!("{other:?} filler").to_lowercase(),
         };
-        let batch = if args.accum > 1 {
-            format!("batch {} × {} micro-batches", args.batch, args.accum)
-        } else {
-            format!("batch {}", args.batch)
-        };
+        let mut batch = format!("batch {}", args.batch);
+        if args.accum > 1 {
+            batch += &format!(" × {} micro-batches", args.accum);
+        }
+        if args.devices > 1 {
+            batch += &format!(" × {} replicas", args.devices);
+        }
         println!(
             "MQAR: vocabulary {}, {} tokens, {} pairs, {filler}; {batch}, {} steps, lr {}",
             args.vocab, args.seq_len, args.pairs, args.steps, args.lr
@@ -529,48 +662,6 @@ fn progress_bar(steps: usize) -> Result<ProgressBar, String> {
         .map_err(|e| e.to_string())?,
     );
     Ok(bar)
-}
-
-/// One optimiser step's gradients over `batch` cut into `parts` micro-batches: a forward and a
-/// backward per micro-batch, each loss weighted by its share of the scored targets so that the
-/// summed gradients are those of the whole batch's mean loss, and every MoE layer's QB histogram
-/// accumulating over all of them (the balance state pools until `update_balance`). Returns the
-/// pooled accuracy, the whole batch's loss, per-layer statistics of the pooled expert loads and
-/// the summed gradients.
-fn accumulated_step<B: AutodiffBackend>(
-    model: &KimiForCausalLM<B>,
-    batch: &kimi_burn::data::Batch,
-    parts: usize,
-    device: &B::Device,
-) -> Result<(Accuracy, f64, Vec<MoeStats>, GradientsParams), String> {
-    let mut grads = GradientsAccumulator::new();
-    let mut acc = Accuracy::default();
-    let mut loss_value = 0.0;
-    let mut loads: Vec<Vec<u64>> = Vec::new();
-    let scored = batch.scored().max(1) as f64;
-    for part in batch.split(parts).map_err(|e| e.to_string())? {
-        let (inputs, targets) = part.to_tensors::<B>(device);
-        let out = model
-            .try_forward(inputs, None, None)
-            .map_err(|e| e.to_string())?;
-        let a = accuracy_from_logits(out.logits.clone().detach(), &part.targets)
-            .map_err(|e| e.to_string())?;
-        acc.correct += a.correct;
-        acc.total += a.total;
-        let loss =
-            masked_cross_entropy(out.logits, targets).mul_scalar(part.scored() as f64 / scored);
-        loss_value += loss.clone().into_scalar().elem::<f64>();
-        loads.resize(out.moe_stats.len(), Vec::new());
-        for (pooled, s) in loads.iter_mut().zip(&out.moe_stats) {
-            pooled.resize(s.tokens_per_expert.len(), 0);
-            for (p, t) in pooled.iter_mut().zip(&s.tokens_per_expert) {
-                *p += t;
-            }
-        }
-        grads.accumulate(model, GradientsParams::from_grads(loss.backward(), model));
-    }
-    let stats = loads.into_iter().map(MoeStats::from_loads).collect();
-    Ok((acc, loss_value, stats, grads.grads()))
 }
 
 /// `--reroute`: the max violation per MoE layer of this step's batch routed again after the
@@ -645,11 +736,14 @@ fn log_step(
 
 /// Rejects flag combinations that make no sense, naming the flags.
 fn check_args(args: &Args) -> Result<(), String> {
-    if args.steps == 0 || args.batch == 0 || args.accum == 0 {
+    if args.steps == 0 || args.batch == 0 || args.accum == 0 || args.devices == 0 {
         return Err(format!(
-            "--steps, --batch and --accum must be positive, got {}, {} and {}",
-            args.steps, args.batch, args.accum
+            "--steps, --batch, --accum and --devices must be positive, got {}, {}, {} and {}",
+            args.steps, args.batch, args.accum, args.devices
         ));
+    }
+    if args.check_replicas && args.devices == 1 {
+        return Err("--check-replicas compares the replicas of --devices N > 1".into());
     }
     if !(args.lr.is_finite() && args.lr > 0.0) {
         return Err(format!("--lr must be finite and positive, got {}", args.lr));
@@ -806,5 +900,3 @@ fn window_violation(recent: &mut VecDeque<Vec<u64>>, stats: &MoeStats, window: u
     }
     MoeStats::from_loads(pooled).max_violation
 }
-
-use burn::tensor::ElementConversion;
