@@ -5,6 +5,7 @@
 pub mod backends;
 pub mod balance_sync;
 pub mod cache;
+pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;

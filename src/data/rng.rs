@@ -19,6 +19,17 @@ impl SeededRng {
         Self { state: seed }
     }
 
+    /// The generator's whole state, to resume its stream later with
+    /// [`from_state`](Self::from_state) (a training checkpoint stores it).
+    pub fn state(&self) -> u64 {
+        self.state
+    }
+
+    /// The generator whose [`state`](Self::state) was `state`: it continues that stream.
+    pub fn from_state(state: u64) -> Self {
+        Self { state }
+    }
+
     /// The next 64 uniformly random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);

@@ -1,0 +1,201 @@
+//! Training checkpoints that survive a kill: the model (parameters with their ids, and every MoE
+//! layer's balance bias), the optimiser's state and the loop's own state (step, data generator
+//! position and whatever the caller adds), so that a resumed run continues bit for bit.
+//!
+//! A checkpoint is a folder `step-NNNNNNNN` under the checkpoint directory, holding
+//! `model.mpk`, `optimizer.mpk` (Burn's named MessagePack records at full precision) and
+//! `state.json`. It is written under a temporary name and renamed, and the text file `latest`
+//! naming it is replaced the same way, so a kill at any moment leaves `latest` naming a complete
+//! checkpoint (or no `latest` at all before the first one). Older checkpoints are then removed.
+//!
+//! The balancers need nothing more: a checkpoint is taken between optimiser steps, after
+//! [`update_balance`](KimiForCausalLM::update_balance), when their counts are empty and the bias
+//! (saved with the model) is all their state.
+
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use burn::optim::Optimizer;
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use serde::{Deserialize, Serialize};
+
+use crate::data::SeededRng;
+use crate::error::{Error, Result};
+use crate::model::KimiForCausalLM;
+
+/// The training loop's state at a checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoopState {
+    /// Optimiser steps completed.
+    pub step: usize,
+    /// The training data generator's state after those steps ([`SeededRng::state`]).
+    pub rng: u64,
+    /// Whatever else the caller needs to continue (metrics windows, a schedule's state).
+    #[serde(default)]
+    pub extra: serde_json::Value,
+}
+
+impl LoopState {
+    /// The state after `step` steps with data generator `rng`.
+    pub fn new(step: usize, rng: &SeededRng) -> Self {
+        Self {
+            step,
+            rng: rng.state(),
+            extra: serde_json::Value::Null,
+        }
+    }
+
+    /// The data generator, where it stood.
+    pub fn rng(&self) -> SeededRng {
+        SeededRng::from_state(self.rng)
+    }
+}
+
+/// A directory of checkpoints (see the module docs).
+#[derive(Debug, Clone)]
+pub struct Checkpoints {
+    dir: PathBuf,
+}
+
+type Rec = NamedMpkFileRecorder<FullPrecisionSettings>;
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn record_error(path: &Path, e: impl std::fmt::Display) -> Error {
+    Error::Checkpoint(format!("{}: {e}", path.display()))
+}
+
+impl Checkpoints {
+    /// Checkpoints in `dir` (created on the first save).
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self { dir: dir.into() }
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Writes a checkpoint of `model`, `optim` and `state`, makes it the latest and removes the
+    /// older ones. Returns its folder.
+    pub fn save<B, O>(
+        &self,
+        model: &KimiForCausalLM<B>,
+        optim: &O,
+        state: &LoopState,
+    ) -> Result<PathBuf>
+    where
+        B: AutodiffBackend,
+        O: Optimizer<KimiForCausalLM<B>, B>,
+    {
+        std::fs::create_dir_all(&self.dir).map_err(io(&self.dir))?;
+        let name = format!("step-{:08}", state.step);
+        let tmp = self.dir.join(format!("{name}.tmp"));
+        let done = self.dir.join(&name);
+        for stale in [&tmp, &done] {
+            if stale.exists() {
+                std::fs::remove_dir_all(stale).map_err(io(stale))?;
+            }
+        }
+        std::fs::create_dir(&tmp).map_err(io(&tmp))?;
+        let recorder = Rec::new();
+        model
+            .clone()
+            .save_file(tmp.join("model"), &recorder)
+            .map_err(|e| record_error(&tmp, e))?;
+        Recorder::<B>::record(&recorder, optim.to_record(), tmp.join("optimizer"))
+            .map_err(|e| record_error(&tmp, e))?;
+        let json = serde_json::to_vec_pretty(state).map_err(|e| record_error(&tmp, e))?;
+        write_synced(&tmp.join("state.json"), &json)?;
+        for file in ["model.mpk", "optimizer.mpk"] {
+            sync_file(&tmp.join(file))?;
+        }
+        std::fs::rename(&tmp, &done).map_err(io(&done))?;
+        let latest_tmp = self.dir.join("latest.tmp");
+        write_synced(&latest_tmp, name.as_bytes())?;
+        std::fs::rename(&latest_tmp, self.dir.join("latest")).map_err(io(&self.dir))?;
+        self.remove_older_than(&name)?;
+        Ok(done)
+    }
+
+    /// The latest complete checkpoint's folder, if any.
+    pub fn latest(&self) -> Result<Option<PathBuf>> {
+        let pointer = self.dir.join("latest");
+        match std::fs::read_to_string(&pointer) {
+            Ok(name) => {
+                let folder = self.dir.join(name.trim());
+                if folder.is_dir() {
+                    Ok(Some(folder))
+                } else {
+                    Err(Error::Checkpoint(format!(
+                        "{} names {}, which is missing",
+                        pointer.display(),
+                        folder.display()
+                    )))
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(io(&pointer)(e)),
+        }
+    }
+
+    /// The loop state of checkpoint `folder`.
+    pub fn state(folder: &Path) -> Result<LoopState> {
+        let path = folder.join("state.json");
+        let text = std::fs::read(&path).map_err(io(&path))?;
+        serde_json::from_slice(&text).map_err(|source| Error::Json { path, source })
+    }
+
+    /// `model` (built from the same config) with the parameters, ids and biases of checkpoint
+    /// `folder`.
+    pub fn load_model<B: Backend>(
+        folder: &Path,
+        model: KimiForCausalLM<B>,
+        device: &B::Device,
+    ) -> Result<KimiForCausalLM<B>> {
+        model
+            .load_file(folder.join("model"), &Rec::new(), device)
+            .map_err(|e| record_error(folder, e))
+    }
+
+    /// `optim` with the state of checkpoint `folder` (for the model of
+    /// [`load_model`](Self::load_model): the states are keyed by parameter id).
+    pub fn load_optimizer<B, O>(folder: &Path, optim: O, device: &B::Device) -> Result<O>
+    where
+        B: AutodiffBackend,
+        O: Optimizer<KimiForCausalLM<B>, B>,
+    {
+        let record = Recorder::<B>::load(&Rec::new(), folder.join("optimizer"), device)
+            .map_err(|e| record_error(folder, e))?;
+        Ok(optim.load_record(record))
+    }
+
+    fn remove_older_than(&self, keep: &str) -> Result<()> {
+        for entry in std::fs::read_dir(&self.dir).map_err(io(&self.dir))? {
+            let entry = entry.map_err(io(&self.dir))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with("step-") && name.as_str() < keep {
+                let path = entry.path();
+                std::fs::remove_dir_all(&path).map_err(io(&path))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    std::fs::write(path, bytes).map_err(io(path))?;
+    sync_file(path)
+}
+
+fn sync_file(path: &Path) -> Result<()> {
+    std::fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(io(path))
+}
