@@ -7,6 +7,9 @@
 //! cargo run --release --example train_tiny -- --balancer none    # see experts die
 //! cargo run --release --example train_tiny -- --qat mxfp4 --init runs/train_tiny/model.safetensors \
 //!     --steps 150 --lr 3e-3 --out runs/qat                          # QAT fine-tune, as K3 from SFT on
+//! cargo run --release --example train_tiny -- --steps 600 --resume # continue a killed run
+//! cargo run --release --features collective --example train_tiny -- --devices 2 --batch 8
+//!                                                                 # data parallel, 2 replicas
 //! cargo run --release --example train_tiny -- --help
 //! ```
 //!
@@ -14,13 +17,16 @@
 //! `expert_load.png` (per step), `expert_load_window.png` (the last `--load-window` steps
 //! pooled), `model.safetensors` and `config.json` (loadable with
 //! `KimiForCausalLM::from_safetensors` and `KimiConfig::from_hf_config`); with `--qat`, also
-//! `model.mx.safetensors`, the experts' weights packed in MX storage.
+//! `model.mx.safetensors`, the experts' weights packed in MX storage. Every `--checkpoint-every`
+//! steps it writes `checkpoints/` (model, optimiser, data position), from which `--resume`
+//! continues a killed run bit for bit (`scripts/kill_resume.sh` checks it).
 
 #[path = "../common/font.rs"]
 mod font;
 #[cfg_attr(not(feature = "collective"), path = "no_parallel.rs")]
 mod parallel;
 mod plot;
+mod resume;
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
@@ -32,6 +38,7 @@ use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use kimi_burn::checkpoint::{Checkpoints, LoopState};
 use kimi_burn::config::hybrid_pattern;
 use kimi_burn::data::{
     accuracy_from_logits, Accuracy, ByteLm, Mqar, MqarFiller, Palindrome, SeededRng, Task,
@@ -239,6 +246,16 @@ struct Args {
     /// Quantisation-aware training of the routed experts (MX formats, design §9).
     #[arg(long, value_enum, default_value_t = Qat::None)]
     qat: Qat,
+    /// Write a checkpoint (model, optimiser state, balance biases, data position) into
+    /// `--out/checkpoints` after every N steps, keeping the latest only; 0: never. A kill leaves
+    /// the last complete one (see `kimi_burn::checkpoint`).
+    #[arg(long, default_value_t = 100)]
+    checkpoint_every: usize,
+    /// Continue the run in `--out` from its latest checkpoint, with the same options: it ends as
+    /// the uninterrupted run would (bit for bit on the CPU), and `metrics.csv` keeps the rows
+    /// before the checkpoint.
+    #[arg(long)]
+    resume: bool,
     /// Start from these weights (a `model.safetensors` of an earlier run with the same model
     /// options) instead of a random initialisation; the run first reports their test accuracy.
     #[arg(long)]
@@ -383,6 +400,14 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
             model
         }
     };
+    let model = if args.resume {
+        let folder = latest_checkpoint(&Checkpoints::new(args.out.join("checkpoints")))?;
+        let state = Checkpoints::state(&folder).map_err(|e| e.to_string())?;
+        println!("resuming from {} (step {})", folder.display(), state.step);
+        Checkpoints::load_model(&folder, model, &device).map_err(|e| e.to_string())?
+    } else {
+        model
+    };
     print_banner(args, &config);
     let Trained {
         model,
@@ -430,6 +455,19 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
 
     report(args, &rows, train_time, tokens_per_step, &test, labelled);
     Ok(())
+}
+
+/// `--resume`: the latest checkpoint under `--out`, or an error saying there is none.
+fn latest_checkpoint(checkpoints: &Checkpoints) -> Result<PathBuf, String> {
+    checkpoints
+        .latest()
+        .map_err(|e| format!("--resume: {e}"))?
+        .ok_or_else(|| {
+            format!(
+                "--resume: no checkpoint in {} (written every --checkpoint-every steps)",
+                checkpoints.dir().display()
+            )
+        })
 }
 
 /// What the reporting replica's training loop hands back.
@@ -480,30 +518,54 @@ fn train_loop<B: AutodiffBackend>(
         .init(&model, roles)
         .map_err(|e| e.to_string())?;
     let mut rng = SeededRng::new(args.seed);
-
+    let moe_layers = config.num_hidden_layers - config.first_k_dense_replace;
+    let mut csv = csv_header(moe_layers, args.reroute);
+    let mut recent_loads: Vec<VecDeque<Vec<u64>>> = vec![VecDeque::new(); moe_layers];
+    let mut rows = Vec::new();
+    let checkpoints = Checkpoints::new(args.out.join("checkpoints"));
+    let mut first_step = 0;
+    // Appended row by row as the run goes, so a run stopped early keeps its metrics.
+    let metrics_path = args.out.join("metrics.csv");
+    if args.resume {
+        let folder = latest_checkpoint(&checkpoints)?;
+        let state = Checkpoints::state(&folder).map_err(|e| e.to_string())?;
+        optim = Checkpoints::load_optimizer(&folder, optim, device).map_err(|e| e.to_string())?;
+        rng = state.rng();
+        first_step = state.step;
+        if reporting {
+            recent_loads = serde_json::from_value(state.extra["recent_loads"].clone())
+                .map_err(|e| format!("--resume: {}: {e}", folder.display()))?;
+            let (kept, before) =
+                resume::metrics_before(&metrics_path, &csv, first_step, moe_layers)?;
+            // Replaced in one rename, so a kill now still leaves the rows before the checkpoint.
+            let tmp = args.out.join("metrics.csv.tmp");
+            std::fs::write(&tmp, kept)
+                .and_then(|()| std::fs::rename(&tmp, &metrics_path))
+                .map_err(|e| format!("cannot write {}: {e}", metrics_path.display()))?;
+            csv.clear();
+            rows = before;
+        }
+    }
+    let mut metrics = if reporting {
+        let file = if args.resume {
+            std::fs::OpenOptions::new().append(true).open(&metrics_path)
+        } else {
+            std::fs::File::create(&metrics_path)
+        };
+        Some(file.map_err(|e| format!("cannot open {}: {e}", metrics_path.display()))?)
+    } else {
+        None
+    };
     let bar = if reporting {
         progress_bar(args.steps)?
     } else {
         ProgressBar::hidden()
     };
-    let moe_layers = config.num_hidden_layers - config.first_k_dense_replace;
-    // Appended row by row as the run goes, so a run stopped early keeps its metrics.
-    let metrics_path = args.out.join("metrics.csv");
-    let mut metrics = if reporting {
-        Some(
-            std::fs::File::create(&metrics_path)
-                .map_err(|e| format!("cannot create {}: {e}", metrics_path.display()))?,
-        )
-    } else {
-        None
-    };
-    let mut csv = csv_header(moe_layers, args.reroute);
-    let mut recent_loads: Vec<VecDeque<Vec<u64>>> = vec![VecDeque::new(); moe_layers];
-    let mut rows = Vec::new();
+    bar.set_position(first_step as u64);
     let started = Instant::now();
     let tokens_per_step = (args.batch * args.accum * replicas * task.seq_len()) as f64;
     let mut window = Accuracy::default();
-    for step in 0..args.steps {
+    for step in first_step..args.steps {
         let sequences = args.accum * replicas;
         let batch = match &short {
             Some(phase) if step < phase.steps => {
@@ -579,7 +641,8 @@ fn train_loop<B: AutodiffBackend>(
 
         window.correct += acc.correct;
         window.total += acc.total;
-        let tps = (step + 1) as f64 * tokens_per_step / started.elapsed().as_secs_f64();
+        let tps =
+            (step + 1 - first_step) as f64 * tokens_per_step / started.elapsed().as_secs_f64();
         let row = log_step(
             &mut csv,
             &mut recent_loads,
@@ -604,6 +667,16 @@ fn train_loop<B: AutodiffBackend>(
             window = Accuracy::default();
         }
         bar.inc(1);
+        if args.checkpoint_every > 0
+            && (step + 1) % args.checkpoint_every == 0
+            && step + 1 < args.steps
+        {
+            let mut state = LoopState::new(step + 1, &rng);
+            state.extra = serde_json::json!({ "recent_loads": recent_loads });
+            checkpoints
+                .save(&model, &optim, &state)
+                .map_err(|e| format!("checkpoint after step {}: {e}", step + 1))?;
+        }
     }
     bar.finish();
     let train_time = started.elapsed().as_secs_f64();
@@ -741,6 +814,11 @@ fn check_args(args: &Args) -> Result<(), String> {
             "--steps, --batch, --accum and --devices must be positive, got {}, {}, {} and {}",
             args.steps, args.batch, args.accum, args.devices
         ));
+    }
+    if args.resume && args.init.is_some() {
+        return Err(
+            "--resume continues from the checkpoint, --init starts afresh: not both".into(),
+        );
     }
     if args.check_replicas && args.devices == 1 {
         return Err("--check-replicas compares the replicas of --devices N > 1".into());
