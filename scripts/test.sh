@@ -29,7 +29,13 @@ fi
 # it after each backward, and a prune racing another thread's graph construction can drop a node
 # that thread still needs (seen as a missing parameter gradient in a parallel run). Setting
 # RUST_TEST_THREADS overrides this.
-RUST_TEST_THREADS="${RUST_TEST_THREADS:-1}" cargo test --workspace --features wgpu,autodiff,tokenizer "$@"
+features=wgpu,autodiff,tokenizer,collective
+RUST_TEST_THREADS="${RUST_TEST_THREADS:-1}" cargo test --workspace --features "$features" "$@"
+
+# Data parallelism over two processes (burn-collective's global mode, its orchestrator on
+# localhost): both nodes must end with the same parameters and biases as two replicas in one
+# process. Built with the test build's features and profile, so it reuses its dependencies.
+PROFILE=dev FEATURES="$features" scripts/two_process.sh
 
 # Both crates as crates.io would receive them: `cargo package` packs each (kimi-burn depends on the
 # packed kimi-burn-kernels by version) and builds the packed sources with default features.

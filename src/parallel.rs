@@ -67,6 +67,8 @@ pub struct Peer<B: AutodiffBackend> {
     id: PeerId,
     replicas: usize,
     device: B::Device,
+    /// Global mode: the configuration each operation registers with (see [`Peer::global`]).
+    global: Option<CollectiveConfig>,
 }
 
 /// What [`Peer::sync`] returns.
@@ -97,9 +99,10 @@ impl<B: AutodiffBackend> Peer<B> {
         Self::register(index, peers, device, config)
     }
 
-    /// Registers local peer `index` of `peers` in this process as part of node `setup.node` of
-    /// `setup.nodes` (every node must run the same number of peers). Blocks until every peer of
-    /// every node has registered with the orchestrator.
+    /// Local peer `index` of `peers` in this process as part of node `setup.node` of
+    /// `setup.nodes` (every node must run the same number of peers). Each operation registers
+    /// with the orchestrator and blocks until every peer of every node has (see
+    /// [`all_reduce_sum`](Self::all_reduce_sum)).
     pub fn global(
         index: usize,
         peers: usize,
@@ -123,12 +126,13 @@ impl<B: AutodiffBackend> Peer<B> {
             .with_global_address(address("orchestrator", &setup.orchestrator)?)
             .with_node_address(address("node_address", &setup.node_address)?)
             .with_data_service_port(setup.data_port);
-        Self::register(
-            setup.node * peers + index,
-            peers * setup.nodes,
-            device,
-            config,
-        )
+        // Registered per operation (see `all_reduce_sum`).
+        Ok(Self {
+            id: PeerId::from(setup.node * peers + index),
+            replicas: peers * setup.nodes,
+            device: device.clone(),
+            global: Some(config),
+        })
     }
 
     fn register(
@@ -144,6 +148,7 @@ impl<B: AutodiffBackend> Peer<B> {
             id,
             replicas,
             device: device.clone(),
+            global: None,
         })
     }
 
@@ -158,17 +163,30 @@ impl<B: AutodiffBackend> Peer<B> {
     }
 
     /// The element-wise sum of `tensor` over all replicas (one all-reduce).
+    ///
+    /// In global mode each call is a session of its own (register, all-reduce, leave):
+    /// burn-collective 0.21's nodes complete only one global all-reduce per session (after the
+    /// first, `SyncService::sync` keeps the peers of the previous sync and never sees the next
+    /// one complete), so a fresh session per operation is what works.
     pub fn all_reduce_sum(
         &self,
         tensor: Tensor<B::InnerBackend, 1>,
     ) -> Result<Tensor<B::InnerBackend, 1>> {
+        if let Some(config) = &self.global {
+            collective::register::<B::InnerBackend>(self.id, self.device.clone(), config.clone())
+                .map_err(|e| collective_error("register", e))?;
+        }
         let summed = collective::all_reduce::<B::InnerBackend>(
             self.id,
             tensor.into_primitive().tensor(),
             ReduceOperation::Sum,
         )
-        .map_err(|e| collective_error("all-reduce", e))?;
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(summed)))
+        .map_err(|e| collective_error("all-reduce", e));
+        if self.global.is_some() {
+            collective::finish_collective::<B::InnerBackend>(self.id)
+                .map_err(|e| collective_error("finish", e))?;
+        }
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(summed?)))
     }
 
     /// The global step of data parallelism, in one all-reduce: sums `grads` (this replica's, of
@@ -326,6 +344,9 @@ impl<B: AutodiffBackend> Peer<B> {
 
     /// Leaves the collective (every peer of the collective should, once it is done).
     pub fn finish(self) -> Result<()> {
+        if self.global.is_some() {
+            return Ok(()); // each operation left already
+        }
         collective::finish_collective::<B::InnerBackend>(self.id)
             .map_err(|e| collective_error("finish", e))
     }

@@ -184,6 +184,21 @@ struct Args {
     /// biases (a digest compared by one more small all-reduce); stop with an error if not.
     #[arg(long)]
     check_replicas: bool,
+    /// Processes (nodes) training together through burn-collective's global mode, each with
+    /// --devices replicas; start `examples/orchestrator` first (`scripts/two_process.sh` runs two
+    /// on localhost). Every node writes the same results into its own --out.
+    #[arg(long, default_value_t = 1)]
+    nodes: usize,
+    /// This process's index among the --nodes.
+    #[arg(long, default_value_t = 0)]
+    node: usize,
+    /// With --nodes: the orchestrator's address.
+    #[arg(long, default_value = "ws://localhost:3000")]
+    orchestrator: String,
+    /// With --nodes: the address the other nodes reach this one at (its port serves this node's
+    /// tensors); default `ws://localhost:` followed by 3001 + --node.
+    #[arg(long)]
+    node_address: Option<String>,
     /// Tokens per sequence (palindrome: twice the reversed length).
     #[arg(long, default_value_t = 256)]
     seq_len: usize,
@@ -413,12 +428,13 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
         model,
         rows,
         train_time,
-    } = if devices.len() == 1 {
+    } = if devices.len() * args.nodes == 1 {
         train_loop(args, model, &device, None)?.ok_or("the only replica reports")?
     } else {
         parallel::train_replicas(args, &model, &devices)?
     };
-    let tokens_per_step = (args.batch * args.accum * args.devices * task.seq_len()) as f64;
+    let tokens_per_step =
+        (args.batch * args.accum * args.devices * args.nodes * task.seq_len()) as f64;
     let mut test_rng = test_rng_of(args);
 
     // Held-out sequences, evaluated without autodiff.
@@ -479,8 +495,12 @@ struct Trained<B: AutodiffBackend> {
 
 /// One replica's data-parallel membership in the training loop (see `parallel.rs`).
 struct Replication<B: AutodiffBackend> {
+    /// This replica's index among all replicas (its shard of the global batch).
     rank: usize,
+    /// Replicas in all processes.
     replicas: usize,
+    /// Whether this replica logs and writes `--out`: the first of each process.
+    reports: bool,
     /// Sums the gradients, the balance counts and the given values over the replicas.
     sync: SyncFn<B>,
     /// `--check-replicas`: errors unless every replica holds the same parameters and biases.
@@ -507,8 +527,9 @@ fn train_loop<B: AutodiffBackend>(
 ) -> Result<Option<Trained<B>>, String> {
     let task = make_task(args)?;
     let short = short_phase(args)?;
-    let (rank, replicas) = dp.as_ref().map_or((0, 1), |d| (d.rank, d.replicas));
-    let reporting = rank == 0;
+    let (rank, replicas, reporting) = dp
+        .as_ref()
+        .map_or((0, 1, true), |d| (d.rank, d.replicas, d.reports));
     let config = model.config().clone();
     let roles = match args.optimiser {
         Optimiser::Muon => model.param_roles(),
@@ -715,8 +736,8 @@ fn print_banner(args: &Args, config: &KimiConfig) {
         if args.accum > 1 {
             batch += &format!(" × {} micro-batches", args.accum);
         }
-        if args.devices > 1 {
-            batch += &format!(" × {} replicas", args.devices);
+        if args.devices * args.nodes > 1 {
+            batch += &format!(" × {} replicas", args.devices * args.nodes);
         }
         println!(
             "MQAR: vocabulary {}, {} tokens, {} pairs, {filler}; {batch}, {} steps, lr {}",
@@ -820,8 +841,14 @@ fn check_args(args: &Args) -> Result<(), String> {
             "--resume continues from the checkpoint, --init starts afresh: not both".into(),
         );
     }
-    if args.check_replicas && args.devices == 1 {
-        return Err("--check-replicas compares the replicas of --devices N > 1".into());
+    if args.nodes == 0 || args.node >= args.nodes {
+        return Err(format!(
+            "--node {} of --nodes {}: needs 0 <= node < nodes",
+            args.node, args.nodes
+        ));
+    }
+    if args.check_replicas && args.devices * args.nodes == 1 {
+        return Err("--check-replicas compares the replicas of --devices or --nodes > 1".into());
     }
     if !(args.lr.is_finite() && args.lr > 0.0) {
         return Err(format!("--lr must be finite and positive, got {}", args.lr));
