@@ -10,6 +10,8 @@ pub mod config;
 pub mod data;
 pub mod error;
 pub mod generate;
+#[cfg(feature = "learner")]
+pub mod learner;
 pub mod model;
 pub mod nn;
 pub mod ops;

@@ -1,4 +1,5 @@
-//! `--devices N` without the crate feature `collective`: an error that says how to build it.
+//! `--devices N` / `--nodes N` without the crate feature `collective`: an error that says how to
+//! build it.
 
 use burn::tensor::backend::AutodiffBackend;
 use kimi_burn::model::KimiForCausalLM;
@@ -7,14 +8,14 @@ use crate::{Args, Trained};
 
 /// Always an error: data parallelism needs burn-collective.
 pub(crate) fn train_replicas<B: AutodiffBackend>(
-    _: &Args,
+    args: &Args,
     _: &KimiForCausalLM<B>,
     devices: &[B::Device],
 ) -> Result<Trained<B>, String> {
     Err(format!(
-        "--devices {} needs the crate feature `collective`: \
-         cargo run --release --features collective --example train_tiny -- --devices {}",
+        "--devices {} / --nodes {} need the crate feature `collective`: \
+         cargo run --release --features collective --example train_tiny -- …",
         devices.len(),
-        devices.len()
+        args.nodes
     ))
 }

@@ -17,6 +17,8 @@ mod kernels_kda;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod kernels_moe;
 mod layout;
+#[cfg(feature = "learner")]
+mod learner;
 mod mla;
 mod model;
 mod moe;

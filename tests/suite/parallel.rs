@@ -46,20 +46,29 @@ fn run_peers<T: Send + 'static>(
     out
 }
 
-/// The equivalence check: two peers on batches of 8 (gradients and QB histograms summed
-/// by one all-reduce per step) and one device on the same 16 sequences give the same losses,
-/// parameters (through held-out logits) and balance biases after 5 steps. The two differ only in
-/// the order of f32 sums, as gradient accumulation does (`train::micro_batches_...`), so the same
-/// 1e-4 relative tolerance applies. The two peers agree bit for bit with each other (checked every
-/// step by `Peer::check_replicas`, and on the logits at the end).
+/// Data parallelism changes nothing but where the micro-batches run. From one start, 5 steps of
+/// MQAR with 16 sequences per step:
+///
+/// - **2 peers × 8** (gradients, QB histograms and metrics summed by one all-reduce per step) and
+///   **1 device × 2 micro-batches of 8** (`accumulate_gradients`) run the same forwards and add the
+///   same two gradients: losses, parameters (through held-out logits) and balance biases are
+///   equal bit for bit, and the two peers agree bit for bit (`Peer::check_replicas` every step).
+/// - Against **1 device × 16** they differ only in the order of f32 sums (the weight gradients
+///   sum 16 rows in one matmul or in two), so losses agree within 1e-5 relative and parameters
+///   and biases within 1e-4 — as long as every token is routed alike. A token whose top-k or QB
+///   bin sits within rounding of a tie can flip after the first optimiser step; from the first
+///   step whose expert loads differ the runs are no longer comparable at these tolerances (with
+///   some initialisations this happens at step 2). The comparison therefore covers the steps
+///   before any flip, at least the first two, and the final parameters only without a flip.
 #[test]
 fn two_peers_train_like_one_device_on_their_whole_batch() {
     let device = Default::default();
     let (task, config) = small_mqar();
-    let mut single = identical_models::<B>(&config, &device, 1)
+    let mut whole = identical_models::<B>(&config, &device, 1)
         .pop()
         .expect("a model");
-    let replicas = vec![single.replica(&device), single.replica(&device)];
+    let mut micro = whole.replica(&device);
+    let replicas = vec![whole.replica(&device), whole.replica(&device)];
     let steps = 5;
     let lr = 1e-2;
     let optim = |model: &KimiForCausalLM<B>| {
@@ -68,80 +77,113 @@ fn two_peers_train_like_one_device_on_their_whole_batch() {
             .expect("per-head Muon roles")
     };
 
-    let peers = run_peers(replicas, move |peer, mut model| {
+    // Per step: the loss and every MoE layer's expert loads, then the trained model.
+    type Run = (Vec<(f64, Vec<Vec<u64>>)>, KimiForCausalLM<B>);
+    let peers: Vec<Run> = run_peers(replicas, move |peer, mut model| {
         let device = Default::default();
         let (task, _) = small_mqar();
         let mut optim = optim(&model);
         let mut rng = SeededRng::new(11);
-        let mut losses = Vec::new();
+        let mut log = Vec::new();
         for _ in 0..steps {
             let global = task.sample_batch(16, &mut rng);
             let mine = &global.split(peer.replicas()).expect("16 = 2 x 8")[peer.rank()];
             let step =
                 accumulate_gradients(&model, mine, 1, global.scored(), &device).expect("a step");
-            let synced = peer
-                .sync(&model, step.grads, &[step.loss as f32])
-                .expect("all-reduce");
+            let mut extra = vec![step.loss as f32];
+            extra.extend(step.loads.iter().flatten().map(|&l| l as f32));
+            let synced = peer.sync(&model, step.grads, &extra).expect("all-reduce");
             assert_eq!(synced.replicas, 2);
-            losses.push(f64::from(synced.extra[0]));
+            let loads = step
+                .loads
+                .iter()
+                .scan(1, |at, layer| {
+                    let pooled = synced.extra[*at..*at + layer.len()]
+                        .iter()
+                        .map(|&c| c as u64)
+                        .collect::<Vec<_>>();
+                    *at += layer.len();
+                    Some(pooled)
+                })
+                .collect();
+            log.push((f64::from(synced.extra[0]), loads));
             model = optim.step(lr, model, synced.grads);
             model.update_balance();
             peer.check_replicas(&model).expect("replicas agree");
         }
         peer.finish().expect("finish");
-        (losses, model)
+        (log, model)
     });
 
-    let mut optim_single = optim(&single);
+    let (mut whole_optim, mut micro_optim) = (optim(&whole), optim(&micro));
     let mut rng = SeededRng::new(11);
-    let mut losses = Vec::new();
+    let (mut whole_log, mut micro_log) = (Vec::new(), Vec::new());
     for _ in 0..steps {
         let batch = task.sample_batch(16, &mut rng);
         let (inputs, targets) = batch.to_tensors::<B>(&device);
-        let loss = masked_cross_entropy(single.forward(inputs), targets);
-        losses.push(loss.clone().into_scalar().elem::<f64>());
-        let grads = GradientsParams::from_grads(loss.backward(), &single);
-        single = optim_single.step(lr, single, grads);
-        single.update_balance();
+        let out = whole.try_forward(inputs, None, None).expect("forward");
+        let loads: Vec<Vec<u64>> = out
+            .moe_stats
+            .iter()
+            .map(|s| s.tokens_per_expert.clone())
+            .collect();
+        let loss = masked_cross_entropy(out.logits, targets);
+        whole_log.push((loss.clone().into_scalar().elem::<f64>(), loads));
+        let grads = GradientsParams::from_grads(loss.backward(), &whole);
+        whole = whole_optim.step(lr, whole, grads);
+        whole.update_balance();
+
+        let step =
+            accumulate_gradients(&micro, &batch, 2, batch.scored(), &device).expect("a step");
+        micro_log.push((step.loss as f32, step.loads));
+        micro = micro_optim.step(lr, micro, step.grads);
+        micro.update_balance();
     }
 
     let held_out = task.sample_batch(8, &mut SeededRng::new(12));
     let (inputs, _) = held_out.to_tensors::<B>(&device);
     let logits = |m: &KimiForCausalLM<B>| host(m.valid().forward(inputs.clone().inner()));
-    let want = logits(&single);
     let biases = |m: &KimiForCausalLM<B>| -> Vec<f64> {
         moe_biases(m).into_iter().flatten().map(f64::from).collect()
     };
     assert!(
-        biases(&single).iter().any(|&b| b != 0.0),
+        biases(&micro).iter().any(|&b| b != 0.0),
         "QB moved the biases"
     );
-    for (p, (peer_losses, model)) in peers.iter().enumerate() {
-        for (step, (a, b)) in losses.iter().zip(peer_losses).enumerate() {
-            assert!(
-                (a - b).abs() <= 1e-5 * a,
-                "peer {p}, step {step}: loss {b} vs one device's {a}"
-            );
+    for (p, (log, model)) in peers.iter().enumerate() {
+        // Bit for bit against the micro-batches on one device.
+        for (step, ((loss, loads), (micro_loss, micro_loads))) in
+            log.iter().zip(&micro_log).enumerate()
+        {
+            assert_eq!(*loss as f32, *micro_loss, "peer {p}, step {step}: loss");
+            assert_eq!(loads, micro_loads, "peer {p}, step {step}: expert loads");
         }
-        assert_close(
-            &format!("peer {p}'s held-out logits"),
-            &want,
-            &logits(model),
-            1e-4,
-        );
-        assert_close(
-            &format!("peer {p}'s biases"),
-            &biases(&single),
-            &biases(model),
-            1e-4,
+        assert_eq!(logits(model), logits(&micro), "peer {p}: parameters");
+        assert_eq!(biases(model), biases(&micro), "peer {p}: balance biases");
+    }
+    // Within reduction-order tolerance of the whole batch, up to the first routing flip.
+    let (log, model) = &peers[0];
+    let flip = log
+        .iter()
+        .zip(&whole_log)
+        .position(|((_, a), (_, b))| a != b)
+        .unwrap_or(steps);
+    assert!(
+        flip >= 2,
+        "the routing differs from the whole batch's at step {flip}"
+    );
+    for (step, ((loss, _), (whole_loss, _))) in log.iter().zip(&whole_log).take(flip).enumerate() {
+        assert!(
+            (loss - whole_loss).abs() <= 1e-5 * whole_loss,
+            "step {step}: loss {loss} vs one device's {whole_loss}"
         );
     }
-    assert_eq!(
-        logits(&peers[0].1),
-        logits(&peers[1].1),
-        "the peers agree bit for bit"
-    );
-    assert_eq!(biases(&peers[0].1), biases(&peers[1].1));
+    if flip == steps {
+        assert_close("held-out logits", &logits(&whole), &logits(model), 1e-4);
+        assert_close("balance biases", &biases(&whole), &biases(model), 1e-4);
+    } else {
+        eprintln!("a token's routing flipped at step {flip}; compared steps 0..{flip}");
+    }
 }
 
 /// A peer that routed with another bias, or that trained a parameter the other did not, makes

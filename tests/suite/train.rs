@@ -103,7 +103,10 @@ fn two_hundred_steps_of_mqar_cut_the_loss() {
 /// update, give the same training as one batch of all 16: losses, every parameter (through the
 /// logits on held-out data) and every MoE layer's bias after 5 steps. The two differ only in the
 /// order of f32 sums (the weight gradients sum 16 sequences in one matmul or in two), so the
-/// comparison allows 1e-4 relative.
+/// comparison allows 1e-5 (losses) and 1e-4 (parameters, biases) relative, as long as every
+/// token is routed alike: from the first step whose expert loads differ (a token within rounding
+/// of a routing tie, which some initialisations reach at step 2) the runs are compared no further
+/// (`parallel::two_peers_...` explains).
 #[test]
 fn micro_batches_train_like_their_whole_batch() {
     use burn::optim::GradientsAccumulator;
@@ -120,11 +123,17 @@ fn micro_batches_train_like_their_whole_batch() {
     let mut whole = models.pop().expect("two models");
     let (mut whole_optim, mut micro_optim) = (optim(&whole), optim(&micro));
     let mut rng = SeededRng::new(11);
+    let loads_of = |stats: &[kimi_burn::nn::MoeStats]| -> Vec<Vec<u64>> {
+        stats.iter().map(|s| s.tokens_per_expert.clone()).collect()
+    };
+    let mut flip = None;
     for step in 0..5 {
         let batch = task.sample_batch(16, &mut rng);
         let lr = 1e-2;
         let (inputs, targets) = batch.to_tensors::<B>(&device);
-        let loss = masked_cross_entropy(whole.forward(inputs), targets);
+        let out = whole.try_forward(inputs, None, None).expect("forward");
+        let whole_loads = loads_of(&out.moe_stats);
+        let loss = masked_cross_entropy(out.logits, targets);
         let whole_loss = loss.clone().into_scalar().elem::<f64>();
         let grads = GradientsParams::from_grads(loss.backward(), &whole);
         whole = whole_optim.step(lr, whole, grads);
@@ -132,20 +141,38 @@ fn micro_batches_train_like_their_whole_batch() {
 
         let mut acc = GradientsAccumulator::new();
         let mut micro_loss = 0.0;
+        let mut micro_loads = vec![vec![0; 8]; 3];
         let parts = batch.split(2).expect("16 = 2 x 8");
         for part in &parts {
             let w = part.scored() as f64 / batch.scored() as f64;
             let (inputs, targets) = part.to_tensors::<B>(&device);
-            let loss = masked_cross_entropy(micro.forward(inputs), targets).mul_scalar(w);
+            let out = micro.try_forward(inputs, None, None).expect("forward");
+            for (pooled, layer) in micro_loads.iter_mut().zip(loads_of(&out.moe_stats)) {
+                pooled.iter_mut().zip(layer).for_each(|(p, l)| *p += l);
+            }
+            let loss = masked_cross_entropy(out.logits, targets).mul_scalar(w);
             micro_loss += loss.clone().into_scalar().elem::<f64>();
             acc.accumulate(&micro, GradientsParams::from_grads(loss.backward(), &micro));
         }
         micro = micro_optim.step(lr, micro, acc.grads());
         micro.update_balance();
-        assert!(
-            (whole_loss - micro_loss).abs() <= 1e-5 * whole_loss,
-            "step {step}: loss {whole_loss} vs {micro_loss}"
-        );
+        if flip.is_none() && micro_loads != whole_loads {
+            flip = Some(step);
+        }
+        if flip.is_none() {
+            assert!(
+                (whole_loss - micro_loss).abs() <= 1e-5 * whole_loss,
+                "step {step}: loss {whole_loss} vs {micro_loss}"
+            );
+        }
+    }
+    assert!(
+        flip.is_none_or(|s| s >= 2),
+        "the routing differs from the whole batch's at step {flip:?}"
+    );
+    if flip.is_some() {
+        eprintln!("a token's routing flipped at step {flip:?}; parameters not compared");
+        return;
     }
     let held_out = task.sample_batch(8, &mut SeededRng::new(12));
     let (inputs, _) = held_out.to_tensors::<B>(&device);
