@@ -1,0 +1,348 @@
+//! The causal LM in Burn's `Learner` (burn-train; feature `learner`): [`TrainStep`] and
+//! [`InferenceStep`] for [`KimiForCausalLM`], a dataset and a batcher for the synthetic tasks,
+//! and burn-train metrics for the recall accuracy and the MoE layers' expert load.
+//!
+//! The balance update sits in the train step: [`TrainStep::optimize`] applies the optimiser and
+//! then [`update_balance`](KimiForCausalLM::update_balance), so with burn-train's gradient
+//! accumulation the QB histograms pool over every micro-batch of the step, as on one device with
+//! [`accumulate_gradients`](crate::train::accumulate_gradients).
+//!
+//! burn-train's DDP strategy is not offered here: in Burn 0.21 it needs Burn's `distributed`
+//! feature, under which `Autodiff<B>` is an autodiff backend only for backends with a
+//! `DistributedBackend` (CUDA through NCCL), so a build with it cannot train on the CPU backend at
+//! all. Data parallelism on every backend is `kimi_burn::parallel` (feature `collective`);
+//! `docs/scaling.md` §5 has the details.
+
+use std::sync::Arc;
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::Dataset;
+use burn::module::AutodiffModule;
+use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Int, Tensor, TensorData};
+use burn::train::metric::state::{FormatOptions, NumericMetricState};
+use burn::train::metric::{
+    Adaptor, ItemLazy, LossInput, Metric, MetricAttributes, MetricMetadata, MetricName, Numeric,
+    NumericAttributes, NumericEntry, SerializedEntry,
+};
+use burn::train::{InferenceStep, TrainOutput, TrainStep};
+
+use crate::data::{accuracy_from_logits, masked_cross_entropy, Accuracy, SeededRng, Task};
+use crate::model::KimiForCausalLM;
+use crate::nn::MoeStats;
+
+/// One sequence of a synthetic task: inputs and targets (`IGNORE_INDEX` where nothing is scored).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sequence {
+    /// Input tokens.
+    pub inputs: Vec<i64>,
+    /// Target tokens.
+    pub targets: Vec<i64>,
+}
+
+/// `len` sequences of a [`Task`], sequence `i` drawn from its own generator (seeded by `seed`
+/// and `i`), so any item can be read in any order and a dataset with the same seed is the same
+/// data.
+#[derive(Debug, Clone)]
+pub struct TaskDataset<T> {
+    task: Arc<T>,
+    len: usize,
+    seed: u64,
+}
+
+impl<T: Task> TaskDataset<T> {
+    /// `len` sequences of `task` for `seed`.
+    pub fn new(task: T, len: usize, seed: u64) -> Self {
+        Self {
+            task: Arc::new(task),
+            len,
+            seed,
+        }
+    }
+}
+
+impl<T: Task + Send + Sync> Dataset<Sequence> for TaskDataset<T> {
+    fn get(&self, index: usize) -> Option<Sequence> {
+        if index >= self.len {
+            return None;
+        }
+        // SplitMix64 decorrelates nearby seeds, so seed + index is a stream of its own.
+        let mut rng = SeededRng::new(self.seed.wrapping_add(index as u64));
+        let batch = self.task.sample_batch(1, &mut rng);
+        Some(Sequence {
+            inputs: batch.inputs,
+            targets: batch.targets,
+        })
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// A batch of sequences on the device, `[batch, seq]` each.
+#[derive(Debug, Clone)]
+pub struct LmBatch<B: Backend> {
+    /// Input tokens.
+    pub inputs: Tensor<B, 2, Int>,
+    /// Target tokens.
+    pub targets: Tensor<B, 2, Int>,
+}
+
+/// Stacks [`Sequence`]s of one length into an [`LmBatch`].
+///
+/// # Panics
+/// When the sequences differ in length (burn-train's `Batcher` cannot return an error; the
+/// datasets of this module never mix lengths).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LmBatcher;
+
+impl<B: Backend> Batcher<B, Sequence, LmBatch<B>> for LmBatcher {
+    fn batch(&self, items: Vec<Sequence>, device: &B::Device) -> LmBatch<B> {
+        let seq = items.first().map_or(0, |s| s.inputs.len());
+        assert!(
+            items
+                .iter()
+                .all(|s| s.inputs.len() == seq && s.targets.len() == seq),
+            "LmBatcher: sequences of different lengths in one batch"
+        );
+        let shape = [items.len(), seq];
+        let inputs: Vec<i64> = items
+            .iter()
+            .flat_map(|s| s.inputs.iter().copied())
+            .collect();
+        let targets: Vec<i64> = items.into_iter().flat_map(|s| s.targets).collect();
+        LmBatch {
+            inputs: Tensor::from_data(TensorData::new(inputs, shape), device),
+            targets: Tensor::from_data(TensorData::new(targets, shape), device),
+        }
+    }
+}
+
+/// What a train or validation step reports to burn-train's metrics.
+#[derive(Debug, Clone)]
+pub struct LmOutput<B: Backend> {
+    /// The batch's mean cross-entropy over scored targets, `[1]`.
+    pub loss: Tensor<B, 1>,
+    /// Arg-max accuracy on the scored targets.
+    pub accuracy: Accuracy,
+    /// Per MoE layer, the batch's expert-load statistics.
+    pub moe_stats: Vec<MoeStats>,
+}
+
+/// The backend the metrics read from (as burn-train's own outputs do): the same metric then
+/// serves training (an autodiff backend) and validation (its inner backend).
+pub type MetricBackend = burn::backend::Flex;
+
+impl<B: Backend> ItemLazy for LmOutput<B> {
+    type ItemSync = LmOutput<MetricBackend>;
+
+    fn sync(self) -> LmOutput<MetricBackend> {
+        LmOutput {
+            loss: Tensor::from_data(self.loss.into_data(), &Default::default()),
+            accuracy: self.accuracy,
+            moe_stats: self.moe_stats,
+        }
+    }
+}
+
+impl<B: Backend> Adaptor<LossInput<B>> for LmOutput<B> {
+    fn adapt(&self) -> LossInput<B> {
+        LossInput::new(self.loss.clone())
+    }
+}
+
+impl<B: Backend> Adaptor<RecallInput> for LmOutput<B> {
+    fn adapt(&self) -> RecallInput {
+        RecallInput(self.accuracy)
+    }
+}
+
+impl<B: Backend> Adaptor<ExpertLoadInput> for LmOutput<B> {
+    fn adapt(&self) -> ExpertLoadInput {
+        ExpertLoadInput {
+            max_violation: self.moe_stats.iter().map(|s| s.max_violation).collect(),
+        }
+    }
+}
+
+/// The forward, loss and accuracy of one batch.
+fn forward<B: Backend>(
+    model: &KimiForCausalLM<B>,
+    batch: LmBatch<B>,
+) -> (Tensor<B, 1>, LmOutput<B>) {
+    let targets: Vec<i64> = batch.targets.clone().into_data().iter::<i64>().collect();
+    let out = model
+        .try_forward(batch.inputs, None, None)
+        .unwrap_or_else(|e| panic!("kimi-burn learner step: {e}"));
+    let accuracy = accuracy_from_logits(out.logits.clone(), &targets)
+        .unwrap_or_else(|e| panic!("kimi-burn learner step: {e}"));
+    let loss = masked_cross_entropy(out.logits, batch.targets);
+    let output = LmOutput {
+        loss: loss.clone(),
+        accuracy,
+        moe_stats: out.moe_stats,
+    };
+    (loss, output)
+}
+
+/// # Panics
+/// On a token outside the vocabulary (burn-train's steps cannot return an error).
+impl<B: AutodiffBackend> TrainStep for KimiForCausalLM<B> {
+    type Input = LmBatch<B>;
+    type Output = LmOutput<B>;
+
+    fn step(&self, batch: LmBatch<B>) -> TrainOutput<LmOutput<B>> {
+        let (loss, mut output) = forward(self, batch);
+        let grads = loss.backward();
+        output.loss = output.loss.detach();
+        TrainOutput::new(self, grads, output)
+    }
+
+    /// The optimiser step, then the balance update of every MoE layer (once per optimiser step,
+    /// after all accumulated micro-batches).
+    fn optimize<B2, O>(self, optim: &mut O, lr: f64, grads: GradientsParams) -> Self
+    where
+        B2: AutodiffBackend,
+        O: Optimizer<Self, B2>,
+        Self: AutodiffModule<B2>,
+    {
+        let model = optim.step(lr, self, grads);
+        model.update_balance();
+        model
+    }
+}
+
+/// # Panics
+/// On a token outside the vocabulary.
+impl<B: Backend> InferenceStep for KimiForCausalLM<B> {
+    type Input = LmBatch<B>;
+    type Output = LmOutput<B>;
+
+    fn step(&self, batch: LmBatch<B>) -> LmOutput<B> {
+        forward(self, batch).1
+    }
+}
+
+/// Input of [`RecallMetric`].
+#[derive(Debug, Clone, Copy)]
+pub struct RecallInput(pub Accuracy);
+
+/// Arg-max accuracy on the scored targets (the recall of MQAR), in percent.
+#[derive(Clone)]
+pub struct RecallMetric {
+    name: MetricName,
+    state: NumericMetricState,
+}
+
+impl Default for RecallMetric {
+    fn default() -> Self {
+        Self {
+            name: Arc::new("Recall accuracy".into()),
+            state: NumericMetricState::default(),
+        }
+    }
+}
+
+impl Metric for RecallMetric {
+    type Input = RecallInput;
+
+    fn name(&self) -> MetricName {
+        self.name.clone()
+    }
+
+    fn update(&mut self, item: &RecallInput, _: &MetricMetadata) -> SerializedEntry {
+        let RecallInput(acc) = item;
+        self.state.update(
+            100.0 * acc.fraction().unwrap_or(0.0),
+            acc.total.max(1),
+            FormatOptions::new(self.name()).unit("%").precision(2),
+        )
+    }
+
+    fn clear(&mut self) {
+        self.state.reset();
+    }
+
+    fn attributes(&self) -> MetricAttributes {
+        NumericAttributes {
+            unit: Some("%".into()),
+            higher_is_better: true,
+        }
+        .into()
+    }
+}
+
+impl Numeric for RecallMetric {
+    fn value(&self) -> NumericEntry {
+        self.state.current_value()
+    }
+
+    fn running_value(&self) -> NumericEntry {
+        self.state.running_value()
+    }
+}
+
+/// Input of [`ExpertLoadMetric`]: each MoE layer's max violation on the batch.
+#[derive(Debug, Clone)]
+pub struct ExpertLoadInput {
+    /// `max_j load_j / mean_load − 1` per MoE layer.
+    pub max_violation: Vec<f32>,
+}
+
+/// The expert load of the MoE layers: the largest max violation over the layers
+/// (`max_j load_j / mean_load − 1`, 0 for a perfect balance; design §2), per batch.
+#[derive(Clone)]
+pub struct ExpertLoadMetric {
+    name: MetricName,
+    state: NumericMetricState,
+}
+
+impl Default for ExpertLoadMetric {
+    fn default() -> Self {
+        Self {
+            name: Arc::new("Expert load (max violation)".into()),
+            state: NumericMetricState::default(),
+        }
+    }
+}
+
+impl Metric for ExpertLoadMetric {
+    type Input = ExpertLoadInput;
+
+    fn name(&self) -> MetricName {
+        self.name.clone()
+    }
+
+    fn update(&mut self, item: &ExpertLoadInput, _: &MetricMetadata) -> SerializedEntry {
+        let worst = item.max_violation.iter().copied().fold(0.0f32, f32::max);
+        self.state.update(
+            f64::from(worst),
+            1,
+            FormatOptions::new(self.name()).precision(3),
+        )
+    }
+
+    fn clear(&mut self) {
+        self.state.reset();
+    }
+
+    fn attributes(&self) -> MetricAttributes {
+        NumericAttributes {
+            unit: None,
+            higher_is_better: false,
+        }
+        .into()
+    }
+}
+
+impl Numeric for ExpertLoadMetric {
+    fn value(&self) -> NumericEntry {
+        self.state.current_value()
+    }
+
+    fn running_value(&self) -> NumericEntry {
+        self.state.running_value()
+    }
+}
