@@ -1,14 +1,14 @@
 //! Data-parallel training on Burn's collective operations (feature `collective`; design §3,
 //! `docs/scaling.md`).
 //!
-//! Every replica holds a full copy of the model ([`KimiForCausalLM::replica`]) and its own
+//! Every replica holds a full copy of the model ([`KimiForCausalLM::replica`](crate::model::KimiForCausalLM::replica)) and its own
 //! optimiser, trains on its shard of the global batch, and once per step hands its gradients to
 //! [`Peer::sync`]. That is **one** `burn-collective` all-reduce (`Sum`) of a single f32 tensor on
 //! the device: every gradient flattened, a presence flag per parameter, the summed
 //! [balance packet](crate::balance_sync) of every MoE layer, and a few caller values (the loss,
 //! accuracy counts, expert loads). Afterwards every replica holds the global gradients and the
 //! global QB histograms, so the optimiser step and
-//! [`update_balance`](KimiForCausalLM::update_balance) give the same parameters and the same bias
+//! [`update_balance`](crate::model::KimiForCausalLM::update_balance) give the same parameters and the same bias
 //! everywhere, with no broadcast.
 //!
 //! **Loss scale.** The all-reduce sums, so each replica must weight its loss by its share of the
@@ -26,7 +26,7 @@
 //! parameters or biases differ after a step are errors that name what differs.
 //!
 //! Burn 0.21's autodiff keeps one process-wide table of graphs; when peers are threads of one
-//! process their graphs must not share a node, which [`KimiForCausalLM::replica`] ensures (it
+//! process their graphs must not share a node, which [`KimiForCausalLM::replica`](crate::model::KimiForCausalLM::replica) ensures (it
 //! forks the parameters).
 
 use std::str::FromStr;
