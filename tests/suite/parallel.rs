@@ -243,3 +243,54 @@ fn peers_that_disagree_are_an_error() {
         assert!(err.contains(&id) && err.contains("1 of 2"), "{err}");
     }
 }
+
+/// The global balance step alone, on one `LatentMoe` layer (`Peer::balance_step`, for a caller
+/// that reduces its gradients elsewhere): two peers route batches of their own, sum their
+/// packets with one all-reduce and apply the balance update; both end with exactly the bias of one
+/// layer that routed both batches.
+#[test]
+fn a_latent_moe_balance_step_gives_both_peers_the_bias_of_the_whole_batch() {
+    use burn::tensor::{Distribution, Tensor};
+    use kimi_burn::nn::latent_moe::LatentMoeConfig;
+    use kimi_burn::nn::{BalancerKind, LatentMoe};
+    let device = Default::default();
+    let config = LatentMoeConfig::new(12, 6, 2, 10)
+        .with_n_shared(1)
+        .with_shared_hidden(Some(8))
+        .with_balancer(BalancerKind::quantile());
+    let single: LatentMoe<B> = config.init(&device);
+    let replicas = vec![single.replica(&device), single.replica(&device)];
+    let batches: Vec<Tensor<B, 3>> = (0..2)
+        .map(|_| Tensor::random([2, 7, 12], Distribution::Normal(0.0, 1.0), &device))
+        .collect();
+    for x in &batches {
+        let _ = single.forward(x.clone());
+    }
+    let want = single.update_balance();
+    assert!(want.iter().any(|&b| b != 0.0), "QB moved the bias");
+
+    let _one = COLLECTIVE.lock().unwrap_or_else(|e| e.into_inner());
+    let got: Vec<Vec<f32>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = replicas
+            .into_iter()
+            .zip(batches.clone())
+            .enumerate()
+            .map(|(i, (moe, x))| {
+                scope.spawn(move || {
+                    let peer = Peer::<B>::local(i, 2, &Default::default()).expect("register");
+                    let _ = moe.forward(x);
+                    assert_eq!(peer.balance_step(&moe).expect("all-reduce"), 2);
+                    peer.finish().expect("finish");
+                    moe.update_balance()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a peer"))
+            .collect()
+    });
+    burn::collective::reset_collective::<Cpu>();
+    assert_eq!(got[0], want);
+    assert_eq!(got[1], want);
+}
