@@ -225,40 +225,62 @@ impl<B: Backend> InferenceStep for KimiForCausalLM<B> {
     }
 }
 
-/// Input of [`RecallMetric`].
-#[derive(Debug, Clone, Copy)]
-pub struct RecallInput(pub Accuracy);
-
-/// Arg-max accuracy on the scored targets (the recall of MQAR), in percent.
-#[derive(Clone)]
-pub struct RecallMetric {
-    name: MetricName,
-    state: NumericMetricState,
+/// A batch statistic that a [`BatchMetric`] reports: its value, its weight in the epoch's
+/// running mean, and how burn-train should label it.
+pub trait BatchStatistic: Send + Sync + 'static {
+    /// The metric's name in burn-train's UI.
+    const NAME: &'static str;
+    /// Its unit, if any.
+    const UNIT: Option<&'static str>;
+    /// Whether larger values are better.
+    const HIGHER_IS_BETTER: bool;
+    /// Decimals shown.
+    const PRECISION: usize;
+    /// The batch's value and its weight in the running mean.
+    fn value(&self) -> (f64, usize);
 }
 
-impl Default for RecallMetric {
-    fn default() -> Self {
+/// A numeric burn-train metric of one [`BatchStatistic`], averaged over the epoch.
+pub struct BatchMetric<S> {
+    name: MetricName,
+    state: NumericMetricState,
+    _statistic: std::marker::PhantomData<fn() -> S>,
+}
+
+impl<S> Clone for BatchMetric<S> {
+    fn clone(&self) -> Self {
         Self {
-            name: Arc::new("Recall accuracy".into()),
-            state: NumericMetricState::default(),
+            name: self.name.clone(),
+            state: self.state.clone(),
+            _statistic: std::marker::PhantomData,
         }
     }
 }
 
-impl Metric for RecallMetric {
-    type Input = RecallInput;
+impl<S: BatchStatistic> Default for BatchMetric<S> {
+    fn default() -> Self {
+        Self {
+            name: Arc::new(S::NAME.into()),
+            state: NumericMetricState::default(),
+            _statistic: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<S: BatchStatistic> Metric for BatchMetric<S> {
+    type Input = S;
 
     fn name(&self) -> MetricName {
         self.name.clone()
     }
 
-    fn update(&mut self, item: &RecallInput, _: &MetricMetadata) -> SerializedEntry {
-        let RecallInput(acc) = item;
-        self.state.update(
-            100.0 * acc.fraction().unwrap_or(0.0),
-            acc.total.max(1),
-            FormatOptions::new(self.name()).unit("%").precision(2),
-        )
+    fn update(&mut self, item: &S, _: &MetricMetadata) -> SerializedEntry {
+        let (value, weight) = item.value();
+        let mut format = FormatOptions::new(self.name()).precision(S::PRECISION);
+        if let Some(unit) = S::UNIT {
+            format = format.unit(unit);
+        }
+        self.state.update(value, weight, format)
     }
 
     fn clear(&mut self) {
@@ -267,14 +289,14 @@ impl Metric for RecallMetric {
 
     fn attributes(&self) -> MetricAttributes {
         NumericAttributes {
-            unit: Some("%".into()),
-            higher_is_better: true,
+            unit: S::UNIT.map(Into::into),
+            higher_is_better: S::HIGHER_IS_BETTER,
         }
         .into()
     }
 }
 
-impl Numeric for RecallMetric {
+impl<S: BatchStatistic> Numeric for BatchMetric<S> {
     fn value(&self) -> NumericEntry {
         self.state.current_value()
     }
@@ -283,6 +305,27 @@ impl Numeric for RecallMetric {
         self.state.running_value()
     }
 }
+
+/// Input of [`RecallMetric`].
+#[derive(Debug, Clone, Copy)]
+pub struct RecallInput(pub Accuracy);
+
+impl BatchStatistic for RecallInput {
+    const NAME: &'static str = "Recall accuracy";
+    const UNIT: Option<&'static str> = Some("%");
+    const HIGHER_IS_BETTER: bool = true;
+    const PRECISION: usize = 2;
+
+    fn value(&self) -> (f64, usize) {
+        (
+            100.0 * self.0.fraction().unwrap_or(0.0),
+            self.0.total.max(1),
+        )
+    }
+}
+
+/// Arg-max accuracy on the scored targets (the recall of MQAR), in percent.
+pub type RecallMetric = BatchMetric<RecallInput>;
 
 /// Input of [`ExpertLoadMetric`]: each MoE layer's max violation on the batch.
 #[derive(Debug, Clone)]
@@ -291,58 +334,18 @@ pub struct ExpertLoadInput {
     pub max_violation: Vec<f32>,
 }
 
+impl BatchStatistic for ExpertLoadInput {
+    const NAME: &'static str = "Expert load (max violation)";
+    const UNIT: Option<&'static str> = None;
+    const HIGHER_IS_BETTER: bool = false;
+    const PRECISION: usize = 3;
+
+    fn value(&self) -> (f64, usize) {
+        let worst = self.max_violation.iter().copied().fold(0.0f32, f32::max);
+        (f64::from(worst), 1)
+    }
+}
+
 /// The expert load of the MoE layers: the largest max violation over the layers
 /// (`max_j load_j / mean_load − 1`, 0 for a perfect balance; design §2), per batch.
-#[derive(Clone)]
-pub struct ExpertLoadMetric {
-    name: MetricName,
-    state: NumericMetricState,
-}
-
-impl Default for ExpertLoadMetric {
-    fn default() -> Self {
-        Self {
-            name: Arc::new("Expert load (max violation)".into()),
-            state: NumericMetricState::default(),
-        }
-    }
-}
-
-impl Metric for ExpertLoadMetric {
-    type Input = ExpertLoadInput;
-
-    fn name(&self) -> MetricName {
-        self.name.clone()
-    }
-
-    fn update(&mut self, item: &ExpertLoadInput, _: &MetricMetadata) -> SerializedEntry {
-        let worst = item.max_violation.iter().copied().fold(0.0f32, f32::max);
-        self.state.update(
-            f64::from(worst),
-            1,
-            FormatOptions::new(self.name()).precision(3),
-        )
-    }
-
-    fn clear(&mut self) {
-        self.state.reset();
-    }
-
-    fn attributes(&self) -> MetricAttributes {
-        NumericAttributes {
-            unit: None,
-            higher_is_better: false,
-        }
-        .into()
-    }
-}
-
-impl Numeric for ExpertLoadMetric {
-    fn value(&self) -> NumericEntry {
-        self.state.current_value()
-    }
-
-    fn running_value(&self) -> NumericEntry {
-        self.state.running_value()
-    }
-}
+pub type ExpertLoadMetric = BatchMetric<ExpertLoadInput>;
