@@ -162,7 +162,8 @@ impl<B: AutodiffBackend> Peer<B> {
         self.id.0 as usize
     }
 
-    /// The element-wise sum of `tensor` over all replicas (one all-reduce).
+    /// The element-wise sum of `tensor: [n]` over all replicas (one all-reduce); every replica
+    /// must pass the same `n`.
     ///
     /// In global mode each call is a session of its own (register, all-reduce, leave):
     /// burn-collective 0.21's nodes complete only one global all-reduce per session (after the
@@ -192,7 +193,9 @@ impl<B: AutodiffBackend> Peer<B> {
     /// The global step of data parallelism, in one all-reduce: sums `grads` (this replica's, of
     /// `model`) over the replicas, merges every replica's balancer counts into `model`'s MoE
     /// layers (call [`update_balance`](crate::model::KimiForCausalLM::update_balance) after the
-    /// optimiser step, as on one device) and sums `extra`.
+    /// optimiser step, as on one device) and sums `extra` (the same length on every replica).
+    /// The all-reduced tensor is `[Σ numel(param) + params + packet + extra]` f32, one host read
+    /// of its tail.
     ///
     /// Errors when the collective fails, when a parameter has a gradient on some replicas only,
     /// or when the replicas routed with different biases (see [`balance_sync`]).

@@ -1,7 +1,7 @@
 //! The causal LM in Burn's `Learner` (`kimi_burn::learner`, burn-train).
 
 use crate::common::*;
-use crate::train::{identical_models, moe_biases, small_mqar};
+use crate::train::{identical_models, kimi_optim, moe_biases, small_mqar};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::Dataset;
@@ -11,8 +11,6 @@ use burn::train::metric::LossMetric;
 use burn::train::{Learner, SupervisedTraining};
 use kimi_burn::data::masked_cross_entropy;
 use kimi_burn::learner::{ExpertLoadMetric, LmBatch, LmBatcher, RecallMetric, TaskDataset};
-use kimi_burn::model::KimiForCausalLM;
-use kimi_burn::optim::KimiOptimizerConfig;
 
 type B = CpuAd;
 
@@ -28,11 +26,7 @@ fn the_learner_trains_like_the_crates_own_loop() {
         .pop()
         .expect("a model");
     let mut own = start.replica(&device);
-    let optim = |model: &KimiForCausalLM<B>| {
-        KimiOptimizerConfig::new()
-            .init(model, model.param_roles())
-            .expect("per-head Muon roles")
-    };
+    let optim = kimi_optim::<B>;
     let (batch, batches, lr) = (8, 6, 1e-2);
     let dataset = TaskDataset::new(task.clone(), batch * batches, 3);
     let dir = std::env::temp_dir().join(format!("kimi-burn-learner-{}", std::process::id()));

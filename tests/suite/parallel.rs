@@ -4,13 +4,12 @@
 use std::sync::Mutex;
 
 use crate::common::*;
-use crate::train::{identical_models, moe_biases, small_mqar};
+use crate::train::{identical_models, kimi_optim, moe_biases, small_mqar};
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::ElementConversion;
 use kimi_burn::data::{masked_cross_entropy, SeededRng, Task};
 use kimi_burn::model::{Ffn, KimiForCausalLM};
-use kimi_burn::optim::KimiOptimizerConfig;
 use kimi_burn::parallel::Peer;
 use kimi_burn::train::accumulate_gradients;
 
@@ -71,11 +70,7 @@ fn two_peers_train_like_one_device_on_their_whole_batch() {
     let replicas = vec![whole.replica(&device), whole.replica(&device)];
     let steps = 5;
     let lr = 1e-2;
-    let optim = |model: &KimiForCausalLM<B>| {
-        KimiOptimizerConfig::new()
-            .init(model, model.param_roles())
-            .expect("per-head Muon roles")
-    };
+    let optim = kimi_optim::<B>;
 
     // Per step: the loss and every MoE layer's expert loads, then the trained model.
     type Run = (Vec<(f64, Vec<Vec<u64>>)>, KimiForCausalLM<B>);

@@ -19,6 +19,15 @@ pub(crate) fn small_mqar() -> (Mqar, KimiConfig) {
     (task, config)
 }
 
+/// The optimiser of these tests: per-head Muon for hidden matrices, AdamW for the rest.
+pub(crate) fn kimi_optim<B: burn::tensor::backend::AutodiffBackend>(
+    model: &KimiForCausalLM<B>,
+) -> kimi_burn::optim::KimiOptimizer<KimiForCausalLM<B>, B> {
+    KimiOptimizerConfig::new()
+        .init(model, model.param_roles())
+        .expect("per-head Muon roles")
+}
+
 /// `n` models with the same parameters and biases, each with a balance accumulator of its own
 /// (a clone would share it). The copies are loaded from the first one's record rather than
 /// initialised from the same seed: the backend's generator is shared by the tests running in
@@ -113,11 +122,7 @@ fn micro_batches_train_like_their_whole_batch() {
     type B = CpuAd;
     let device = Default::default();
     let (task, config) = small_mqar();
-    let optim = |model: &KimiForCausalLM<B>| {
-        KimiOptimizerConfig::new()
-            .init(model, model.param_roles())
-            .expect("per-head Muon roles")
-    };
+    let optim = kimi_optim::<B>;
     let mut models = identical_models::<B>(&config, &device, 2);
     let mut micro = models.pop().expect("two models");
     let mut whole = models.pop().expect("two models");
@@ -294,11 +299,7 @@ fn a_resumed_run_ends_bit_identical_to_an_uninterrupted_one() {
     let start = identical_models::<B>(&config, &device, 1)
         .pop()
         .expect("a model");
-    let optim = |model: &KimiForCausalLM<B>| {
-        KimiOptimizerConfig::new()
-            .init(model, model.param_roles())
-            .expect("per-head Muon roles")
-    };
+    let optim = kimi_optim::<B>;
     type Optim = KimiOptimizer<KimiForCausalLM<B>, B>;
     // Steps `from..to`, checkpointing after every second step when asked.
     let run = |mut model: KimiForCausalLM<B>,
