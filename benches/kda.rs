@@ -1,8 +1,14 @@
 //! KDA op benchmarks: `chunk_kda` forward and forward + backward at B = 1, H = 4, K = V = 64 for
-//! T ∈ {512, 2048, 8192}, and `fused_recurrent_kda` per decode token; on CUDA also the target
-//! shape B = 1, H = 64, K = V = 128, T = 16384. On ndarray, and on wgpu with
+//! T ∈ {512, 2048, 8192}, and `fused_recurrent_kda` per decode token at B = 1 and 16; on CUDA also
+//! the target shape B = 1, H = 64, K = V = 128, T = 16384. On ndarray, and on wgpu with
 //! `--features wgpu` (CUDA with `--features cuda`), where every group runs twice, `…-kernel` (the
 //! CubeCL KDA kernels) and `…-reference` (tensor ops, kernels switched off).
+//!
+//! The plain groups measure what `../shared/baselines/torch_blocks.py kda` measures, so that
+//! `scripts/cpu-vs-torch.sh` can put them side by side: a zero initial state, the output only, and
+//! for the backward `sum(o · dout)` with a fixed random `dout`. The `…_state` groups (the GPU
+//! backends, and T = 2048 on ndarray) start from a random state, return the final state and take
+//! the gradient of `sum(o) + sum(S_T)` as well.
 //!
 //! `cargo bench --bench kda -- --warm-up-time 1 --measurement-time 3`
 
@@ -44,23 +50,46 @@ struct Inputs<B: Backend> {
     g: Tensor<B, 4>,
     beta: Tensor<B, 3>,
     h0: Tensor<B, 4>,
+    dout: Tensor<B, 4>,
 }
 
-fn inputs<B: Backend>(t: usize, dims: &Dims, device: &B::Device) -> Inputs<B> {
+fn inputs<B: Backend>(batch: usize, t: usize, dims: &Dims, device: &B::Device) -> Inputs<B> {
     let (h, k) = (dims.h, dims.k);
     B::seed(device, 0);
     let normal =
         |shape: [usize; 4]| Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), device);
     // Unit-norm keys and logsigmoid(randn) gates, as in the tests.
     let unit = |x: Tensor<B, 4>| x.clone().div(x.square().sum_dim(3).sqrt());
-    let gate = normal([1, t, h, k]).neg().exp().log1p().neg();
+    let gate = normal([batch, t, h, k]).neg().exp().log1p().neg();
     Inputs {
-        q: unit(normal([1, t, h, k])),
-        k: unit(normal([1, t, h, k])),
-        v: normal([1, t, h, k]),
+        q: unit(normal([batch, t, h, k])),
+        k: unit(normal([batch, t, h, k])),
+        v: normal([batch, t, h, k]),
         g: gate,
-        beta: Tensor::random([1, t, h], Distribution::Uniform(0.0, 1.0), device),
-        h0: normal([1, h, k, k]),
+        beta: Tensor::random([batch, t, h], Distribution::Uniform(0.0, 1.0), device),
+        h0: normal([batch, h, k, k]),
+        dout: normal([batch, t, h, k]),
+    }
+}
+
+/// The options of a call: from a zero state with the output only (`state` false), or from the
+/// random initial state with the final state returned.
+fn options<B: Backend>(x: &Inputs<B>, state: bool) -> KdaOptions<B> {
+    if state {
+        KdaOptions::default()
+            .with_initial_state(x.h0.clone())
+            .with_final_state(true)
+    } else {
+        KdaOptions::default()
+    }
+}
+
+/// The group name suffix of the stateful variant.
+fn suffix(state: bool) -> &'static str {
+    if state {
+        "_state"
+    } else {
+        ""
     }
 }
 
@@ -69,11 +98,18 @@ fn sync<B: Backend>(t: Tensor<B, 4>) {
     let _ = t.slice([0..1, 0..1, 0..1, 0..1]).into_data();
 }
 
-fn forward<B: Backend>(c: &mut Criterion, backend: &str, dims: &Dims, device: &B::Device) {
-    let mut group = c.benchmark_group(format!("chunk_kda_fwd{}/{backend}", dims.name));
+fn forward<B: Backend>(
+    c: &mut Criterion,
+    backend: &str,
+    dims: &Dims,
+    state: bool,
+    device: &B::Device,
+) {
+    let name = format!("chunk_kda_fwd{}{}/{backend}", dims.name, suffix(state));
+    let mut group = c.benchmark_group(name);
     group.sample_size(10);
     for &t in dims.lengths {
-        let x = inputs::<B>(t, dims, device);
+        let x = inputs::<B>(1, t, dims, device);
         group.throughput(Throughput::Elements(t as u64));
         group.bench_with_input(BenchmarkId::from_parameter(t), &t, |bench, _| {
             bench.iter(|| {
@@ -83,7 +119,7 @@ fn forward<B: Backend>(c: &mut Criterion, backend: &str, dims: &Dims, device: &B
                     x.v.clone(),
                     x.g.clone(),
                     x.beta.clone(),
-                    KdaOptions::default().with_initial_state(x.h0.clone()),
+                    options(&x, state),
                 );
                 sync(o);
             })
@@ -96,12 +132,14 @@ fn forward_backward<B: AutodiffBackend>(
     c: &mut Criterion,
     backend: &str,
     dims: &Dims,
+    state: bool,
     device: &B::Device,
 ) {
-    let mut group = c.benchmark_group(format!("chunk_kda_fwd_bwd{}/{backend}", dims.name));
+    let name = format!("chunk_kda_fwd_bwd{}{}/{backend}", dims.name, suffix(state));
+    let mut group = c.benchmark_group(name);
     group.sample_size(10);
     for &t in dims.lengths {
-        let x = inputs::<B>(t, dims, device);
+        let x = inputs::<B>(1, t, dims, device);
         group.throughput(Throughput::Elements(t as u64));
         group.bench_with_input(BenchmarkId::from_parameter(t), &t, |bench, _| {
             bench.iter(|| {
@@ -110,19 +148,11 @@ fn forward_backward<B: AutodiffBackend>(
                 let v = x.v.clone().require_grad();
                 let g = x.g.clone().require_grad();
                 let beta = x.beta.clone().require_grad();
-                let (o, s) = chunk_kda(
-                    q.clone(),
-                    k,
-                    v,
-                    g,
-                    beta,
-                    KdaOptions::default()
-                        .with_initial_state(x.h0.clone())
-                        .with_final_state(true),
-                );
-                let loss = o
-                    .sum()
-                    .add(s.map_or_else(|| q.zeros_like().sum(), |s| s.sum()));
+                let (o, s) = chunk_kda(q.clone(), k, v, g, beta, options(&x, state));
+                let loss = match s {
+                    Some(s) => o.sum().add(s.sum()),
+                    None => o.mul(x.dout.clone()).sum(),
+                };
                 let grads = loss.backward();
                 if let Some(dq) = q.grad(&grads) {
                     let _ = dq.slice([0..1, 0..1, 0..1, 0..1]).into_data();
@@ -133,11 +163,17 @@ fn forward_backward<B: AutodiffBackend>(
     group.finish();
 }
 
-fn decode<B: Backend>(c: &mut Criterion, backend: &str, device: &B::Device) {
-    let x = inputs::<B>(1, &SMALL, device);
+/// One decode token of `batch` sequences, carrying the state from call to call.
+fn decode<B: Backend>(c: &mut Criterion, backend: &str, batch: usize, device: &B::Device) {
+    let x = inputs::<B>(batch, 1, &SMALL, device);
     let mut state = x.h0.clone();
+    let rows = if batch == 1 {
+        String::new()
+    } else {
+        format!("_b{batch}")
+    };
     c.bench_function(
-        &format!("fused_recurrent_kda_decode_token/{backend}"),
+        &format!("fused_recurrent_kda_decode_token{rows}/{backend}"),
         |bench| {
             bench.iter(|| {
                 let (o, s) = fused_recurrent_kda(
@@ -161,9 +197,16 @@ fn decode<B: Backend>(c: &mut Criterion, backend: &str, device: &B::Device) {
 
 fn ndarray(c: &mut Criterion) {
     let device = Default::default();
-    forward::<NdArray<f32>>(c, "ndarray", &SMALL, &device);
-    forward_backward::<Autodiff<NdArray<f32>>>(c, "ndarray", &SMALL, &device);
-    decode::<NdArray<f32>>(c, "ndarray", &device);
+    forward::<NdArray<f32>>(c, "ndarray", &SMALL, false, &device);
+    forward_backward::<Autodiff<NdArray<f32>>>(c, "ndarray", &SMALL, false, &device);
+    let one = Dims {
+        lengths: &[2048],
+        ..SMALL
+    };
+    forward_backward::<Autodiff<NdArray<f32>>>(c, "ndarray", &one, true, &device);
+    for batch in [1, 16] {
+        decode::<NdArray<f32>>(c, "ndarray", batch, &device);
+    }
 }
 
 /// The KDA kernels against the reference tensor ops on the same CubeCL backend: `chunk_kda`
@@ -179,9 +222,9 @@ fn kernel_vs_reference<B: Backend>(
     use kimi_burn::ops::with_kernels;
     for (path, on) in [("kernel", true), ("reference", false)] {
         with_kernels(on, || {
-            forward::<B>(c, &format!("{backend}-{path}"), dims, device);
+            forward::<B>(c, &format!("{backend}-{path}"), dims, true, device);
             if dims.name.is_empty() {
-                decode::<B>(c, &format!("{backend}-{path}"), device);
+                decode::<B>(c, &format!("{backend}-{path}"), 1, device);
             }
         });
     }
@@ -199,7 +242,7 @@ fn kernel_vs_reference_backward<B: AutodiffBackend>(
     use kimi_burn::ops::with_kernels;
     for (path, on) in [("kernel", true), ("reference", false)] {
         with_kernels(on, || {
-            forward_backward::<B>(c, &format!("{backend}-{path}"), dims, device);
+            forward_backward::<B>(c, &format!("{backend}-{path}"), dims, true, device);
         });
     }
 }

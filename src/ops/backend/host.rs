@@ -26,10 +26,10 @@ use {
 /// A tensor on the host for the CPU host kernels: row-major `f32` values and their shape (the
 /// checkpoint store has its own [`HostTensor`](crate::store::HostTensor), which keeps the checkpoint
 /// shape).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub(crate) struct HostArray {
     /// Row-major values.
-    pub data: Vec<f32>,
+    pub data: HostData,
     /// The shape.
     pub shape: Vec<usize>,
 }
@@ -38,9 +38,108 @@ impl HostArray {
     /// Zeros of the given shape.
     pub fn zeros(shape: &[usize]) -> Self {
         Self {
-            data: vec![0.0; shape.iter().product()],
+            data: HostData::Owned(vec![0.0; shape.iter().product()]),
             shape: shape.to_vec(),
         }
+    }
+}
+
+/// The values of a [`HostArray`]: its own buffer, or (for an ndarray `f32` tensor in standard
+/// layout) the tensor's buffer itself, shared and read in place. Reading an input costs no copy
+/// and, more to the point on a CPU, no fresh pages: large new buffers are mapped afresh by the
+/// allocator and every page is faulted in on first touch, which cost more than the KDA kernel.
+#[derive(Clone)]
+pub(crate) enum HostData {
+    /// A buffer of our own.
+    Owned(Vec<f32>),
+    /// An ndarray tensor's buffer, read in place (never written: `DerefMut` copies it first).
+    #[cfg(feature = "ndarray")]
+    NdArray(burn::backend::ndarray::NdArrayTensor),
+}
+
+impl HostData {
+    /// The values as a `Vec`, moved out when owned, copied otherwise.
+    pub fn into_vec(self) -> Vec<f32> {
+        match self {
+            Self::Owned(v) => v,
+            #[cfg(feature = "ndarray")]
+            Self::NdArray(_) => self.to_vec(),
+        }
+    }
+}
+
+impl std::ops::Deref for HostData {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        match self {
+            Self::Owned(v) => v,
+            #[cfg(feature = "ndarray")]
+            Self::NdArray(nd) => ndarray_slice(nd)
+                .unwrap_or_else(|| unreachable!("only contiguous f32 tensors are shared")),
+        }
+    }
+}
+
+impl std::ops::DerefMut for HostData {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        #[cfg(feature = "ndarray")]
+        if let Self::NdArray(_) = self {
+            *self = Self::Owned(self.to_vec());
+        }
+        match self {
+            Self::Owned(v) => v,
+            #[cfg(feature = "ndarray")]
+            Self::NdArray(_) => unreachable!("made owned above"),
+        }
+    }
+}
+
+impl Debug for HostData {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostData({} values)", self.len())
+    }
+}
+
+impl PartialEq for HostData {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl FromIterator<f32> for HostData {
+    fn from_iter<I: IntoIterator<Item = f32>>(iter: I) -> Self {
+        Self::Owned(iter.into_iter().collect())
+    }
+}
+
+impl<'a> IntoIterator for &'a HostData {
+    type Item = &'a f32;
+    type IntoIter = std::slice::Iter<'a, f32>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl From<Vec<f32>> for HostData {
+    fn from(v: Vec<f32>) -> Self {
+        Self::Owned(v)
+    }
+}
+
+/// The values of an ndarray `f32` tensor in standard layout, in place.
+#[cfg(feature = "ndarray")]
+fn ndarray_slice(nd: &burn::backend::ndarray::NdArrayTensor) -> Option<&[f32]> {
+    match nd {
+        burn::backend::ndarray::NdArrayTensor::F32(storage) => {
+            let view = storage.view();
+            let slice = view.as_slice()?;
+            // SAFETY: the slice points into `storage`'s buffer, which `nd` keeps alive and
+            // unchanged for the lifetime of the borrow of `nd` (the view itself is a temporary).
+            Some(unsafe { std::slice::from_raw_parts(slice.as_ptr(), slice.len()) })
+        }
+        _ => None,
     }
 }
 
@@ -51,6 +150,14 @@ pub(crate) trait HostOp<const N: usize>: Debug + Clone + Send + Sync + 'static {
 
     /// The output, and what the backward pass needs when `save` is true.
     fn forward(&self, inputs: &[HostArray; N], save: bool) -> (HostArray, Option<Self::Saved>);
+
+    /// The outputs of an untracked call as separate arrays, when the op has several (the output
+    /// of [`forward`](Self::forward) is then their concatenation, flattened, which is what a
+    /// tracked call needs: Burn's autodiff registers one output per op). Splitting a tensor
+    /// afterwards would copy every part but the first.
+    fn forward_parts(&self, inputs: &[HostArray; N]) -> Vec<HostArray> {
+        vec![self.forward(inputs, false).0]
+    }
 
     /// The gradient of every input, given the inputs, the saved values and the output gradient.
     fn backward(
@@ -137,6 +244,45 @@ pub(crate) fn run<B: Backend, O: HostOp<N>, const N: usize, const D: usize>(
     )
 }
 
+/// The separate outputs of `op` ([`HostOp::forward_parts`]) as tensors when `B` is a plain
+/// (non-autodiff) CPU backend; `None` on an autodiff backend, where [`run`] gives the concatenated
+/// output.
+pub(crate) fn run_parts<B: Backend, O: HostOp<N>, const N: usize>(
+    op: &O,
+    inputs: &[FloatTensor<B>; N],
+) -> Option<Vec<FloatTensor<B>>> {
+    #[cfg(feature = "ndarray")]
+    if let Some(out) = run_parts_on::<B, burn::backend::NdArray<f32>, O, N>(op, inputs) {
+        return Some(out);
+    }
+    #[cfg(feature = "flex")]
+    if let Some(out) = run_parts_on::<B, burn::backend::Flex, O, N>(op, inputs) {
+        return Some(out);
+    }
+    let _ = (op, inputs);
+    None
+}
+
+/// [`run_parts`] when `B` is the plain backend `X`.
+#[cfg(any(feature = "ndarray", feature = "flex"))]
+fn run_parts_on<B: Backend, X: Backend, O: HostOp<N>, const N: usize>(
+    op: &O,
+    inputs: &[FloatTensor<B>; N],
+) -> Option<Vec<FloatTensor<B>>> {
+    if TypeId::of::<B>() != TypeId::of::<X>() {
+        return None;
+    }
+    let prims: [FloatTensor<X>; N] = inputs
+        .clone()
+        .map(|x| cast(x).unwrap_or_else(|| unreachable!("B is X")));
+    let device = X::float_device(&prims[0]);
+    let host = prims.map(to_host::<X>);
+    op.forward_parts(&host)
+        .into_iter()
+        .map(|part| cast(from_host::<X>(part, &device)))
+        .collect()
+}
+
 /// `x` as a value of type `T` when it is one.
 #[cfg(any(feature = "ndarray", feature = "flex"))]
 fn cast<S: 'static, T: 'static>(x: S) -> Option<T> {
@@ -148,9 +294,9 @@ fn cast<S: 'static, T: 'static>(x: S) -> Option<T> {
 
 /// Copies a primitive of backend `X` to the host in `f32`.
 ///
-/// An ndarray `f32` tensor in standard layout is copied as one slice: Burn's `into_data` walks a
-/// shared array (autodiff keeps a clone of every input) element by element through a dynamic-rank
-/// iterator, which cost more than the kernels themselves.
+/// An ndarray `f32` tensor in standard layout is shared, not copied ([`HostData::NdArray`]):
+/// Burn's `into_data` walks a shared array (autodiff keeps a clone of every input) element by
+/// element through a dynamic-rank iterator, which cost more than the kernels themselves.
 #[cfg(any(feature = "ndarray", feature = "flex"))]
 fn to_host<X: Backend>(x: FloatTensor<X>) -> HostArray {
     #[cfg(feature = "ndarray")]
@@ -161,11 +307,11 @@ fn to_host<X: Backend>(x: FloatTensor<X>) -> HostArray {
     {
         Some(nd) => {
             if let burn::backend::ndarray::NdArrayTensor::F32(storage) = &nd {
-                let view = storage.view();
-                if let Some(slice) = view.as_slice() {
+                let shape = storage.view().shape().to_vec();
+                if ndarray_slice(&nd).is_some() {
                     return HostArray {
-                        data: slice.to_vec(),
-                        shape: view.shape().to_vec(),
+                        data: HostData::NdArray(nd),
+                        shape,
                     };
                 }
             }
@@ -179,9 +325,10 @@ fn to_host<X: Backend>(x: FloatTensor<X>) -> HostArray {
         .convert_dtype(DType::F32);
     let shape = data.shape.to_vec();
     HostArray {
-        data: data
-            .into_vec::<f32>()
-            .unwrap_or_else(|e| unreachable!("convert_dtype(F32) gives f32 data: {e:?}")),
+        data: HostData::Owned(
+            data.into_vec::<f32>()
+                .unwrap_or_else(|e| unreachable!("convert_dtype(F32) gives f32 data: {e:?}")),
+        ),
         shape,
     }
 }
@@ -189,7 +336,7 @@ fn to_host<X: Backend>(x: FloatTensor<X>) -> HostArray {
 /// A primitive of backend `X` holding `x`.
 #[cfg(any(feature = "ndarray", feature = "flex"))]
 fn from_host<X: Backend>(x: HostArray, device: &X::Device) -> FloatTensor<X> {
-    X::float_from_data(TensorData::new(x.data, x.shape), device)
+    X::float_from_data(TensorData::new(x.data.into_vec(), x.shape), device)
 }
 
 /// The forward pass on a plain (non-autodiff) backend `X`, when `B` is `X`.
@@ -276,23 +423,69 @@ impl<X: Backend, O: HostOp<N>, const N: usize> burn::backend::autodiff::ops::Bac
     }
 }
 
-/// Runs `f(i)` for `i in 0..n` on up to `available_parallelism` threads, results in order.
-pub(crate) fn parallel_map<T: Send, F: Fn(usize) -> T + Sync>(n: usize, f: F) -> Vec<T> {
-    let threads = std::thread::available_parallelism()
-        .map_or(1, usize::from)
-        .min(n);
-    if threads <= 1 {
+/// A buffer that several threads write at once, each thread to its own elements (the rows of one
+/// head of a `[B, T, H, X]` tensor, say), so that a host kernel writes its results in place instead
+/// of gathering them from per-thread copies.
+pub(crate) struct DisjointWrites<'a> {
+    ptr: *mut f32,
+    len: usize,
+    _buffer: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: the buffer is borrowed mutably for 'a, and `slice`'s contract rules out overlapping
+// writes, so sharing the pointer between threads is as safe as splitting the slice.
+unsafe impl Send for DisjointWrites<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for DisjointWrites<'_> {}
+
+impl<'a> DisjointWrites<'a> {
+    /// Wraps `buffer` for the duration of its borrow.
+    pub fn new(buffer: &'a mut [f32]) -> Self {
+        Self {
+            ptr: buffer.as_mut_ptr(),
+            len: buffer.len(),
+            _buffer: std::marker::PhantomData,
+        }
+    }
+
+    /// Elements `start..start + len`.
+    ///
+    /// # Safety
+    /// No two slices alive at the same time, from any thread, may overlap.
+    ///
+    /// # Panics
+    /// When the range is out of bounds.
+    #[allow(clippy::mut_from_ref)] // disjointness is the caller's contract, as for `split_at_mut`
+    #[inline(always)]
+    pub unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
+        assert!(
+            start <= self.len && len <= self.len - start,
+            "range {start}..{} of a buffer of {}",
+            start + len,
+            self.len
+        );
+        // SAFETY: in bounds (checked above), and the caller guarantees no overlap.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+    }
+}
+
+/// Work (in element operations, roughly) below which [`parallel_map_sized`] stays on the calling
+/// thread: handing work to the thread pool and waking the caller again costs tens of microseconds
+/// on a busy or virtualised machine, the time of about this much work.
+const MIN_PARALLEL_WORK: usize = 1 << 20;
+
+/// `f(i)` for `i in 0..n`, results in order: on rayon's thread pool when the whole call does at
+/// least [`MIN_PARALLEL_WORK`] element operations (`work`), a plain loop on the calling thread
+/// otherwise (a decode step, say). Threads are started once per process (the pool), not per call:
+/// starting a thread took hundreds of microseconds on the benchmark machine.
+pub(crate) fn parallel_map_sized<T: Send, F: Fn(usize) -> T + Sync + Send>(
+    n: usize,
+    work: usize,
+    f: F,
+) -> Vec<T> {
+    use rayon::prelude::*;
+    if work < MIN_PARALLEL_WORK || n < 2 {
         return (0..n).map(f).collect();
     }
-    let per = n.div_ceil(threads);
-    std::thread::scope(|s| {
-        let f = &f;
-        let handles: Vec<_> = (0..threads)
-            .map(|w| s.spawn(move || (w * per..((w + 1) * per).min(n)).map(f).collect::<Vec<T>>()))
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-            .collect()
-    })
+    (0..n).into_par_iter().map(f).collect()
 }

@@ -86,9 +86,9 @@ pub(crate) fn chunk_kda_inner<B: Backend>(
             format!("must be one of {CHUNK_SIZES:?}, got {c}"),
         ));
     }
-    if let Some(o) = host_forward(&q, &k, &v, &g, &beta, &opts, check_gates)? {
+    if let Some(out) = host_forward(&q, &k, &v, &g, &beta, &opts, check_gates)? {
         backend::record(FusedOp::KdaChunk, KernelPath::Reference);
-        return Ok((o, None));
+        return Ok(out);
     }
     let p = prepare(q, k, v, g, beta, opts, check_gates)?;
     Ok(match kernel_forward(p, KdaForm::Chunk(c)) {

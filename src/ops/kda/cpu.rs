@@ -2,11 +2,12 @@
 //! backward, for the CPU backends (see [`crate::ops::backend::host`]).
 //!
 //! The recurrence is the ground truth of every KDA form, and on a CPU it is also the cheapest one:
-//! per token and head it costs two passes over the `K × V` state forward and four backward (two of
-//! them recomputing the states), with no cumulative sum of gates anywhere — each step multiplies by
-//! its own `exp(g_t) ≤ 1`, so the numerics of design §4.3 hold trivially. The forward pass keeps the
-//! state every [`CHECKPOINT`] tokens; the backward pass recomputes the states of one such span at
-//! a time and walks it backwards:
+//! per token and head it costs two passes over the `K × V` state forward and five backward (two of
+//! them recomputing the states), all of them in the L1 cache, with no cumulative sum of gates
+//! anywhere — each step multiplies by its own `exp(g_t) ≤ 1`, so the numerics of design §4.3 hold
+//! trivially. Its time is linear in T. The forward pass keeps the state every [`CHECKPOINT`]
+//! tokens; the backward pass recomputes the states of one such span at a time and walks it
+//! backwards:
 //!
 //! ```text
 //! forward:   S' = Diag(e^{g_t}) S;  p = S'ᵀk;  e = v − p;  u = β e;  S_t = S' + k uᵀ;  o = S_tᵀ q
@@ -14,16 +15,28 @@
 //!            dk += S' dp;  dS' = dS + k dpᵀ;  dg = rowsum(S' ⊙ dS');  dS ← Diag(e^{g_t}) dS'
 //! ```
 //!
+//! The state starts at `S_0` (an input, zeros without one) and `S_T` can be returned as well; the
+//! backward pass then starts from `dS_T` and ends with `dS_0`.
+//!
 //! With `l2norm`, `q` and `k` are normalised over the head dim first (`x / sqrt(Σx² + 1e-6)`, design
 //! §4.2) and the backward pass goes through the norm: `dx = (dy − y (y·dy)) / r`.
+//!
+//! The loops over the state are compiled once per SIMD instruction set and chosen at run time
+//! ([`crate::ops::backend::simd`]); results are the same bits on every CPU.
 
-use crate::ops::backend::host::{parallel_map, HostArray, HostOp};
+use std::ops::Range;
 
-/// Tokens between two saved states.
-const CHECKPOINT: usize = 64;
+use crate::ops::backend::host::{parallel_map_sized, DisjointWrites, HostArray, HostOp};
+use crate::ops::backend::simd::{dispatch, dot, exp_in_place, load, store, Scalar, Simd, WithSimd};
 
-/// KDA over `q, k, g: [B, T, H, K]`, `v: [B, T, H, V]`, `beta: [B, T, H]` → `o: [B, T, H, V]`, from
-/// a zero state, every row its own sequence (or packed sequences along T with `B = 1`).
+/// Tokens between two saved states: the backward pass recomputes `CHECKPOINT + 1` states of
+/// `K × V` floats at a time, which at `K = V = 64` is 132 KiB and stays in the L2 cache.
+const CHECKPOINT: usize = 32;
+
+/// KDA over `q, k, g: [B, T, H, K]`, `v: [B, T, H, V]`, `beta: [B, T, H]` and the initial state
+/// `[N, H, K, V]` → `o: [B, T, H, V]` followed by the final state `[N, H, K, V]` (with
+/// `final_state`), flattened into one output; every row its own sequence (or packed sequences along
+/// T with `B = 1`).
 #[derive(Debug, Clone)]
 pub(crate) struct KdaRecurrence {
     /// Multiplies `q` (after the norm).
@@ -32,13 +45,19 @@ pub(crate) struct KdaRecurrence {
     pub l2norm: bool,
     /// Packed sequences `(start, len)` along T (`B = 1`); `None`: every row is one sequence.
     pub seqs: Option<Vec<(usize, usize)>>,
+    /// The sixth input is `S_0`; otherwise it is a placeholder and the state starts at zero.
+    pub initial_state: bool,
+    /// The output holds `S_T` after `o`.
+    pub final_state: bool,
 }
 
-/// Sizes and strides of one call.
+/// Sizes of one call.
 #[derive(Debug, Clone, Copy)]
 struct Geometry {
     t: usize,
     h: usize,
+    kd: usize,
+    vd: usize,
 }
 
 impl Geometry {
@@ -46,26 +65,118 @@ impl Geometry {
     fn at(&self, b: usize, t: usize, h: usize, x: usize) -> usize {
         ((b * self.t + t) * self.h + h) * x
     }
+
+    /// Offset of token `t` of row `b`, head `h`, in a `[B, T, H]` buffer.
+    fn at_scalar(&self, b: usize, t: usize, h: usize) -> usize {
+        (b * self.t + t) * self.h + h
+    }
+
+    /// Offset of the state of sequence `n`, head `h`, in a `[N, H, K, V]` buffer.
+    fn state(&self, n: usize, h: usize) -> usize {
+        (n * self.h + h) * self.kd * self.vd
+    }
 }
 
-/// One independent recurrence: row `b`, head `h`, tokens `start..start + len`.
+/// One independent recurrence: row `b`, head `h`, tokens `start..start + len`, state of sequence
+/// `seq`.
 #[derive(Debug, Clone, Copy)]
 struct Job {
     b: usize,
     h: usize,
+    seq: usize,
     start: usize,
     len: usize,
 }
 
-/// What the backward pass needs: the scaled (normalised) `q`, the normalised `k`, their norms, and
-/// the state before every [`CHECKPOINT`]-th token of each job.
+/// What the backward pass needs besides the inputs: the state before every [`CHECKPOINT`]-th
+/// token of each job.
 #[derive(Debug)]
 pub(crate) struct Saved {
+    states: Vec<Vec<f32>>,
+}
+
+/// The inputs every job reads, as given, and how `q` and `k` are prepared.
+#[derive(Clone, Copy)]
+struct Inputs<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    g: &'a [f32],
+    beta: &'a [f32],
+    scale: f32,
+    l2norm: bool,
+    geo: Geometry,
+}
+
+/// One token of a job as the recurrence uses it: `q` scaled (normalised first with `l2norm`),
+/// `k` (normalised), `e^g`, and the norms `|q|`, `|k|` (1 without `l2norm`).
+struct Prepared {
     q: Vec<f32>,
     k: Vec<f32>,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
-    states: Vec<Vec<f32>>,
+    decay: Vec<f32>,
+    q_norm: f32,
+    k_norm: f32,
+}
+
+impl Prepared {
+    fn new(kd: usize) -> Self {
+        Self {
+            q: vec![0.0; kd],
+            k: vec![0.0; kd],
+            decay: vec![0.0; kd],
+            q_norm: 1.0,
+            k_norm: 1.0,
+        }
+    }
+}
+
+impl Inputs<'_> {
+    /// `(v, β)` of token `tk` of the job; fills `p` with its prepared `q`, `k`, `e^g`.
+    #[inline(always)]
+    fn token(&self, job: &Job, tk: usize, p: &mut Prepared) -> (&[f32], f32) {
+        let Geometry { kd, vd, .. } = self.geo;
+        let at = self.geo.at(job.b, tk, job.h, kd);
+        let av = self.geo.at(job.b, tk, job.h, vd);
+        p.q_norm = prepare_vector(&self.q[at..at + kd], &mut p.q, self.scale, self.l2norm);
+        p.k_norm = prepare_vector(&self.k[at..at + kd], &mut p.k, 1.0, self.l2norm);
+        p.decay.copy_from_slice(&self.g[at..at + kd]);
+        exp_in_place(&mut p.decay);
+        (
+            &self.v[av..av + vd],
+            self.beta[self.geo.at_scalar(job.b, tk, job.h)],
+        )
+    }
+}
+
+/// `out = scale · x / |x|` with `l2norm` (`|x| = sqrt(Σx² + 1e-6)`, returned), `scale · x`
+/// otherwise (returns 1).
+#[inline(always)]
+fn prepare_vector(x: &[f32], out: &mut [f32], scale: f32, l2norm: bool) -> f32 {
+    let r = if l2norm {
+        (dot(x, x) + 1e-6).sqrt()
+    } else {
+        1.0
+    };
+    let s = if l2norm { scale / r } else { scale };
+    for (o, a) in out.iter_mut().zip(x) {
+        *o = a * s;
+    }
+    r
+}
+
+/// Turns the gradient `d` of `y = scale · x / r` (`y` given) into the gradient of `x`, in place
+/// (`y = scale · x` without `l2norm`).
+#[inline(always)]
+fn unprepare_gradient(d: &mut [f32], y: &[f32], r: f32, scale: f32, l2norm: bool) {
+    if !l2norm {
+        d.iter_mut().for_each(|a| *a *= scale);
+        return;
+    }
+    // With n = x / r and y = scale · n: dn = scale · dy, dx = (dn − n (n·dn)) / r.
+    let dot = dot(d, y) / scale;
+    for (a, yy) in d.iter_mut().zip(y) {
+        *a = (scale * *a - yy * dot) / r;
+    }
 }
 
 impl KdaRecurrence {
@@ -77,11 +188,12 @@ impl KdaRecurrence {
         let rows = if self.seqs.is_some() { 1 } else { b };
         let mut jobs = Vec::with_capacity(rows * spans.len() * h);
         for row in 0..rows {
-            for &(start, len) in &spans {
+            for (i, &(start, len)) in spans.iter().enumerate() {
                 for head in 0..h {
                     jobs.push(Job {
                         b: row,
                         h: head,
+                        seq: if self.seqs.is_some() { i } else { row },
                         start,
                         len,
                     });
@@ -91,270 +203,535 @@ impl KdaRecurrence {
         jobs
     }
 
-    /// `x` per `K`-vector scaled by `scale`, normalised first with `l2norm`; and the norms.
-    fn prepare(&self, x: &[f32], k: usize, scale: f32) -> (Vec<f32>, Vec<f32>) {
-        let mut out = x.to_vec();
-        let mut norms = Vec::new();
-        if self.l2norm {
-            norms.reserve(x.len() / k);
-            for row in out.chunks_exact_mut(k) {
-                let r = (row.iter().map(|a| a * a).sum::<f32>() + 1e-6).sqrt();
-                norms.push(r);
-                let s = scale / r;
-                row.iter_mut().for_each(|a| *a *= s);
+    /// The sizes of the output `o` and of the final states (0 without `final_state`).
+    fn output_sizes(&self, inputs: &[HostArray; 6]) -> (usize, usize) {
+        let (q, v) = (&inputs[0].shape, &inputs[2].shape);
+        let (b, h, kd, vd) = (q[0], q[2], q[3], v[3]);
+        let n_s = if self.final_state {
+            self.sequences(b) * h * kd * vd
+        } else {
+            0
+        };
+        (b * q[1] * h * vd, n_s)
+    }
+
+    /// The forward pass: `o` (`[B, T, H, V]`, zeros on entry) and, with `final_state`, the final
+    /// states into `s_out` (`[N, H, K, V]`, zeros on entry), where each job's state is updated in
+    /// place; with `save` the checkpoints of the backward pass.
+    fn forward_into(
+        &self,
+        inputs: &[HostArray; 6],
+        save: bool,
+        o: &mut [f32],
+        s_out: &mut [f32],
+    ) -> Option<Saved> {
+        let [q, _, v, _, _, h0] = inputs;
+        let &[b, t, h, kd] = q.shape.as_slice() else {
+            unreachable!("q is [B, T, H, K]")
+        };
+        let vd = v.shape[3];
+        let x = self.inputs(inputs, Geometry { t, h, kd, vd });
+        let geo = x.geo;
+        let jobs = self.jobs(b, t, h);
+        let kv = kd * vd;
+        let (o_writes, s_writes) = (DisjointWrites::new(o), DisjointWrites::new(s_out));
+        let states = parallel_map_sized(jobs.len(), b * t * h * kv, |j| {
+            let job = &jobs[j];
+            let at = geo.state(job.seq, job.h);
+            let mut own = Vec::new();
+            let s = if self.final_state {
+                // SAFETY: the state of (sequence, head) belongs to this job alone.
+                unsafe { s_writes.slice(at, kv) }
+            } else {
+                own.resize(kv, 0.0);
+                &mut own[..]
+            };
+            if self.initial_state {
+                s.copy_from_slice(&h0.data[at..at + kv]);
             }
-        } else if scale != 1.0 {
-            out.iter_mut().for_each(|a| *a *= scale);
+            let mut states = Vec::with_capacity(if save {
+                job.len.div_ceil(CHECKPOINT) * kv
+            } else {
+                0
+            });
+            dispatch(ForwardJob {
+                x: &x,
+                job,
+                s,
+                out: &o_writes,
+                states: &mut states,
+                save,
+            });
+            states
+        });
+        save.then_some(Saved { states })
+    }
+
+    /// The inputs as the jobs read them.
+    fn inputs<'a>(&self, inputs: &'a [HostArray; 6], geo: Geometry) -> Inputs<'a> {
+        let [q, k, v, g, beta, _] = inputs;
+        Inputs {
+            q: &q.data,
+            k: &k.data,
+            v: &v.data,
+            g: &g.data,
+            beta: &beta.data,
+            scale: self.scale,
+            l2norm: self.l2norm,
+            geo,
         }
-        (out, norms)
+    }
+
+    /// The number of sequences `N` of the states.
+    fn sequences(&self, b: usize) -> usize {
+        self.seqs.as_ref().map_or(b, Vec::len)
     }
 }
 
-/// One forward step on the state `s [K, V]`; writes `e = v − p` and `o`, leaves `S_t` in `s`.
+/// One forward step on the `N` blocks of `S`'s lanes of the state `s [K, V]` that start at column
+/// `j`, from `S_{t−1}` in `prev` (or in `s` itself when `None`): writes those columns of
+/// `e = v − p`, `u = β e` and `o`, and leaves them of `S_t` in `s`.
+///
+/// Every column is independent (`u` of a column needs only that column of `p`), so each block of
+/// columns makes both passes over the `K` rows with its accumulators in registers.
 #[allow(clippy::too_many_arguments)]
-#[inline]
-fn step(
+#[inline(always)]
+fn step_block<S: Simd, const N: usize>(
+    simd: S,
+    j: usize,
     s: &mut [f32],
-    q: &[f32],
-    k: &[f32],
+    prev: Option<&[f32]>,
+    t: &Prepared,
     v: &[f32],
-    g: &[f32],
     beta: f32,
     e: &mut [f32],
     u: &mut [f32],
     o: &mut [f32],
 ) {
-    let vd = v.len();
-    e.fill(0.0);
-    for (i, row) in s.chunks_exact_mut(vd).enumerate() {
-        let (a, ki) = (g[i].exp(), k[i]);
-        for (x, p) in row.iter_mut().zip(e.iter_mut()) {
-            *x *= a;
-            *p += ki * *x;
+    let (vd, lanes) = (v.len(), S::F32_LANES);
+    let w = N * lanes;
+    let zero = simd.splat_f32s(0.0);
+    let mut p = [zero; N];
+    for (i, (&a, &k)) in t.decay.iter().zip(&t.k).enumerate() {
+        let at = i * vd + j;
+        let src = match prev {
+            Some(prev) => &prev[at..at + w],
+            None => &s[at..at + w],
+        };
+        let mut x = [zero; N];
+        for n in 0..N {
+            x[n] = load::<S>(&src[n * lanes..]);
+        }
+        let (a, k) = (simd.splat_f32s(a), simd.splat_f32s(k));
+        let dst = &mut s[at..at + w];
+        for n in 0..N {
+            x[n] = simd.mul_f32s(a, x[n]);
+            store::<S>(&mut dst[n * lanes..], x[n]);
+            p[n] = simd.mul_add_e_f32s(k, x[n], p[n]);
         }
     }
-    for ((ej, uj), vj) in e.iter_mut().zip(u.iter_mut()).zip(v) {
-        *ej = vj - *ej;
-        *uj = beta * *ej;
+    let beta = simd.splat_f32s(beta);
+    let mut uj = [zero; N];
+    for n in 0..N {
+        let c = j + n * lanes;
+        let ej = simd.sub_f32s(load::<S>(&v[c..]), p[n]);
+        uj[n] = simd.mul_f32s(beta, ej);
+        store::<S>(&mut e[c..], ej);
+        store::<S>(&mut u[c..], uj[n]);
     }
-    o.fill(0.0);
-    for (i, row) in s.chunks_exact_mut(vd).enumerate() {
-        let (ki, qi) = (k[i], q[i]);
-        for ((x, uj), oj) in row.iter_mut().zip(u.iter()).zip(o.iter_mut()) {
-            *x += ki * uj;
-            *oj += qi * *x;
+    let mut oj = [zero; N];
+    for (i, (&k, &q)) in t.k.iter().zip(&t.q).enumerate() {
+        let at = i * vd + j;
+        let (k, q) = (simd.splat_f32s(k), simd.splat_f32s(q));
+        let row = &mut s[at..at + w];
+        for n in 0..N {
+            let x = simd.mul_add_e_f32s(k, uj[n], load::<S>(&row[n * lanes..]));
+            store::<S>(&mut row[n * lanes..], x);
+            oj[n] = simd.mul_add_e_f32s(q, x, oj[n]);
+        }
+    }
+    for n in 0..N {
+        store::<S>(&mut o[j + n * lanes..], oj[n]);
+    }
+}
+
+/// The widest blocks of columns of a row of `V` floats: `(start, blocks of 4 · lanes, blocks of
+/// lanes, single columns)` as column ranges, so that each loop below takes its block size.
+#[inline(always)]
+fn column_blocks(vd: usize, lanes: usize) -> [Range<usize>; 3] {
+    let wide = vd / (4 * lanes) * 4 * lanes;
+    let narrow = wide + (vd - wide) / lanes * lanes;
+    [0..wide, wide..narrow, narrow..vd]
+}
+
+/// One forward step on the state `s [K, V]`, from `S_{t−1}` in `prev` (or in `s` itself when
+/// `None`); writes `e = v − p`, `u = β e` and `o`, leaves `S_t` in `s`. Columns go in blocks of
+/// four registers, then one register, then one at a time.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn step<S: Simd>(
+    simd: S,
+    s: &mut [f32],
+    prev: Option<&[f32]>,
+    t: &Prepared,
+    v: &[f32],
+    beta: f32,
+    e: &mut [f32],
+    u: &mut [f32],
+    o: &mut [f32],
+) {
+    let lanes = S::F32_LANES;
+    let [wide, narrow, single] = column_blocks(v.len(), lanes);
+    for j in wide.step_by(4 * lanes) {
+        step_block::<S, 4>(simd, j, s, prev, t, v, beta, e, u, o);
+    }
+    for j in narrow.step_by(lanes) {
+        step_block::<S, 1>(simd, j, s, prev, t, v, beta, e, u, o);
+    }
+    for j in single {
+        step_block::<Scalar, 1>(Scalar, j, s, prev, t, v, beta, e, u, o);
+    }
+}
+
+/// The forward recurrence of one job from the state in `s` (left holding `S_T`): `o` per token
+/// into `out` (`[B, T, H, V]`), and with `save` the state before every [`CHECKPOINT`]-th token
+/// appended to `states`.
+struct ForwardJob<'a> {
+    x: &'a Inputs<'a>,
+    job: &'a Job,
+    s: &'a mut [f32],
+    out: &'a DisjointWrites<'a>,
+    states: &'a mut Vec<f32>,
+    save: bool,
+}
+
+impl WithSimd for ForwardJob<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, simd: S) {
+        let Self {
+            x,
+            job,
+            s,
+            out,
+            states,
+            save,
+        } = self;
+        let vd = x.geo.vd;
+        let mut t = Prepared::new(x.geo.kd);
+        let (mut e, mut u) = (vec![0.0f32; vd], vec![0.0f32; vd]);
+        for i in 0..job.len {
+            if save && i % CHECKPOINT == 0 {
+                states.extend_from_slice(s);
+            }
+            let tk = job.start + i;
+            let (v, beta) = x.token(job, tk, &mut t);
+            // SAFETY: token `tk` of row `job.b`, head `job.h` belongs to this job alone.
+            let o = unsafe { out.slice(x.geo.at(job.b, tk, job.h, vd), vd) };
+            step(simd, s, None, &t, v, beta, &mut e, &mut u, o);
         }
     }
 }
 
-impl HostOp<5> for KdaRecurrence {
+/// Where the backward pass writes the input gradients, in the layout of the inputs.
+struct GradsOut<'a> {
+    dq: DisjointWrites<'a>,
+    dk: DisjointWrites<'a>,
+    dv: DisjointWrites<'a>,
+    dg: DisjointWrites<'a>,
+    dbeta: DisjointWrites<'a>,
+}
+
+/// What one backward step reads besides the running `dS`: the states around the token, its
+/// output gradient, `u`, `e`, the prepared token and `β`.
+struct Rows<'a> {
+    s_now: &'a [f32],
+    s_prev: &'a [f32],
+    dout: &'a [f32],
+    u: &'a [f32],
+    e: &'a [f32],
+    t: &'a Prepared,
+    beta: f32,
+}
+
+/// Per-row partial sums of one backward step (`dq`, `dk` and `dg` of each row of the state), one
+/// register of lanes per row.
+struct RowSums<V> {
+    q: Vec<V>,
+    k: Vec<V>,
+    g: Vec<V>,
+}
+
+impl<V: Copy> RowSums<V> {
+    fn new(kd: usize, zero: V) -> Self {
+        Self {
+            q: vec![zero; kd],
+            k: vec![zero; kd],
+            g: vec![zero; kd],
+        }
+    }
+
+    fn fill(&mut self, zero: V) {
+        self.q.fill(zero);
+        self.k.fill(zero);
+        self.g.fill(zero);
+    }
+}
+
+/// One backward step on the `N` blocks of `S`'s lanes of `dS` that start at column `j` (updated
+/// from `dS_t` to `dS_{t−1}`): adds the columns' parts of each row's `dq`, `dk`, `dg` to `sums`,
+/// writes the columns of `dv`, and returns their lanes of `dβ`:
+///
+/// ```text
+/// dS += q doᵀ;  dq = S_t do;  du = dSᵀk;  dk = dS u;  dv = β du;  dp = −β du;  dβ = du·e
+/// dk += S' dp;  dS' = dS + k dpᵀ;  dg = rowsum(S' ⊙ dS');  dS ← Diag(e^g) dS'
+/// ```
+///
+/// As in the forward step every column is independent (`dp` of a column needs only that column of
+/// `du`). The first pass does not store `dS + q doᵀ`; the second recomputes it.
+#[inline(always)]
+fn backward_block<S: Simd, const N: usize>(
+    simd: S,
+    j: usize,
+    ds: &mut [f32],
+    r: &Rows,
+    sums: &mut RowSums<S::f32s>,
+    dv: &mut [f32],
+) -> S::f32s {
+    let (vd, lanes) = (r.dout.len(), S::F32_LANES);
+    let w = N * lanes;
+    let zero = simd.splat_f32s(0.0);
+    let (mut dout, mut u, mut du) = ([zero; N], [zero; N], [zero; N]);
+    for n in 0..N {
+        dout[n] = load::<S>(&r.dout[j + n * lanes..]);
+        u[n] = load::<S>(&r.u[j + n * lanes..]);
+    }
+    for (i, (&q, &k)) in r.t.q.iter().zip(&r.t.k).enumerate() {
+        let at = i * vd + j;
+        let (q, k) = (simd.splat_f32s(q), simd.splat_f32s(k));
+        let (row, now) = (&ds[at..at + w], &r.s_now[at..at + w]);
+        let (mut pq, mut pk) = (zero, zero);
+        for n in 0..N {
+            let d = simd.mul_add_e_f32s(q, dout[n], load::<S>(&row[n * lanes..]));
+            du[n] = simd.mul_add_e_f32s(d, k, du[n]);
+            pq = simd.mul_add_e_f32s(load::<S>(&now[n * lanes..]), dout[n], pq);
+            pk = simd.mul_add_e_f32s(d, u[n], pk);
+        }
+        sums.q[i] = simd.add_f32s(sums.q[i], pq);
+        sums.k[i] = simd.add_f32s(sums.k[i], pk);
+    }
+    let (beta, mut dbeta, mut dp) = (simd.splat_f32s(r.beta), zero, [zero; N]);
+    for n in 0..N {
+        let c = j + n * lanes;
+        dbeta = simd.mul_add_e_f32s(du[n], load::<S>(&r.e[c..]), dbeta);
+        let beta_du = simd.mul_f32s(beta, du[n]);
+        store::<S>(&mut dv[c..], beta_du);
+        dp[n] = simd.neg_f32s(beta_du);
+    }
+    for (i, ((&a, &k), &q)) in r.t.decay.iter().zip(&r.t.k).zip(&r.t.q).enumerate() {
+        let at = i * vd + j;
+        let (a, k, q) = (simd.splat_f32s(a), simd.splat_f32s(k), simd.splat_f32s(q));
+        let prev = &r.s_prev[at..at + w];
+        let row = &mut ds[at..at + w];
+        let (mut pk, mut pg) = (zero, zero);
+        for n in 0..N {
+            let d = simd.mul_add_e_f32s(q, dout[n], load::<S>(&row[n * lanes..]));
+            let dd = simd.mul_add_e_f32s(k, dp[n], d);
+            let sp = simd.mul_f32s(a, load::<S>(&prev[n * lanes..]));
+            pk = simd.mul_add_e_f32s(sp, dp[n], pk);
+            pg = simd.mul_add_e_f32s(sp, dd, pg);
+            store::<S>(&mut row[n * lanes..], simd.mul_f32s(a, dd));
+        }
+        sums.k[i] = simd.add_f32s(sums.k[i], pk);
+        sums.g[i] = simd.add_f32s(sums.g[i], pg);
+    }
+    dbeta
+}
+
+/// One backward step over all columns of `dS`, in blocks as in [`step`]: the lanes of `dβ` and,
+/// in `sums` / `tail`, the per-row partial sums of the register blocks / the single columns.
+#[inline(always)]
+fn backward_columns<S: Simd>(
+    simd: S,
+    ds: &mut [f32],
+    r: &Rows,
+    sums: &mut RowSums<S::f32s>,
+    tail: &mut RowSums<f32>,
+    dv: &mut [f32],
+) -> f32 {
+    let lanes = S::F32_LANES;
+    let [wide, narrow, single] = column_blocks(r.dout.len(), lanes);
+    let mut dbeta = simd.splat_f32s(0.0);
+    for j in wide.step_by(4 * lanes) {
+        let d = backward_block::<S, 4>(simd, j, ds, r, sums, dv);
+        dbeta = simd.add_f32s(dbeta, d);
+    }
+    for j in narrow.step_by(lanes) {
+        let d = backward_block::<S, 1>(simd, j, ds, r, sums, dv);
+        dbeta = simd.add_f32s(dbeta, d);
+    }
+    let mut rest = 0.0f32;
+    for j in single {
+        rest += backward_block::<Scalar, 1>(Scalar, j, ds, r, tail, dv);
+    }
+    simd.reduce_sum_f32s(dbeta) + rest
+}
+
+/// The backward recurrence of one job: `ds` holds `dS_T` on entry and `dS_0` on exit; `states`
+/// are the job's saved checkpoints and `grad` the output gradient (`[B, T, H, V]`, the final state
+/// gradient may follow); the job's rows of the input gradients go to `out`.
+struct BackwardJob<'a> {
+    x: &'a Inputs<'a>,
+    job: &'a Job,
+    states: &'a [f32],
+    grad: &'a [f32],
+    ds: &'a mut [f32],
+    out: &'a GradsOut<'a>,
+}
+
+impl WithSimd for BackwardJob<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, simd: S) {
+        let Self {
+            x,
+            job,
+            states,
+            grad,
+            ds,
+            out,
+        } = self;
+        let Geometry { kd, vd, .. } = x.geo;
+        let (n, kv) = (job.len, kd * vd);
+        // States S_{t−1}, S_t of one checkpoint span, and per token its prepared inputs, e and u.
+        let mut span = vec![0.0f32; (CHECKPOINT + 1) * kv];
+        let mut tokens: Vec<Prepared> = (0..CHECKPOINT).map(|_| Prepared::new(kd)).collect();
+        let mut es = vec![0.0f32; CHECKPOINT * vd];
+        let mut us = vec![0.0f32; CHECKPOINT * vd];
+        let mut o = vec![0.0f32; vd];
+        let zero = simd.splat_f32s(0.0);
+        let mut sums = RowSums::new(kd, zero);
+        let mut tail = RowSums::new(kd, 0.0f32);
+        for c in (0..n.div_ceil(CHECKPOINT)).rev() {
+            let first = c * CHECKPOINT;
+            let len = CHECKPOINT.min(n - first);
+            span[..kv].copy_from_slice(&states[c * kv..(c + 1) * kv]);
+            for (i, t) in tokens.iter_mut().enumerate().take(len) {
+                let (v, beta) = x.token(job, job.start + first + i, t);
+                let (done, rest) = span.split_at_mut((i + 1) * kv);
+                let (e, u) = (&mut es[i * vd..(i + 1) * vd], &mut us[i * vd..(i + 1) * vd]);
+                let prev = Some(&done[i * kv..]);
+                step(simd, &mut rest[..kv], prev, t, v, beta, e, u, &mut o);
+            }
+            for i in (0..len).rev() {
+                let tk = job.start + first + i;
+                let geo = x.geo;
+                let (at, av) = (geo.at(job.b, tk, job.h, kd), geo.at(job.b, tk, job.h, vd));
+                let t = &tokens[i];
+                let rows = Rows {
+                    s_now: &span[(i + 1) * kv..(i + 2) * kv],
+                    s_prev: &span[i * kv..(i + 1) * kv],
+                    dout: &grad[av..av + vd],
+                    u: &us[i * vd..(i + 1) * vd],
+                    e: &es[i * vd..(i + 1) * vd],
+                    t,
+                    beta: x.beta[geo.at_scalar(job.b, tk, job.h)],
+                };
+                // SAFETY (every `slice` below): token `tk` of row `job.b`, head `job.h` belongs
+                // to this job alone.
+                let dv = unsafe { out.dv.slice(av, vd) };
+                sums.fill(zero);
+                tail.fill(0.0);
+                let dbeta = unsafe { out.dbeta.slice(geo.at_scalar(job.b, tk, job.h), 1) };
+                dbeta[0] = backward_columns(simd, ds, &rows, &mut sums, &mut tail, dv);
+                let dq = unsafe { out.dq.slice(at, kd) };
+                let dk = unsafe { out.dk.slice(at, kd) };
+                let dg = unsafe { out.dg.slice(at, kd) };
+                for i2 in 0..kd {
+                    dq[i2] = simd.reduce_sum_f32s(sums.q[i2]) + tail.q[i2];
+                    dk[i2] = simd.reduce_sum_f32s(sums.k[i2]) + tail.k[i2];
+                    dg[i2] = simd.reduce_sum_f32s(sums.g[i2]) + tail.g[i2];
+                }
+                // Through the scale and the norms: q_s = scale · q / |q|, k_n = k / |k|.
+                unprepare_gradient(dq, &t.q, t.q_norm, x.scale, x.l2norm);
+                unprepare_gradient(dk, &t.k, t.k_norm, 1.0, x.l2norm);
+            }
+        }
+    }
+}
+
+impl HostOp<6> for KdaRecurrence {
     type Saved = Saved;
 
-    fn forward(&self, inputs: &[HostArray; 5], save: bool) -> (HostArray, Option<Saved>) {
-        let [q, k, v, g, beta] = inputs;
-        let &[b, t, h, kd] = q.shape.as_slice() else {
-            unreachable!("q is [B, T, H, K]")
-        };
-        let vd = v.shape[3];
-        let geo = Geometry { t, h };
-        let scale = self.scale;
-        let (qs, q_norm) = self.prepare(&q.data, kd, scale);
-        let (ks, k_norm) = self.prepare(&k.data, kd, 1.0);
-        let jobs = self.jobs(b, t, h);
-        let results = parallel_map(jobs.len(), |j| {
-            let job = jobs[j];
-            let mut s = vec![0.0f32; kd * vd];
-            let (mut e, mut u) = (vec![0.0f32; vd], vec![0.0f32; vd]);
-            let mut o = vec![0.0f32; job.len * vd];
-            let mut states = Vec::new();
-            for (i, oi) in o.chunks_exact_mut(vd).enumerate() {
-                if save && i % CHECKPOINT == 0 {
-                    states.extend_from_slice(&s);
-                }
-                let tk = job.start + i;
-                let at = geo.at(job.b, tk, job.h, kd);
-                let av = geo.at(job.b, tk, job.h, vd);
-                step(
-                    &mut s,
-                    &qs[at..at + kd],
-                    &ks[at..at + kd],
-                    &v.data[av..av + vd],
-                    &g.data[at..at + kd],
-                    beta.data[(job.b * t + tk) * h + job.h],
-                    &mut e,
-                    &mut u,
-                    oi,
-                );
-            }
-            (o, states)
-        });
-        let mut out = HostArray::zeros(&[b, t, h, vd]);
-        let mut states = Vec::with_capacity(jobs.len());
-        for (job, (o, st)) in jobs.iter().zip(results) {
-            for (i, oi) in o.chunks_exact(vd).enumerate() {
-                let av = geo.at(job.b, job.start + i, job.h, vd);
-                out.data[av..av + vd].copy_from_slice(oi);
-            }
-            states.push(st);
-        }
-        let saved = save.then_some(Saved {
-            q: qs,
-            k: ks,
-            q_norm,
-            k_norm,
-            states,
-        });
+    fn forward(&self, inputs: &[HostArray; 6], save: bool) -> (HostArray, Option<Saved>) {
+        let (n_o, n_s) = self.output_sizes(inputs);
+        let mut out = HostArray::zeros(&[n_o + n_s]);
+        let (o, s) = out.data.split_at_mut(n_o);
+        let saved = self.forward_into(inputs, save, o, s);
         (out, saved)
     }
 
-    // Long on purpose: the reverse recurrence of one (sequence, head) job keeps its running state
-    // gradient and per-token scratch in locals across the whole loop; split, every piece would
-    // take the same dozen slices.
-    fn backward(&self, inputs: &[HostArray; 5], saved: &Saved, grad: &HostArray) -> [HostArray; 5] {
-        let [q, k, v, g, beta] = inputs;
+    fn forward_parts(&self, inputs: &[HostArray; 6]) -> Vec<HostArray> {
+        let (n_o, n_s) = self.output_sizes(inputs);
+        let mut o = HostArray::zeros(&[n_o]);
+        let mut s = HostArray::zeros(&[n_s]);
+        self.forward_into(inputs, false, &mut o.data, &mut s.data);
+        if self.final_state {
+            vec![o, s]
+        } else {
+            vec![o]
+        }
+    }
+
+    fn backward(&self, inputs: &[HostArray; 6], saved: &Saved, grad: &HostArray) -> [HostArray; 6] {
+        let [q, k, v, _, beta, h0] = inputs;
         let &[b, t, h, kd] = q.shape.as_slice() else {
             unreachable!("q is [B, T, H, K]")
         };
         let vd = v.shape[3];
-        let geo = Geometry { t, h };
+        let x = self.inputs(inputs, Geometry { t, h, kd, vd });
+        let geo = x.geo;
         let jobs = self.jobs(b, t, h);
-        let (qs, ks) = (&saved.q, &saved.k);
-        let results = parallel_map(jobs.len(), |j| {
-            let job = jobs[j];
-            let (n, kv) = (job.len, kd * vd);
-            let mut dq = vec![0.0f32; n * kd];
-            let mut dk = vec![0.0f32; n * kd];
-            let mut dg = vec![0.0f32; n * kd];
-            let mut dv = vec![0.0f32; n * vd];
-            let mut db = vec![0.0f32; n];
-            let mut ds = vec![0.0f32; kv];
-            // States S_{t−1}, S_t of one checkpoint span, and e, u per token.
-            let mut span = vec![0.0f32; (CHECKPOINT + 1) * kv];
-            let mut es = vec![0.0f32; CHECKPOINT * vd];
-            let mut us = vec![0.0f32; CHECKPOINT * vd];
-            let mut o = vec![0.0f32; vd];
-            let (mut du, mut dp) = (vec![0.0f32; vd], vec![0.0f32; vd]);
-            let spans = n.div_ceil(CHECKPOINT);
-            for c in (0..spans).rev() {
-                let first = c * CHECKPOINT;
-                let len = CHECKPOINT.min(n - first);
-                span[..kv].copy_from_slice(&saved.states[j][c * kv..(c + 1) * kv]);
-                for i in 0..len {
-                    let tk = job.start + first + i;
-                    let at = geo.at(job.b, tk, job.h, kd);
-                    let av = geo.at(job.b, tk, job.h, vd);
-                    let (done, rest) = span.split_at_mut((i + 1) * kv);
-                    let next = &mut rest[..kv];
-                    next.copy_from_slice(&done[i * kv..]);
-                    step(
-                        next,
-                        &qs[at..at + kd],
-                        &ks[at..at + kd],
-                        &v.data[av..av + vd],
-                        &g.data[at..at + kd],
-                        beta.data[(job.b * t + tk) * h + job.h],
-                        &mut es[i * vd..(i + 1) * vd],
-                        &mut us[i * vd..(i + 1) * vd],
-                        &mut o,
-                    );
-                }
-                for i in (0..len).rev() {
-                    let local = first + i;
-                    let tk = job.start + local;
-                    let at = geo.at(job.b, tk, job.h, kd);
-                    let av = geo.at(job.b, tk, job.h, vd);
-                    let (qt, kt, gt) = (&qs[at..at + kd], &ks[at..at + kd], &g.data[at..at + kd]);
-                    let bt = beta.data[(job.b * t + tk) * h + job.h];
-                    let dout = &grad.data[av..av + vd];
-                    let (e, u) = (&es[i * vd..(i + 1) * vd], &us[i * vd..(i + 1) * vd]);
-                    let s_prev = &span[i * kv..(i + 1) * kv];
-                    let s_now = &span[(i + 1) * kv..(i + 2) * kv];
-                    let dqt = &mut dq[local * kd..(local + 1) * kd];
-                    let dkt = &mut dk[local * kd..(local + 1) * kd];
-                    // dS += q doᵀ; dq = S_t do; du = dSᵀ k; dk = dS u.
-                    du.fill(0.0);
-                    for i2 in 0..kd {
-                        let (qi, ki) = (qt[i2], kt[i2]);
-                        let row = &mut ds[i2 * vd..(i2 + 1) * vd];
-                        let srow = &s_now[i2 * vd..(i2 + 1) * vd];
-                        let (mut acc_q, mut acc_k) = (0.0f32, 0.0f32);
-                        for j2 in 0..vd {
-                            row[j2] += qi * dout[j2];
-                            acc_q += srow[j2] * dout[j2];
-                            du[j2] += row[j2] * ki;
-                            acc_k += row[j2] * u[j2];
-                        }
-                        dqt[i2] = acc_q;
-                        dkt[i2] = acc_k;
-                    }
-                    let mut dbeta = 0.0f32;
-                    for j2 in 0..vd {
-                        dbeta += du[j2] * e[j2];
-                        dv[local * vd + j2] = bt * du[j2];
-                        dp[j2] = -bt * du[j2];
-                    }
-                    db[local] = dbeta;
-                    // S' = Diag(e^g) S_{t−1}: dk += S' dp; dS' = dS + k dpᵀ; dg = rowsum(S' ⊙ dS').
-                    let dgt = &mut dg[local * kd..(local + 1) * kd];
-                    for i2 in 0..kd {
-                        let (a, ki) = (gt[i2].exp(), kt[i2]);
-                        let row = &mut ds[i2 * vd..(i2 + 1) * vd];
-                        let prow = &s_prev[i2 * vd..(i2 + 1) * vd];
-                        let (mut acc_k, mut acc_g) = (0.0f32, 0.0f32);
-                        for j2 in 0..vd {
-                            let sp = a * prow[j2];
-                            acc_k += sp * dp[j2];
-                            let d = row[j2] + ki * dp[j2];
-                            acc_g += sp * d;
-                            row[j2] = a * d;
-                        }
-                        dkt[i2] += acc_k;
-                        dgt[i2] = acc_g;
-                    }
-                }
-            }
-            (dq, dk, dv, dg, db)
-        });
+        let (kv, n_o) = (kd * vd, b * t * h * vd);
         let mut dq = HostArray::zeros(&q.shape);
         let mut dk = HostArray::zeros(&k.shape);
         let mut dv = HostArray::zeros(&v.shape);
-        let mut dg = HostArray::zeros(&g.shape);
+        let mut dg = HostArray::zeros(&q.shape);
         let mut db = HostArray::zeros(&beta.shape);
-        for (job, (jq, jk, jv, jg, jb)) in jobs.iter().zip(results) {
-            for i in 0..job.len {
-                let tk = job.start + i;
-                let at = geo.at(job.b, tk, job.h, kd);
-                let av = geo.at(job.b, tk, job.h, vd);
-                dq.data[at..at + kd].copy_from_slice(&jq[i * kd..(i + 1) * kd]);
-                dk.data[at..at + kd].copy_from_slice(&jk[i * kd..(i + 1) * kd]);
-                dg.data[at..at + kd].copy_from_slice(&jg[i * kd..(i + 1) * kd]);
-                dv.data[av..av + vd].copy_from_slice(&jv[i * vd..(i + 1) * vd]);
-                db.data[(job.b * t + tk) * h + job.h] = jb[i];
+        let mut dh0 = HostArray::zeros(&h0.shape);
+        let out = GradsOut {
+            dq: DisjointWrites::new(&mut dq.data),
+            dk: DisjointWrites::new(&mut dk.data),
+            dv: DisjointWrites::new(&mut dv.data),
+            dg: DisjointWrites::new(&mut dg.data),
+            dbeta: DisjointWrites::new(&mut db.data),
+        };
+        let dh0_writes = DisjointWrites::new(&mut dh0.data);
+        parallel_map_sized(jobs.len(), 3 * b * t * h * kv, |j| {
+            let job = &jobs[j];
+            let at = geo.state(job.seq, job.h);
+            let mut ds = if self.final_state {
+                grad.data[n_o + at..n_o + at + kv].to_vec()
+            } else {
+                vec![0.0f32; kv]
+            };
+            dispatch(BackwardJob {
+                x: &x,
+                job,
+                states: &saved.states[j],
+                grad: &grad.data,
+                ds: &mut ds,
+                out: &out,
+            });
+            if self.initial_state {
+                // SAFETY: the state of (sequence, head) belongs to this job alone.
+                unsafe { dh0_writes.slice(at, kv) }.copy_from_slice(&ds);
             }
-        }
-        // Through the scale and the norms: q_s = scale · q / r_q, k_n = k / r_k.
-        self.unnormalise(&mut dq.data, qs, &saved.q_norm, kd, self.scale);
-        self.unnormalise(&mut dk.data, ks, &saved.k_norm, kd, 1.0);
-        [dq, dk, dv, dg, db]
-    }
-}
-
-impl KdaRecurrence {
-    /// Turns the gradient of `y = scale · x / r` (given `y`) into the gradient of `x`, in place.
-    fn unnormalise(&self, dy: &mut [f32], y: &[f32], norms: &[f32], k: usize, scale: f32) {
-        if !self.l2norm {
-            if scale != 1.0 {
-                dy.iter_mut().for_each(|d| *d *= scale);
-            }
-            return;
-        }
-        for ((d, yv), r) in dy.chunks_exact_mut(k).zip(y.chunks_exact(k)).zip(norms) {
-            // With n = x / r and y = scale · n: dn = scale · dy, dx = (dn − n (n·dn)) / r.
-            let dot: f32 = d.iter().zip(yv).map(|(a, b)| a * b).sum::<f32>() / scale;
-            for (a, yy) in d.iter_mut().zip(yv) {
-                *a = (scale * *a - yy * dot) / r;
-            }
-        }
+        });
+        drop((out, dh0_writes));
+        [dq, dk, dv, dg, db, dh0]
     }
 }
 
@@ -373,13 +750,40 @@ mod tests {
         scale: Option<f64>,
         seqs: Option<Vec<usize>>,
         extreme: bool,
+        /// An initial state (with its gradient) and the final state in the loss.
+        state: bool,
+    }
+
+    impl Case {
+        fn new(dims: [usize; 5]) -> Self {
+            Self {
+                dims,
+                l2norm: true,
+                scale: None,
+                seqs: None,
+                extreme: false,
+                state: false,
+            }
+        }
     }
 
     fn host<const D: usize>(x: Tensor<B, D>) -> Vec<f32> {
         x.into_data().to_vec().expect("f32")
     }
 
-    /// Output and the gradients of q, k, v, g, β against the naive recurrence's autodiff.
+    fn grad<const D: usize>(
+        x: &Tensor<B, D>,
+        grads: &<B as burn::tensor::backend::AutodiffBackend>::Gradients,
+    ) -> Vec<f32> {
+        x.grad(grads)
+            .expect("gradient")
+            .into_data()
+            .to_vec()
+            .expect("f32")
+    }
+
+    /// Output, final state and the gradients of q, k, v, g, β, S_0 against the naive recurrence's
+    /// autodiff.
     fn check(case: Case) {
         let device = Default::default();
         let [b, t, h, kd, vd] = case.dims;
@@ -398,26 +802,33 @@ mod tests {
             g = g.mask_fill(mask, -1000.0);
         }
         let beta = Tensor::<B, 3>::random([b, t, h], Distribution::Uniform(0.0, 1.0), &device);
+        let n = case.seqs.as_ref().map_or(b, |cu| cu.len() - 1);
+        let h0 = normal([n, h, kd, vd]);
         let d_o = normal([b, t, h, vd]);
+        let d_s = normal([n, h, kd, vd]);
         let seqs = case
             .seqs
             .as_ref()
             .map(|cu| cu.windows(2).map(|w| (w[0], w[1] - w[0])).collect());
         let run = |host_kernel: bool| {
-            let (q, k, v, g, beta) = (
+            let (q, k, v, g, beta, h0) = (
                 q.clone().require_grad(),
                 k.clone().require_grad(),
                 v.clone().require_grad(),
                 g.clone().require_grad(),
                 beta.clone().require_grad(),
+                h0.clone().require_grad(),
             );
-            let o = if host_kernel {
-                cpu_kda(&q, &k, &v, &g, &beta, case.scale, case.l2norm, seqs.clone())
+            let mut opts = KdaOptions::default().with_qk_l2norm(case.l2norm);
+            opts.scale = case.scale;
+            opts.cu_seqlens = case.seqs.clone();
+            if case.state {
+                opts = opts.with_initial_state(h0.clone()).with_final_state(true);
+            }
+            let (o, s) = if host_kernel {
+                cpu_kda(&q, &k, &v, &g, &beta, &opts, seqs.clone())
                     .expect("ndarray has the CPU kernel")
             } else {
-                let mut opts = KdaOptions::default().with_qk_l2norm(case.l2norm);
-                opts.scale = case.scale;
-                opts.cu_seqlens = case.seqs.clone();
                 naive_recurrent_kda(
                     q.clone(),
                     k.clone(),
@@ -426,30 +837,35 @@ mod tests {
                     beta.clone(),
                     opts,
                 )
-                .0
             };
-            let grads = o.clone().mul(d_o.clone()).sum().backward();
-            let inner = |x: Option<Tensor<NdArray<f32>, 4>>| -> Vec<f32> {
-                x.expect("gradient").into_data().to_vec().expect("f32")
-            };
-            vec![
-                host(o),
-                inner(q.grad(&grads)),
-                inner(k.grad(&grads)),
-                inner(v.grad(&grads)),
-                inner(g.grad(&grads)),
-                beta.grad(&grads)
-                    .expect("gradient")
-                    .into_data()
-                    .to_vec()
-                    .expect("f32"),
-            ]
+            assert_eq!(s.is_some(), case.state, "a final state exactly when asked");
+            let mut loss = o.clone().mul(d_o.clone()).sum();
+            let mut out = vec![host(o)];
+            if let Some(s) = s {
+                loss = loss.add(s.clone().mul(d_s.clone()).sum());
+                out.push(host(s));
+            }
+            let grads = loss.backward();
+            out.extend([
+                grad(&q, &grads),
+                grad(&k, &grads),
+                grad(&v, &grads),
+                grad(&g, &grads),
+                grad(&beta, &grads),
+            ]);
+            if case.state {
+                out.push(grad(&h0, &grads));
+            }
+            out
         };
         let (want, got) = (run(false), run(true));
-        for (name, (w, g)) in ["o", "dq", "dk", "dv", "dg", "dbeta"]
-            .iter()
-            .zip(want.iter().zip(&got))
-        {
+        let names: &[&str] = if case.state {
+            &["o", "S_T", "dq", "dk", "dv", "dg", "dbeta", "dS_0"]
+        } else {
+            &["o", "dq", "dk", "dv", "dg", "dbeta"]
+        };
+        assert_eq!(want.len(), names.len());
+        for (name, (w, g)) in names.iter().zip(want.iter().zip(&got)) {
             let scale = w.iter().fold(1.0f32, |m, x| m.max(x.abs()));
             let err = w
                 .iter()
@@ -467,37 +883,86 @@ mod tests {
     #[test]
     fn matches_the_naive_recurrence_and_its_gradients() {
         // Several checkpoint spans, the last one partial; unnormalised q, k of any scale.
+        check(Case::new([2, 150, 2, 8, 5]));
         check(Case {
-            dims: [2, 150, 2, 8, 5],
-            l2norm: true,
-            scale: None,
-            seqs: None,
-            extreme: false,
-        });
-        check(Case {
-            dims: [1, 70, 1, 6, 4],
             l2norm: false,
             scale: Some(0.3),
-            seqs: None,
-            extreme: false,
+            ..Case::new([1, 70, 1, 6, 4])
         });
         check(Case {
-            dims: [1, 40, 2, 4, 4],
-            l2norm: true,
             scale: Some(2.0),
-            seqs: None,
             extreme: true,
+            ..Case::new([1, 40, 2, 4, 4])
+        });
+        // Widths that fill the SIMD lane blocks, with and without a remainder.
+        check(Case::new([1, 45, 2, 32, 16]));
+        check(Case::new([1, 20, 1, 16, 37]));
+    }
+
+    #[test]
+    fn initial_and_final_states_and_their_gradients() {
+        check(Case {
+            state: true,
+            ..Case::new([2, 70, 2, 8, 16])
+        });
+        check(Case {
+            state: true,
+            l2norm: false,
+            extreme: true,
+            ..Case::new([1, 1, 3, 16, 5])
         });
     }
 
     #[test]
     fn packed_sequences_restart_the_state() {
         check(Case {
-            dims: [1, 140, 2, 4, 3],
-            l2norm: true,
-            scale: None,
             seqs: Some(vec![0, 1, 65, 130, 140]),
-            extreme: false,
+            ..Case::new([1, 140, 2, 4, 3])
         });
+        check(Case {
+            seqs: Some(vec![0, 33, 40]),
+            state: true,
+            ..Case::new([1, 40, 2, 16, 16])
+        });
+    }
+}
+
+#[cfg(test)]
+mod timing_tmp {
+    use super::*;
+    #[test]
+    #[ignore]
+    fn timing() {
+        for t in [512usize, 2048, 8192] {
+            let (b, h, kd, vd) = (1, 4, 64, 64);
+            let n = b * t * h * kd;
+            let mk = |n: usize, f: f32| HostArray { data: (0..n).map(|i| ((i as f32 * 0.37).sin() * f)).collect(), shape: vec![n] };
+            let mut q = mk(n, 1.0); q.shape = vec![b, t, h, kd];
+            let mut k = mk(n, 1.0); k.shape = vec![b, t, h, kd];
+            let mut v = mk(n, 1.0); v.shape = vec![b, t, h, vd];
+            let mut g = mk(n, 0.1); g.data.iter_mut().for_each(|x| *x = -x.abs()); g.shape = vec![b, t, h, kd];
+            let mut beta = mk(b * t * h, 0.5); beta.data.iter_mut().for_each(|x| *x = x.abs()); beta.shape = vec![b, t, h];
+            let h0 = HostArray { data: vec![0.0; 1].into(), shape: vec![1] };
+            let op = KdaRecurrence { scale: 0.125, l2norm: true, seqs: None, initial_state: false, final_state: false };
+            let inputs = [q, k, v, g, beta, h0];
+            let _ = op.forward(&inputs, true);
+            let reps = 20;
+            let start = std::time::Instant::now();
+            for _ in 0..reps { let _ = op.forward(&inputs, false); }
+            let fwd = start.elapsed().as_secs_f64() / reps as f64;
+            let (out, saved) = op.forward(&inputs, true);
+            let saved = saved.unwrap();
+            let start = std::time::Instant::now();
+            for _ in 0..reps { let _ = op.backward(&inputs, &saved, &out); }
+            let bwd = start.elapsed().as_secs_f64() / reps as f64;
+            let jobs = op.jobs(b, t, h);
+            let x = op.inputs(&inputs, Geometry { t, h, kd, vd });
+            let mut o = vec![0.0f32; b*t*h*vd];
+            let w = DisjointWrites::new(&mut o);
+            let start = std::time::Instant::now();
+            for _ in 0..reps { for job in &jobs { let mut s = vec![0.0; kd*vd]; let mut st = Vec::new(); dispatch(ForwardJob { x: &x, job, s: &mut s, out: &w, states: &mut st, save: false }); } }
+            let serial = start.elapsed().as_secs_f64() / reps as f64;
+            eprintln!("T {t}: forward {:.3} ms, backward {:.3} ms, serial forward compute {:.3} ms ({:.1} ns/token-head)", fwd*1e3, bwd*1e3, serial*1e3, serial*1e9/(t*h) as f64);
+        }
     }
 }

@@ -59,9 +59,9 @@ pub(crate) fn fused_recurrent_kda_inner<B: Backend>(
     opts: KdaOptions<B>,
     check_gates: bool,
 ) -> Result<(Tensor<B, 4>, Option<Tensor<B, 4>>)> {
-    if let Some(o) = host_forward(&q, &k, &v, &g, &beta, &opts, check_gates)? {
+    if let Some(out) = host_forward(&q, &k, &v, &g, &beta, &opts, check_gates)? {
         backend::record(FusedOp::KdaRecurrent, KernelPath::Reference);
-        return Ok((o, None));
+        return Ok(out);
     }
     let p = prepare(q, k, v, g, beta, opts, check_gates)?;
     Ok(match kernel_forward(p, KdaForm::Recurrent) {

@@ -40,7 +40,9 @@ pub(crate) use fused_recurrent::fused_recurrent_kda_inner;
 pub(crate) use kernels::tracked_on_kernels;
 pub use kernels::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
 
-use burn::tensor::{backend::Backend, DType, ElementConversion, Int, Tensor, TensorData};
+use burn::tensor::{
+    backend::Backend, DType, ElementConversion, Int, Tensor, TensorData, TensorPrimitive,
+};
 
 use crate::error::{Error, Result};
 use crate::ops::backend;
@@ -337,9 +339,9 @@ pub(crate) fn prepare<B: Backend>(
     })
 }
 
-/// The CPU host kernel as the whole op: on a CPU backend, with f32 inputs, no initial state and no
-/// final state asked for, [`chunk_kda`] and [`fused_recurrent_kda`] are one host recurrence
-/// ([`cpu_kda`]) after the op's input checks. `Ok(None)`: the op goes on with its other paths.
+/// The CPU host kernel as the whole op: on a CPU backend, with f32 inputs (and initial state),
+/// [`chunk_kda`] and [`fused_recurrent_kda`] are one host recurrence ([`cpu_kda`]) after the op's
+/// input checks. `Ok(None)`: the op goes on with its other paths.
 pub(crate) fn host_forward<B: Backend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
@@ -348,28 +350,30 @@ pub(crate) fn host_forward<B: Backend>(
     beta: &Tensor<B, 3>,
     opts: &KdaOptions<B>,
     check_gates: bool,
-) -> Result<Option<Tensor<B, 4>>> {
-    let f32s = [q.dtype(), k.dtype(), v.dtype(), g.dtype(), beta.dtype()]
-        .iter()
-        .all(|d| *d == DType::F32);
-    if opts.initial_state.is_some()
-        || opts.output_final_state
-        || !f32s
-        || !crate::ops::backend::host::is_cpu_backend::<B>()
-    {
+) -> Result<Option<(Tensor<B, 4>, Option<Tensor<B, 4>>)>> {
+    if !host_kernel_applies(q, k, v, g, beta, opts) {
         return Ok(None);
     }
     let seqs = validate(q, k, v, g, beta, opts, check_gates)?;
-    Ok(cpu_kda(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        opts.scale,
-        opts.use_qk_l2norm,
-        seqs,
-    ))
+    Ok(cpu_kda(q, k, v, g, beta, opts, seqs))
+}
+
+/// Whether [`cpu_kda`] runs these inputs: a CPU backend and f32 everywhere.
+fn host_kernel_applies<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    g: &Tensor<B, 4>,
+    beta: &Tensor<B, 3>,
+    opts: &KdaOptions<B>,
+) -> bool {
+    let dtypes = [q.dtype(), k.dtype(), v.dtype(), g.dtype(), beta.dtype()];
+    let f32s = dtypes.iter().all(|d| *d == DType::F32)
+        && opts
+            .initial_state
+            .as_ref()
+            .is_none_or(|s| s.dtype() == DType::F32);
+    f32s && crate::ops::backend::host::is_cpu_backend::<B>()
 }
 
 /// The KDA of the layer: the recurrent form for sequences of at most `recurrent_max` tokens unless
@@ -395,46 +399,70 @@ pub(crate) fn layer_kda<B: Backend>(
     }
 }
 
-/// KDA from a zero state, without the final state, on the CPU kernel ([`cpu`]) when the backend has
-/// one and every input is f32; `None` otherwise (the caller then runs a tensor-op form).
+/// KDA on the CPU kernel ([`cpu`]) when the backend has one and every input is f32; `None`
+/// otherwise (the caller then runs a tensor-op form). Returns `o` and, with
+/// `opts.output_final_state`, the final state.
 ///
 /// `q, k, g: [B, T, H, K]`, `v: [B, T, H, V]`, `beta: [B, T, H]`; `q` is L2-normalised (with
-/// `l2norm`) and scaled (by `scale`, `K^−1/2` when `None`) inside, like [`prepare`] does; `seqs`:
-/// packed `(start, len)` spans along T with `B = 1`. The caller validates the shapes.
-#[allow(clippy::too_many_arguments)]
+/// `opts.use_qk_l2norm`) and scaled (by `opts.scale`, `K^−1/2` when `None`) inside, like
+/// [`prepare`] does; `seqs`: packed `(start, len)` spans along T with `B = 1`. The caller
+/// validates the shapes (`opts.cu_seqlens` is not read: `seqs` is its checked form).
 pub(crate) fn cpu_kda<B: Backend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,
     g: &Tensor<B, 4>,
     beta: &Tensor<B, 3>,
-    scale: Option<f64>,
-    l2norm: bool,
+    opts: &KdaOptions<B>,
     seqs: Option<Vec<(usize, usize)>>,
-) -> Option<Tensor<B, 4>> {
-    let f32s = [q.dtype(), k.dtype(), v.dtype(), g.dtype(), beta.dtype()]
-        .iter()
-        .all(|d| *d == DType::F32);
-    if !(f32s && crate::ops::backend::host::is_cpu_backend::<B>()) {
+) -> Option<(Tensor<B, 4>, Option<Tensor<B, 4>>)> {
+    if !host_kernel_applies(q, k, v, g, beta, opts) {
         return None;
     }
-    let kd = q.dims()[3];
+    let [b, t, h, kd] = q.dims();
+    let vd = v.dims()[3];
+    let n = seqs.as_ref().map_or(b, Vec::len);
     let op = cpu::KdaRecurrence {
-        scale: scale.unwrap_or(1.0 / (kd as f64).sqrt()) as f32,
-        l2norm,
+        scale: opts.scale.unwrap_or(1.0 / (kd as f64).sqrt()) as f32,
+        l2norm: opts.use_qk_l2norm,
         seqs,
+        initial_state: opts.initial_state.is_some(),
+        final_state: opts.output_final_state,
     };
     let prim = |x: Tensor<B, 4>| x.into_primitive().tensor();
-    Some(crate::ops::backend::host::run(
-        &op,
-        [
-            prim(q.clone()),
-            prim(k.clone()),
-            prim(v.clone()),
-            prim(g.clone()),
-            beta.clone().into_primitive().tensor(),
-        ],
-    ))
+    // Without an initial state the op's sixth input is a one-element placeholder.
+    let h0 = match &opts.initial_state {
+        Some(s) => prim(s.clone()),
+        None => Tensor::<B, 1>::zeros([1], &q.device())
+            .into_primitive()
+            .tensor(),
+    };
+    let inputs = [
+        prim(q.clone()),
+        prim(k.clone()),
+        prim(v.clone()),
+        prim(g.clone()),
+        beta.clone().into_primitive().tensor(),
+        h0,
+    ];
+    let n_o = b * t * h * vd;
+    let state_shape = [n, h, kd, vd];
+    if opts.output_final_state {
+        // Untracked: `o` and the states as two tensors, no split (which would copy).
+        if let Some(mut parts) = crate::ops::backend::host::run_parts::<B, _, 6>(&op, &inputs) {
+            let s = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(parts.remove(1)));
+            let o = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(parts.remove(0)));
+            return Some((o.reshape([b, t, h, vd]), Some(s.reshape(state_shape))));
+        }
+    }
+    let out: Tensor<B, 1> = crate::ops::backend::host::run(&op, inputs);
+    Some(if opts.output_final_state {
+        let o = out.clone().narrow(0, 0, n_o).reshape([b, t, h, vd]);
+        let s = out.narrow(0, n_o, n * h * kd * vd).reshape(state_shape);
+        (o, Some(s))
+    } else {
+        (out.reshape([b, t, h, vd]), None)
+    })
 }
 
 /// A KDA CubeCL kernel ([`KdaKernels`]) on prepared inputs, when the backend has one (the chunked

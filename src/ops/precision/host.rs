@@ -162,10 +162,10 @@ impl HostOp<2> for SituGlu {
         let shape = g.shape.clone();
         [
             HostArray {
-                data: dg,
+                data: dg.into(),
                 shape: shape.clone(),
             },
-            HostArray { data: dv, shape },
+            HostArray { data: dv.into(), shape },
         ]
     }
 }

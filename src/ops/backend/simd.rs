@@ -1,0 +1,164 @@
+//! Loop bodies for the host kernels that compile to SIMD code.
+//!
+//! The host kernels are built for the baseline CPU of the target (SSE2 on x86-64) and run on
+//! whatever CPU the user has, so their hot loops are wrapped in `#[multiversion]` functions: one
+//! copy per instruction set (AVX-512, AVX2+FMA, …) chosen at run time. The helpers here are
+//! `#[inline(always)]` so that each copy compiles them with its own instruction set.
+//!
+//! Every helper works lane by lane on `[f32; LANES]` blocks with the same operation order on every
+//! instruction set (Rust never contracts `a * b + c` into a fused multiply-add on its own), so the
+//! host kernels give bit-identical results on every CPU.
+
+pub(crate) use pulp::{Scalar, Simd, WithSimd};
+
+/// Runs `op` with the widest SIMD instruction set this CPU has (AVX-512, AVX2+FMA, or one lane at
+/// a time), chosen at run time.
+#[inline]
+pub(crate) fn dispatch<Op: WithSimd>(op: Op) -> Op::Output {
+    pulp::Arch::new().dispatch(op)
+}
+
+/// The lanes of `S` at the start of `x` (which must hold at least that many).
+#[inline(always)]
+pub(crate) fn load<S: Simd>(x: &[f32]) -> S::f32s {
+    bytemuck::pod_read_unaligned(bytemuck::cast_slice(&x[..S::F32_LANES]))
+}
+
+/// Writes the lanes `v` at the start of `x` (which must hold at least that many).
+#[inline(always)]
+pub(crate) fn store<S: Simd>(x: &mut [f32], v: S::f32s) {
+    x[..S::F32_LANES].copy_from_slice(bytemuck::cast_slice(std::slice::from_ref(&v)));
+}
+
+/// The width of the lane blocks: one AVX-512 register, two AVX2 registers, four SSE registers.
+pub(crate) const LANES: usize = 16;
+
+/// `exp(x)` for every element, in place, to within 2 ulp of `f32::exp` for `x ≥ −87.3`; below
+/// that (where `exp` is subnormal or zero) the result is 0, above 88 it is `+∞`. NaN stays NaN.
+///
+/// Range reduction `x = n·ln 2 + r`, `|r| ≤ ln 2 / 2`, with `n` rounded by the `1.5·2^23` trick
+/// (no rounding instruction needed), `e^r` by its Taylor polynomial to degree 7 (truncation error
+/// below 1e-8 relative), and `2^n` built in the exponent bits.
+#[inline(always)]
+pub(crate) fn exp_in_place(x: &mut [f32]) {
+    let (blocks, tail) = x.as_chunks_mut::<LANES>();
+    for block in blocks {
+        for v in block.iter_mut() {
+            *v = exp_lane(*v);
+        }
+    }
+    for v in tail {
+        *v = exp_lane(*v);
+    }
+}
+
+/// One lane of [`exp_in_place`]; branch-free so that the loops around it vectorise.
+#[inline(always)]
+pub(crate) fn exp_lane(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23
+    const LOW: f32 = -87.3;
+    const HIGH: f32 = 88.0;
+    let xc = x.clamp(LOW, HIGH);
+    let t = xc * LOG2_E + ROUND;
+    let n = t - ROUND;
+    let bits = t.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
+    let r = (xc - n * LN2_HI) - n * LN2_LO;
+    let mut p = 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    let scale = f32::from_bits(((bits + 127) as u32) << 23);
+    let y = p * scale;
+    // Outside [LOW, HIGH] the clamped value is wrong on purpose and replaced here.
+    let y = if x < LOW { 0.0 } else { y };
+    let y = if x > HIGH { f32::INFINITY } else { y };
+    if x.is_nan() {
+        x
+    } else {
+        y
+    }
+}
+
+/// `Σ a_j b_j`, summed lane by lane in blocks of [`LANES`], then across the lanes.
+#[inline(always)]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (ab, at) = a[..n].as_chunks::<LANES>();
+    let (bb, bt) = b[..n].as_chunks::<LANES>();
+    let mut acc = [0.0f32; LANES];
+    for (x, y) in ab.iter().zip(bb) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut tail = 0.0f32;
+    for (x, y) in at.iter().zip(bt) {
+        tail += x * y;
+    }
+    hsum(&acc) + tail
+}
+
+/// The sum of the lanes, pairwise (the same order on every instruction set).
+#[inline(always)]
+pub(crate) fn hsum(acc: &[f32; LANES]) -> f32 {
+    let mut h = [0.0f32; LANES / 2];
+    for l in 0..LANES / 2 {
+        h[l] = acc[l] + acc[l + LANES / 2];
+    }
+    let mut q = [0.0f32; LANES / 4];
+    for l in 0..LANES / 4 {
+        q[l] = h[l] + h[l + LANES / 4];
+    }
+    (q[0] + q[2]) + (q[1] + q[3])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_matches_the_standard_library() {
+        let xs: Vec<f32> = (0..200_001)
+            .map(|i| -100.0 + i as f32 * 0.000_95)
+            .chain([0.0, -0.0, 1e-30, -1e-30, 88.0, -87.0, -87.29])
+            .collect();
+        let mut ys = xs.clone();
+        exp_in_place(&mut ys);
+        for (x, y) in xs.iter().zip(&ys) {
+            let want = x.exp();
+            if *x < -87.3 {
+                assert_eq!(*y, 0.0, "exp({x})");
+            } else if *x > 88.0 {
+                assert_eq!(*y, f32::INFINITY, "exp({x})");
+            } else {
+                let ulp = want * f32::EPSILON;
+                assert!(
+                    (y - want).abs() <= 2.0 * ulp,
+                    "exp({x}) = {y}, std gives {want}"
+                );
+            }
+        }
+        let mut special = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY, 100.0];
+        exp_in_place(&mut special);
+        assert!(special[0].is_nan());
+        assert_eq!(special[1..], [0.0, f32::INFINITY, f32::INFINITY]);
+    }
+
+    #[test]
+    fn dot_matches_a_plain_sum_for_every_length() {
+        for n in [0, 1, 15, 16, 17, 64, 100] {
+            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            let got = dot(&a, &b) as f64;
+            assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "n {n}");
+        }
+    }
+}
