@@ -4,6 +4,7 @@
 //! Read top to bottom: [`KimiForCausalLM::try_forward`] is the whole forward pass, for training, prefill and
 //! decode alike.
 
+use crate::ops::linear::linear;
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear};
 use burn::tensor::{backend::Backend, Bool, ElementConversion, Int, Tensor};
@@ -302,7 +303,7 @@ impl<B: Backend> KimiForCausalLM<B> {
         }
         let h = self.norm.forward(x);
         let logits = match &self.lm_head {
-            Some(head) => head.forward(h),
+            Some(head) => linear(head, h),
             None => h.matmul(self.embed_tokens.weight.val().transpose().unsqueeze()),
         };
         Ok(CausalLmOutput { logits, moe_stats })

@@ -1,6 +1,7 @@
 //! The Kimi Delta Attention layer (design §4.2): projections, short convolutions, gates, the KDA
 //! op, the gated output norm and the output projection.
 
+use crate::ops::linear::linear;
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::Linear;
@@ -399,9 +400,9 @@ impl<B: Backend> KimiDeltaAttention<B> {
         // Short convolutions of q, k and v as one depthwise convolution over 3P channels.
         let qkv = Tensor::cat(
             vec![
-                self.q_proj.forward(x.clone()),
-                self.k_proj.forward(x.clone()),
-                self.v_proj.forward(x.clone()),
+                linear(&self.q_proj, x.clone()),
+                linear(&self.k_proj, x.clone()),
+                linear(&self.v_proj, x.clone()),
             ],
             2,
         );
@@ -418,14 +419,14 @@ impl<B: Backend> KimiDeltaAttention<B> {
         let heads = |i: usize| qkv.clone().narrow(2, i * p, p).reshape([b, t, h, k]);
         let (q, k_, v) = (heads(0), heads(1), heads(2));
 
-        let f = self.f_b_proj.forward(self.f_a_proj.forward(x.clone()));
+        let f = linear(&self.f_b_proj, linear(&self.f_a_proj, x.clone()));
         let g = kda_gate(
             f.reshape([b, t, h, k]),
             self.a_log.val(),
             self.dt_bias.val(),
             self.gate_lower_bound,
         );
-        let beta = sigmoid(widen(self.b_proj.forward(x.clone())).0);
+        let beta = sigmoid(widen(linear(&self.b_proj, x.clone())).0);
 
         let mut opts = KdaOptions::default()
             .with_qk_l2norm(true)
@@ -442,8 +443,8 @@ impl<B: Backend> KimiDeltaAttention<B> {
         }
 
         let z = match (&self.g_proj, &self.g_a_proj, &self.g_b_proj) {
-            (Some(g_proj), _, _) => g_proj.forward(x),
-            (None, Some(a), Some(b_)) => b_.forward(a.forward(x)),
+            (Some(g_proj), _, _) => linear(g_proj, x),
+            (None, Some(a), Some(b_)) => linear(b_, linear(a, x)),
             _ => unreachable!("the config builds either g_proj or g_a_proj and g_b_proj"),
         };
         let o = rms_norm_gated(
@@ -452,6 +453,6 @@ impl<B: Backend> KimiDeltaAttention<B> {
             self.o_norm.weight.val(),
             self.o_norm.epsilon,
         );
-        Ok(self.o_proj.forward(o.reshape([b, t, p])))
+        Ok(linear(&self.o_proj, o.reshape([b, t, p])))
     }
 }

@@ -1,6 +1,7 @@
 //! Stable LatentMoE (design §2): routed experts in a narrower latent space, an RMSNorm on their
 //! aggregate, full-width shared experts, and a balanced sigmoid router.
 
+use crate::ops::linear::linear;
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::Linear;
@@ -285,7 +286,7 @@ impl<B: Backend> LatentMoe<B> {
             .median_margin()?;
         }
         let h = match &self.down {
-            Some(down) => down.forward(flat.clone()),
+            Some(down) => linear(down, flat.clone()),
             None => flat.clone(),
         };
         let h = match &self.experts.qat {
@@ -304,7 +305,7 @@ impl<B: Backend> LatentMoe<B> {
             u = norm.forward(u);
         }
         let mut y = match &self.up {
-            Some(up) => up.forward(u),
+            Some(up) => linear(up, u),
             None => u,
         };
         if let Some(shared) = &self.shared {

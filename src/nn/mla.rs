@@ -14,6 +14,7 @@
 //! ([`GatedMla::forward_cached`]) caches only `c` and `k_pe` per token ([`MlaCache`]) and attends in
 //! the absorbed form; [`GatedMla::prefill`] fills an empty cache through the expanded form.
 
+use crate::ops::linear::linear;
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::Linear;
@@ -331,9 +332,7 @@ impl<B: Backend> GatedMla<B> {
         let (q_nope, q_pe) = self.query(x.clone(), 0)?;
         let (latent, k_pe) = self.latent(x.clone(), 0);
         // [B, T, H, dn + dv] → per-head keys and values.
-        let kv = self
-            .kv_b_proj
-            .forward(latent.clone())
+        let kv = linear(&self.kv_b_proj, latent.clone())
             .reshape([batch, t, h, dn + dv])
             .swap_dims(1, 2);
         let k_nope = kv.clone().narrow(3, 0, dn);
@@ -431,8 +430,8 @@ impl<B: Backend> GatedMla<B> {
                 &self.q_a_layernorm,
                 &self.q_b_proj,
             ) {
-                (Some(q_proj), ..) => q_proj.forward(x),
-                (None, Some(a), Some(norm), Some(b)) => b.forward(norm.forward(a.forward(x))),
+                (Some(q_proj), ..) => linear(q_proj, x),
+                (None, Some(a), Some(norm), Some(b)) => linear(b, norm.forward(linear(a, x))),
                 // `try_init` builds exactly one of the two forms; a hand-assembled module may not.
                 _ => return Err(Error::config(
                     "q_proj",
@@ -454,7 +453,7 @@ impl<B: Backend> GatedMla<B> {
     /// tokens at positions from `start` (what the decode cache stores).
     pub fn latent(&self, x: Tensor<B, 3>, start: usize) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let r = self.kv_lora_rank();
-        let ckv = self.kv_a_proj_with_mqa.forward(x);
+        let ckv = linear(&self.kv_a_proj_with_mqa, x);
         let c = self.kv_a_layernorm.forward(ckv.clone().narrow(2, 0, r));
         let mut k_pe = ckv.narrow(2, r, self.qk_rope_head_dim);
         if let Some(base) = self.rope {
@@ -474,14 +473,14 @@ impl<B: Backend> GatedMla<B> {
         let width = self.num_heads * self.v_head_dim;
         let mut o = o.swap_dims(1, 2).reshape([batch, t, width]);
         if let Some(g_proj) = &self.g_proj {
-            o = o.mul(sigmoid(g_proj.forward(x)));
+            o = o.mul(sigmoid(linear(g_proj, x)));
         }
         if let Some(pad) = padding {
             // A padding query may have no key to attend to; kernels disagree on what such a row
             // holds (zeros, NaN), so it is overwritten rather than trusted.
             o = o.mask_fill(pad.reshape([batch, t, 1]).expand([batch, t, width]), 0.0);
         }
-        self.o_proj.forward(o)
+        linear(&self.o_proj, o)
     }
 
     fn check_input(

@@ -157,7 +157,7 @@ impl<B: Backend> Router<B> {
     pub fn scores(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         let (x, _) = widen(x);
         let (w, _) = widen(self.gate.weight.val());
-        let logits = x.matmul(w);
+        let logits = crate::ops::linear::matmul_last(x, w);
         match self.options.scoring {
             Scoring::Sigmoid => sigmoid(logits),
             Scoring::Softmax => softmax(logits, 1),

@@ -1,5 +1,6 @@
 //! The gated FFN used by every Kimi K3 FFN (dense layer, shared and routed experts), design §1.
 
+use crate::ops::linear::linear;
 use crate::error::{Error, Result};
 use burn::config::Config;
 use burn::module::Module;
@@ -87,7 +88,7 @@ impl<B: Backend> SituGlu<B> {
         let h = self.hidden(x);
         match &self.qat {
             Some(q) => q.linear(&self.w2, h),
-            None => self.w2.forward(h),
+            None => linear(&self.w2, h),
         }
     }
 
@@ -101,7 +102,7 @@ impl<B: Backend> SituGlu<B> {
                 let plain = QatConfig::new(q.weights, None);
                 (plain.linear(&self.w1, x.clone()), plain.linear(&self.w3, x))
             }
-            None => (self.w1.forward(x.clone()), self.w3.forward(x)),
+            None => (linear(&self.w1, x.clone()), linear(&self.w3, x)),
         };
         self.activation.apply(gate, up)
     }

@@ -12,6 +12,7 @@ pub mod attn_res;
 pub mod backend;
 pub mod kda;
 pub mod layout;
+pub(crate) mod linear;
 pub mod mla;
 pub mod moe;
 pub mod norm;

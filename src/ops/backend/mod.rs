@@ -48,6 +48,7 @@ pub(crate) mod cube;
 #[cfg(feature = "cubecl-kernels")]
 mod fusion;
 pub(crate) mod host;
+pub(crate) mod matmul;
 pub(crate) mod simd;
 
 /// Whether the kernels handle a float dtype (f32, f16, bf16 storage).

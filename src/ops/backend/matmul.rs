@@ -1,0 +1,128 @@
+//! Matrix products on host buffers for the CPU host kernels, by the `gemm` crate (the kernels
+//! several Rust ML libraries use: register-blocked, AVX-512 / AVX2+FMA / NEON chosen at run time,
+//! threads from rayon's pool for large products).
+
+/// Products with at least this many multiply-adds use rayon's thread pool; smaller ones stay on
+/// the calling thread, where handing work to the pool would cost more than it saves.
+const MIN_PARALLEL_FLOPS: usize = 1 << 21;
+
+/// How a matrix operand is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// As it is used: `[rows, cols]`, row-major.
+    Plain,
+    /// Transposed: the matrix `[rows, cols]` is stored as `[cols, rows]`, row-major.
+    Transposed,
+}
+
+/// `c = a · b` (with `accumulate`, `c += a · b`) for `a: [m, k]`, `b: [k, n]` and `c: [m, n]`, all
+/// row-major `f32`, each of `a` and `b` possibly stored transposed.
+///
+/// # Panics
+/// When a buffer is shorter than its shape.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    c: &mut [f32],
+    a: &[f32],
+    a_layout: Layout,
+    b: &[f32],
+    b_layout: Layout,
+    [m, k, n]: [usize; 3],
+    accumulate: bool,
+) {
+    assert!(
+        a.len() >= m * k && b.len() >= k * n && c.len() >= m * n,
+        "matmul [{m}, {k}] x [{k}, {n}]: buffers of {}, {}, {}",
+        a.len(),
+        b.len(),
+        c.len()
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            c[..m * n].fill(0.0);
+        }
+        return;
+    }
+    // (column stride, row stride) of each operand, in elements.
+    let (a_cs, a_rs) = match a_layout {
+        Layout::Plain => (1, k as isize),
+        Layout::Transposed => (m as isize, 1),
+    };
+    let (b_cs, b_rs) = match b_layout {
+        Layout::Plain => (1, n as isize),
+        Layout::Transposed => (k as isize, 1),
+    };
+    let parallelism = if m * n * k >= MIN_PARALLEL_FLOPS {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the strides address `[m, k]`, `[k, n]` and `[m, n]` elements within the lengths
+    // checked above; `c` is borrowed mutably and so overlaps neither input.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.as_ptr(),
+            a_cs,
+            a_rs,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The product by three nested loops, in f64.
+    fn naive(a: &[f32], ta: bool, b: &[f32], tb: bool, [m, k, n]: [usize; 3]) -> Vec<f64> {
+        let at = |i: usize, p: usize| if ta { a[p * m + i] } else { a[i * k + p] } as f64;
+        let bt = |p: usize, j: usize| if tb { b[j * k + p] } else { b[p * n + j] } as f64;
+        let mut c = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k).map(|p| at(i, p) * bt(p, j)).sum();
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn every_layout_matches_the_naive_product() {
+        for dims in [[3, 5, 7], [64, 33, 17], [1, 1, 1], [130, 70, 90]] {
+            let [m, k, n] = dims;
+            let a: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.2).collect();
+            for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                let layout = |t| if t { Layout::Transposed } else { Layout::Plain };
+                let want = naive(&a, ta, &b, tb, dims);
+                let mut c = vec![1.0f32; m * n];
+                matmul(&mut c, &a, layout(ta), &b, layout(tb), dims, true);
+                for (got, want) in c.iter().zip(&want) {
+                    assert!((*got as f64 - (want + 1.0)).abs() < 1e-4, "{dims:?} {ta} {tb}");
+                }
+                matmul(&mut c, &a, layout(ta), &b, layout(tb), dims, false);
+                for (got, want) in c.iter().zip(&want) {
+                    assert!((*got as f64 - want).abs() < 1e-4, "{dims:?} {ta} {tb}");
+                }
+            }
+        }
+    }
+}
