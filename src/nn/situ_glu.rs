@@ -1,7 +1,7 @@
 //! The gated FFN used by every Kimi K3 FFN (dense layer, shared and routed experts), design §1.
 
-use crate::ops::linear::linear;
 use crate::error::{Error, Result};
+use crate::ops::linear::linear;
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::Linear;

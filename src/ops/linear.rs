@@ -82,7 +82,10 @@ pub(crate) fn matmul_last<B: Backend, const D: usize>(
 }
 
 /// A linear layer applied to `x` (its last dim): `x · W (+ b)`, by [`matmul_last`].
-pub(crate) fn linear<B: Backend, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
+pub(crate) fn linear<B: Backend, const D: usize>(
+    layer: &Linear<B>,
+    x: Tensor<B, D>,
+) -> Tensor<B, D> {
     if !host::is_cpu_backend::<B>() {
         return layer.forward(x);
     }

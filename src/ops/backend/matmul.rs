@@ -30,6 +30,36 @@ pub(crate) fn matmul(
     [m, k, n]: [usize; 3],
     accumulate: bool,
 ) {
+    let parallel = m * n * k >= MIN_PARALLEL_FLOPS;
+    product(c, a, a_layout, b, b_layout, [m, k, n], accumulate, parallel);
+}
+
+/// [`matmul`] on the calling thread whatever the size (for products that are themselves run in
+/// parallel, one per expert say).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_serial(
+    c: &mut [f32],
+    a: &[f32],
+    a_layout: Layout,
+    b: &[f32],
+    b_layout: Layout,
+    dims: [usize; 3],
+    accumulate: bool,
+) {
+    product(c, a, a_layout, b, b_layout, dims, accumulate, false);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn product(
+    c: &mut [f32],
+    a: &[f32],
+    a_layout: Layout,
+    b: &[f32],
+    b_layout: Layout,
+    [m, k, n]: [usize; 3],
+    accumulate: bool,
+    parallel: bool,
+) {
     assert!(
         a.len() >= m * k && b.len() >= k * n && c.len() >= m * n,
         "matmul [{m}, {k}] x [{k}, {n}]: buffers of {}, {}, {}",
@@ -55,7 +85,7 @@ pub(crate) fn matmul(
         Layout::Plain => (1, n as isize),
         Layout::Transposed => (k as isize, 1),
     };
-    let parallelism = if m * n * k >= MIN_PARALLEL_FLOPS {
+    let parallelism = if parallel {
         gemm::Parallelism::Rayon(0)
     } else {
         gemm::Parallelism::None
@@ -108,21 +138,70 @@ mod tests {
     fn every_layout_matches_the_naive_product() {
         for dims in [[3, 5, 7], [64, 33, 17], [1, 1, 1], [130, 70, 90]] {
             let [m, k, n] = dims;
-            let a: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
-            let b: Vec<f32> = (0..k * n).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.2).collect();
+            let a: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1)
+                .collect();
+            let b: Vec<f32> = (0..k * n)
+                .map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.2)
+                .collect();
             for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
                 let layout = |t| if t { Layout::Transposed } else { Layout::Plain };
                 let want = naive(&a, ta, &b, tb, dims);
                 let mut c = vec![1.0f32; m * n];
                 matmul(&mut c, &a, layout(ta), &b, layout(tb), dims, true);
                 for (got, want) in c.iter().zip(&want) {
-                    assert!((*got as f64 - (want + 1.0)).abs() < 1e-4, "{dims:?} {ta} {tb}");
+                    assert!(
+                        (*got as f64 - (want + 1.0)).abs() < 1e-4,
+                        "{dims:?} {ta} {tb}"
+                    );
                 }
                 matmul(&mut c, &a, layout(ta), &b, layout(tb), dims, false);
                 for (got, want) in c.iter().zip(&want) {
                     assert!((*got as f64 - want).abs() < 1e-4, "{dims:?} {ta} {tb}");
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod timing_tmp {
+    use super::*;
+    #[test]
+    #[ignore]
+    fn gemm_rate() {
+        for [m, k, n] in [[4096usize, 512, 512], [4096, 256, 2048], [512, 256, 512]] {
+            let a = vec![0.5f32; m * k];
+            let b = vec![0.25f32; k * n];
+            let mut c = vec![0.0f32; m * n];
+            matmul(
+                &mut c,
+                &a,
+                Layout::Plain,
+                &b,
+                Layout::Plain,
+                [m, k, n],
+                false,
+            );
+            let reps = 10;
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                matmul(
+                    &mut c,
+                    &a,
+                    Layout::Plain,
+                    &b,
+                    Layout::Plain,
+                    [m, k, n],
+                    false,
+                );
+            }
+            let s = t.elapsed().as_secs_f64() / reps as f64;
+            eprintln!(
+                "{m}x{k}x{n}: {:.2} ms, {:.1} GFLOP/s",
+                s * 1e3,
+                2.0 * (m * k * n) as f64 / s / 1e9
+            );
         }
     }
 }

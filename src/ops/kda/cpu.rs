@@ -936,31 +936,67 @@ mod timing_tmp {
         for t in [512usize, 2048, 8192] {
             let (b, h, kd, vd) = (1, 4, 64, 64);
             let n = b * t * h * kd;
-            let mk = |n: usize, f: f32| HostArray { data: (0..n).map(|i| ((i as f32 * 0.37).sin() * f)).collect(), shape: vec![n] };
-            let mut q = mk(n, 1.0); q.shape = vec![b, t, h, kd];
-            let mut k = mk(n, 1.0); k.shape = vec![b, t, h, kd];
-            let mut v = mk(n, 1.0); v.shape = vec![b, t, h, vd];
-            let mut g = mk(n, 0.1); g.data.iter_mut().for_each(|x| *x = -x.abs()); g.shape = vec![b, t, h, kd];
-            let mut beta = mk(b * t * h, 0.5); beta.data.iter_mut().for_each(|x| *x = x.abs()); beta.shape = vec![b, t, h];
-            let h0 = HostArray { data: vec![0.0; 1].into(), shape: vec![1] };
-            let op = KdaRecurrence { scale: 0.125, l2norm: true, seqs: None, initial_state: false, final_state: false };
+            let mk = |n: usize, f: f32| HostArray {
+                data: (0..n).map(|i| ((i as f32 * 0.37).sin() * f)).collect(),
+                shape: vec![n],
+            };
+            let mut q = mk(n, 1.0);
+            q.shape = vec![b, t, h, kd];
+            let mut k = mk(n, 1.0);
+            k.shape = vec![b, t, h, kd];
+            let mut v = mk(n, 1.0);
+            v.shape = vec![b, t, h, vd];
+            let mut g = mk(n, 0.1);
+            g.data.iter_mut().for_each(|x| *x = -x.abs());
+            g.shape = vec![b, t, h, kd];
+            let mut beta = mk(b * t * h, 0.5);
+            beta.data.iter_mut().for_each(|x| *x = x.abs());
+            beta.shape = vec![b, t, h];
+            let h0 = HostArray {
+                data: vec![0.0; 1].into(),
+                shape: vec![1],
+            };
+            let op = KdaRecurrence {
+                scale: 0.125,
+                l2norm: true,
+                seqs: None,
+                initial_state: false,
+                final_state: false,
+            };
             let inputs = [q, k, v, g, beta, h0];
             let _ = op.forward(&inputs, true);
             let reps = 20;
             let start = std::time::Instant::now();
-            for _ in 0..reps { let _ = op.forward(&inputs, false); }
+            for _ in 0..reps {
+                let _ = op.forward(&inputs, false);
+            }
             let fwd = start.elapsed().as_secs_f64() / reps as f64;
             let (out, saved) = op.forward(&inputs, true);
             let saved = saved.unwrap();
             let start = std::time::Instant::now();
-            for _ in 0..reps { let _ = op.backward(&inputs, &saved, &out); }
+            for _ in 0..reps {
+                let _ = op.backward(&inputs, &saved, &out);
+            }
             let bwd = start.elapsed().as_secs_f64() / reps as f64;
             let jobs = op.jobs(b, t, h);
             let x = op.inputs(&inputs, Geometry { t, h, kd, vd });
-            let mut o = vec![0.0f32; b*t*h*vd];
+            let mut o = vec![0.0f32; b * t * h * vd];
             let w = DisjointWrites::new(&mut o);
             let start = std::time::Instant::now();
-            for _ in 0..reps { for job in &jobs { let mut s = vec![0.0; kd*vd]; let mut st = Vec::new(); dispatch(ForwardJob { x: &x, job, s: &mut s, out: &w, states: &mut st, save: false }); } }
+            for _ in 0..reps {
+                for job in &jobs {
+                    let mut s = vec![0.0; kd * vd];
+                    let mut st = Vec::new();
+                    dispatch(ForwardJob {
+                        x: &x,
+                        job,
+                        s: &mut s,
+                        out: &w,
+                        states: &mut st,
+                        save: false,
+                    });
+                }
+            }
             let serial = start.elapsed().as_secs_f64() / reps as f64;
             eprintln!("T {t}: forward {:.3} ms, backward {:.3} ms, serial forward compute {:.3} ms ({:.1} ns/token-head)", fwd*1e3, bwd*1e3, serial*1e3, serial*1e9/(t*h) as f64);
         }

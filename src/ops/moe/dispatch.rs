@@ -226,7 +226,57 @@ pub fn routed_experts<B: Backend>(
         return u;
     }
     let plan = DispatchPlan::new(selection, valid);
+    if host_applies(&h, &weights, experts) {
+        return dispatch_host(h, weights, plan, experts);
+    }
     dispatch_stacked(h, weights, &plan, experts)
+}
+
+/// Whether [`dispatch_host`] runs these inputs: a CPU backend with host kernels, f32 everywhere
+/// and no hidden quantisation (QAT keeps the tensor-op form).
+fn host_applies<B: Backend>(
+    h: &Tensor<B, 2>,
+    weights: &Tensor<B, 2>,
+    experts: &StackedExperts<B>,
+) -> bool {
+    let dtypes = [
+        h.dtype(),
+        weights.dtype(),
+        experts.w1.dtype(),
+        experts.w3.dtype(),
+        experts.w2.dtype(),
+    ];
+    experts.hidden_quant.is_none()
+        && dtypes.iter().all(|d| *d == burn::tensor::DType::F32)
+        && crate::ops::backend::host::is_cpu_backend::<B>()
+}
+
+/// The routed experts on the CPU host kernel (one grouped pass over the expert segments, every
+/// product a `gemm` call, no padding); the same map as [`dispatch_stacked`]. The caller checks
+/// [`host_applies`].
+fn dispatch_host<B: Backend>(
+    h: Tensor<B, 2>,
+    weights: Tensor<B, 2>,
+    plan: DispatchPlan,
+    experts: &StackedExperts<B>,
+) -> Tensor<B, 2> {
+    let k = weights.dims()[1];
+    let op = super::host::RoutedExperts {
+        plan: std::sync::Arc::new(plan),
+        k,
+        activation: experts.activation,
+    };
+    let prim = |x: Tensor<B, 3>| x.into_primitive().tensor();
+    crate::ops::backend::host::run(
+        &op,
+        [
+            h.into_primitive().tensor(),
+            weights.into_primitive().tensor(),
+            prim(experts.w1.clone()),
+            prim(experts.w3.clone()),
+            prim(experts.w2.clone()),
+        ],
+    )
 }
 
 /// The routed experts over stacked weights in tensor ops (the reference of [`dispatch_fused`]):

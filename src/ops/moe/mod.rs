@@ -9,6 +9,7 @@ mod autodiff;
 #[cfg(feature = "cubecl-kernels")]
 mod cube;
 pub mod dispatch;
+mod host;
 pub(crate) mod kernels;
 pub mod route;
 pub mod situ;

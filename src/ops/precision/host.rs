@@ -63,14 +63,14 @@ pub(crate) enum Unary {
 }
 
 impl Unary {
-    fn value(self, x: f32) -> f32 {
+    pub(crate) fn value(self, x: f32) -> f32 {
         match self {
             Self::Sigmoid => sigmoid(x),
             Self::Silu => x * sigmoid(x),
         }
     }
 
-    fn derivative(self, x: f32) -> f32 {
+    pub(crate) fn derivative(self, x: f32) -> f32 {
         let (s, c) = sigmoid_pair(x);
         match self {
             Self::Sigmoid => s * c,
@@ -117,13 +117,13 @@ pub(crate) struct SituGlu {
 
 impl SituGlu {
     /// `(A(g), A'(g))`.
-    fn gate(&self, g: f32) -> (f32, f32) {
+    pub(crate) fn gate(&self, g: f32) -> (f32, f32) {
         let ((t, sech2), (s, c)) = (tanh_sech2(g / self.beta1), sigmoid_pair(g));
         (self.beta1 * t * s, sech2 * s + self.beta1 * t * s * c)
     }
 
     /// `(B(v), B'(v))`.
-    fn up(&self, v: f32) -> (f32, f32) {
+    pub(crate) fn up(&self, v: f32) -> (f32, f32) {
         match self.beta2 {
             Some(b2) => {
                 let (t, sech2) = tanh_sech2(v / b2);
@@ -165,7 +165,10 @@ impl HostOp<2> for SituGlu {
                 data: dg.into(),
                 shape: shape.clone(),
             },
-            HostArray { data: dv.into(), shape },
+            HostArray {
+                data: dv.into(),
+                shape,
+            },
         ]
     }
 }

@@ -1,0 +1,376 @@
+//! The routed experts on the CPU host kernels: one grouped pass over the expert segments of a
+//! [`DispatchPlan`], forward and backward, with every product a `gemm` call.
+//!
+//! Forward, per expert `e` with the rows `X_e` of its segment (in parallel over experts):
+//! `G = X_e W1[e]`, `U = X_e W3[e]`, `A = act(G, U)`, `Y = A W2[e]`; then each token sums
+//! `p · Y` over its own pairs in slot order (a gather, no scatter: the result does not depend on
+//! the number of threads). Backward, per expert: `dY = p · dOut`, `dA = dY W2[e]ᵀ`,
+//! `dW2[e] = Aᵀ dY`, `(dG, dU) = act'(G, U) ⊙ dA`, `dW1[e] = X_eᵀ dG`, `dW3[e] = X_eᵀ dU`,
+//! `dX_e = dG W1[e]ᵀ + dU W3[e]ᵀ`; then `dh` and `dp = Y · dOut` per token, again by gathers.
+//!
+//! Nothing is padded: an expert's products are exactly its load. `G`, `U` and `Y` are kept for
+//! the backward pass (`A` is recomputed from them).
+
+use rayon::prelude::*;
+
+use super::dispatch::DispatchPlan;
+use super::situ::GluActivation;
+use crate::ops::backend::host::{HostArray, HostOp};
+use crate::ops::backend::matmul::{matmul_serial, Layout};
+use crate::ops::precision::host::{SituGlu, Unary};
+
+/// The routed experts of one dispatch: inputs `h: [m, ℓ]`, `weights: [m, k]`, `W1, W3: [n, ℓ, m_e]`,
+/// `W2: [n, m_e, ℓ_out]`; output `[m, ℓ_out]` (zeros for tokens without pairs).
+#[derive(Debug, Clone)]
+pub(crate) struct RoutedExperts {
+    /// The dispatch plan (pairs in expert order).
+    pub plan: std::sync::Arc<DispatchPlan>,
+    /// Experts per token.
+    pub k: usize,
+    /// The experts' activation.
+    pub activation: GluActivation,
+}
+
+/// `G`, `U` (`[P, m_e]`) and the unweighted expert outputs `Y` (`[P, ℓ_out]`), in pair order.
+#[derive(Debug)]
+pub(crate) struct Saved {
+    g: Vec<f32>,
+    u: Vec<f32>,
+    y: Vec<f32>,
+}
+
+/// Sizes of one call.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    l: usize,
+    me: usize,
+    lo: usize,
+}
+
+impl RoutedExperts {
+    fn dims(inputs: &[HostArray; 5]) -> Dims {
+        let (w1, w2) = (&inputs[2].shape, &inputs[4].shape);
+        Dims {
+            l: w1[1],
+            me: w1[2],
+            lo: w2[2],
+        }
+    }
+
+    /// `act(g, u)`, elementwise.
+    fn act(&self, g: f32, u: f32) -> f32 {
+        match self.activation {
+            GluActivation::Situ { beta1, beta2 } => {
+                let s = SituGlu { beta1, beta2 };
+                s.gate(g).0 * s.up(u).0
+            }
+            GluActivation::SwiGlu => Unary::Silu.value(g) * u,
+        }
+    }
+
+    /// `(∂act/∂g, ∂act/∂u) · d`.
+    fn act_grad(&self, g: f32, u: f32, d: f32) -> (f32, f32) {
+        match self.activation {
+            GluActivation::Situ { beta1, beta2 } => {
+                let s = SituGlu { beta1, beta2 };
+                let ((ga, gd), (ua, ud)) = (s.gate(g), s.up(u));
+                (d * ua * gd, d * ga * ud)
+            }
+            GluActivation::SwiGlu => (d * u * Unary::Silu.derivative(g), d * Unary::Silu.value(g)),
+        }
+    }
+
+    /// The rows of `h` of an expert's segment, gathered: `[len, ℓ]`.
+    fn gather(&self, h: &[f32], l: usize, range: std::ops::Range<usize>) -> Vec<f32> {
+        let mut x = Vec::with_capacity(range.len() * l);
+        for &t in &self.plan.tokens[range] {
+            let t = t as usize;
+            x.extend_from_slice(&h[t * l..(t + 1) * l]);
+        }
+        x
+    }
+
+    /// The pair position of each `(token, slot)` (`usize::MAX`: not dispatched).
+    fn positions(&self) -> Vec<usize> {
+        let mut at = vec![usize::MAX; self.plan.m * self.k];
+        for (pos, &pair) in self.plan.pairs.iter().enumerate() {
+            at[pair as usize] = pos;
+        }
+        at
+    }
+}
+
+/// `buf` cut into one slice of `width` floats per pair of each expert's segment.
+fn segments_mut<'a>(plan: &DispatchPlan, buf: &'a mut [f32], width: usize) -> Vec<&'a mut [f32]> {
+    let mut rest = buf;
+    let mut out = Vec::with_capacity(plan.offsets.len().saturating_sub(1));
+    for w in plan.offsets.windows(2) {
+        let (seg, tail) = std::mem::take(&mut rest).split_at_mut((w[1] - w[0]) * width);
+        out.push(seg);
+        rest = tail;
+    }
+    out
+}
+
+impl HostOp<5> for RoutedExperts {
+    type Saved = Saved;
+
+    fn forward(&self, inputs: &[HostArray; 5], save: bool) -> (HostArray, Option<Saved>) {
+        let [h, weights, w1, w3, w2] = inputs;
+        let Dims { l, me, lo } = Self::dims(inputs);
+        let (m, p) = (self.plan.m, self.plan.len());
+        let (mut g, mut u, mut y) = (vec![0.0; p * me], vec![0.0; p * me], vec![0.0; p * lo]);
+        let jobs: Vec<_> = segments_mut(&self.plan, &mut g, me)
+            .into_iter()
+            .zip(segments_mut(&self.plan, &mut u, me))
+            .zip(segments_mut(&self.plan, &mut y, lo))
+            .enumerate()
+            .collect();
+        jobs.into_par_iter().for_each(|(e, ((g, u), y))| {
+            let range = self.plan.offsets[e]..self.plan.offsets[e + 1];
+            let c = range.len();
+            if c == 0 {
+                return;
+            }
+            let x = self.gather(&h.data, l, range);
+            let (w1, w3) = (&w1.data[e * l * me..], &w3.data[e * l * me..]);
+            matmul_serial(g, &x, Layout::Plain, w1, Layout::Plain, [c, l, me], false);
+            matmul_serial(u, &x, Layout::Plain, w3, Layout::Plain, [c, l, me], false);
+            let a: Vec<f32> = g
+                .iter()
+                .zip(u.iter())
+                .map(|(&a, &b)| self.act(a, b))
+                .collect();
+            let w2 = &w2.data[e * me * lo..];
+            matmul_serial(y, &a, Layout::Plain, w2, Layout::Plain, [c, me, lo], false);
+        });
+        let at = self.positions();
+        let mut out = HostArray::zeros(&[m, lo]);
+        out.data
+            .par_chunks_mut(lo)
+            .enumerate()
+            .for_each(|(t, row)| {
+                for slot in 0..self.k {
+                    let pos = at[t * self.k + slot];
+                    if pos != usize::MAX {
+                        let w = weights.data[t * self.k + slot];
+                        for (o, v) in row.iter_mut().zip(&y[pos * lo..(pos + 1) * lo]) {
+                            *o += w * v;
+                        }
+                    }
+                }
+            });
+        (out, save.then_some(Saved { g, u, y }))
+    }
+
+    fn backward(&self, inputs: &[HostArray; 5], saved: &Saved, grad: &HostArray) -> [HostArray; 5] {
+        let [h, weights, w1, w3, w2] = inputs;
+        let Dims { l, me, lo } = Self::dims(inputs);
+        let (p, k) = (self.plan.len(), self.k);
+        let at = self.positions();
+        // dp = Y · dOut and dY = p · dOut, per pair.
+        let mut dweights = HostArray::zeros(&weights.shape);
+        let mut dy = vec![0.0f32; p * lo];
+        for (pos, &pair) in self.plan.pairs.iter().enumerate() {
+            let (pair, t) = (pair as usize, self.plan.tokens[pos] as usize);
+            let dout = &grad.data[t * lo..(t + 1) * lo];
+            let y = &saved.y[pos * lo..(pos + 1) * lo];
+            dweights.data[pair] = y.iter().zip(dout).map(|(a, b)| a * b).sum();
+            let w = weights.data[pair];
+            for (d, o) in dy[pos * lo..(pos + 1) * lo].iter_mut().zip(dout) {
+                *d = w * o;
+            }
+        }
+        let mut dw1 = HostArray::zeros(&w1.shape);
+        let mut dw3 = HostArray::zeros(&w3.shape);
+        let mut dw2 = HostArray::zeros(&w2.shape);
+        let mut dx = vec![0.0f32; p * l];
+        let jobs: Vec<_> = dw1
+            .data
+            .chunks_mut(l * me)
+            .zip(dw3.data.chunks_mut(l * me))
+            .zip(dw2.data.chunks_mut(me * lo))
+            .zip(segments_mut(&self.plan, &mut dx, l))
+            .enumerate()
+            .collect();
+        jobs.into_par_iter()
+            .for_each(|(e, (((dw1, dw3), dw2), dx))| {
+                let range = self.plan.offsets[e]..self.plan.offsets[e + 1];
+                let c = range.len();
+                if c == 0 {
+                    return;
+                }
+                let x = self.gather(&h.data, l, range.clone());
+                let (g, u) = (
+                    &saved.g[range.start * me..range.end * me],
+                    &saved.u[range.start * me..range.end * me],
+                );
+                let dy = &dy[range.start * lo..range.end * lo];
+                let a: Vec<f32> = g.iter().zip(u).map(|(&a, &b)| self.act(a, b)).collect();
+                let w2e = &w2.data[e * me * lo..];
+                // dW2 = Aᵀ dY; dA = dY W2ᵀ.
+                matmul_serial(
+                    dw2,
+                    &a,
+                    Layout::Transposed,
+                    dy,
+                    Layout::Plain,
+                    [me, c, lo],
+                    false,
+                );
+                let mut da = vec![0.0f32; c * me];
+                matmul_serial(
+                    &mut da,
+                    dy,
+                    Layout::Plain,
+                    w2e,
+                    Layout::Transposed,
+                    [c, lo, me],
+                    false,
+                );
+                let (mut dg, mut du) = (vec![0.0f32; c * me], vec![0.0f32; c * me]);
+                for (((dg, du), &d), (&a, &b)) in dg
+                    .iter_mut()
+                    .zip(du.iter_mut())
+                    .zip(&da)
+                    .zip(g.iter().zip(u))
+                {
+                    (*dg, *du) = self.act_grad(a, b, d);
+                }
+                let (w1e, w3e) = (&w1.data[e * l * me..], &w3.data[e * l * me..]);
+                matmul_serial(
+                    dw1,
+                    &x,
+                    Layout::Transposed,
+                    &dg,
+                    Layout::Plain,
+                    [l, c, me],
+                    false,
+                );
+                matmul_serial(
+                    dw3,
+                    &x,
+                    Layout::Transposed,
+                    &du,
+                    Layout::Plain,
+                    [l, c, me],
+                    false,
+                );
+                matmul_serial(
+                    dx,
+                    &dg,
+                    Layout::Plain,
+                    w1e,
+                    Layout::Transposed,
+                    [c, me, l],
+                    false,
+                );
+                matmul_serial(
+                    dx,
+                    &du,
+                    Layout::Plain,
+                    w3e,
+                    Layout::Transposed,
+                    [c, me, l],
+                    true,
+                );
+            });
+        let mut dh = HostArray::zeros(&h.shape);
+        dh.data.par_chunks_mut(l).enumerate().for_each(|(t, row)| {
+            for slot in 0..k {
+                let pos = at[t * k + slot];
+                if pos != usize::MAX {
+                    for (o, v) in row.iter_mut().zip(&dx[pos * l..(pos + 1) * l]) {
+                        *o += v;
+                    }
+                }
+            }
+        });
+        [dh, dweights, dw1, dw3, dw2]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::{Autodiff, NdArray};
+    use burn::tensor::{Distribution, Int, Tensor, TensorData, Tolerance};
+
+    use crate::ops::moe::dispatch::{routed_experts, StackedExperts};
+    use crate::ops::moe::route::Selection;
+    use crate::ops::moe::situ::GluActivation;
+    use crate::ops::with_kernels;
+
+    type B = Autodiff<NdArray<f32>>;
+
+    /// The host kernel against the padded tensor-op form: output and the gradients of `h`, the
+    /// routing weights and the three stacked weights, with padding tokens and an idle expert.
+    #[test]
+    fn matches_the_tensor_op_dispatch_and_its_gradients() {
+        let device = Default::default();
+        let (m, n, k, l, me, lo) = (37, 6, 2, 12, 10, 9);
+        for activation in [GluActivation::situ(), GluActivation::SwiGlu] {
+            // Token t goes to experts (t mod 5) and (t·3 + 1) mod 5 (distinct): expert 5 is idle.
+            let indices: Vec<u32> = (0..m)
+                .flat_map(|t| {
+                    let a = (t % 5) as u32;
+                    let b = ((t * 3 + 1) % 5) as u32;
+                    [a, if b == a { (a + 1) % 5 } else { b }]
+                })
+                .collect();
+            let selection = Selection {
+                tokens: m,
+                experts: n,
+                k,
+                indices: indices.clone(),
+            };
+            let valid: Vec<bool> = (0..m).map(|t| t % 7 != 3).collect();
+            let ids: Vec<i64> = indices.iter().map(|&e| e as i64).collect();
+            let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [m, k]), &device);
+            let normal =
+                |s: [usize; 3]| Tensor::<B, 3>::random(s, Distribution::Normal(0.0, 1.0), &device);
+            let h = Tensor::<B, 2>::random([m, l], Distribution::Normal(0.0, 1.0), &device);
+            let weights = Tensor::<B, 2>::random([m, k], Distribution::Uniform(0.1, 1.0), &device);
+            let (w1, w3, w2) = (normal([n, l, me]), normal([n, l, me]), normal([n, me, lo]));
+            let dout = Tensor::<B, 2>::random([m, lo], Distribution::Normal(0.0, 1.0), &device);
+            let run = |host: bool| {
+                with_kernels(host, || {
+                    let leaves = (
+                        h.clone().require_grad(),
+                        weights.clone().require_grad(),
+                        w1.clone().require_grad(),
+                        w3.clone().require_grad(),
+                        w2.clone().require_grad(),
+                    );
+                    let experts = StackedExperts {
+                        w1: leaves.2.clone(),
+                        w3: leaves.3.clone(),
+                        w2: leaves.4.clone(),
+                        activation,
+                        hidden_quant: None,
+                    };
+                    let out = routed_experts(
+                        leaves.0.clone(),
+                        &ids,
+                        leaves.1.clone(),
+                        &selection,
+                        Some(&valid),
+                        &experts,
+                    );
+                    let grads = out.clone().mul(dout.clone()).sum().backward();
+                    vec![
+                        out.inner().into_data(),
+                        leaves.0.grad(&grads).expect("dh").into_data(),
+                        leaves.1.grad(&grads).expect("dp").into_data(),
+                        leaves.2.grad(&grads).expect("dW1").into_data(),
+                        leaves.3.grad(&grads).expect("dW3").into_data(),
+                        leaves.4.grad(&grads).expect("dW2").into_data(),
+                    ]
+                })
+            };
+            let (want, got) = (run(false), run(true));
+            for (w, g) in want.iter().zip(&got) {
+                g.assert_approx_eq::<f32>(w, Tolerance::rel_abs(1e-4, 1e-5));
+            }
+        }
+    }
+}
