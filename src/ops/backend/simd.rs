@@ -86,6 +86,81 @@ pub(crate) fn exp_lane(x: f32) -> f32 {
     }
 }
 
+/// `expm1(a)` for `a ≤ 0` (the gates' and activations' arguments), branch-free: the Taylor
+/// polynomial to degree 8 where `|a| < ln 2 / 2` (no cancellation near 0; truncation below 3e-10
+/// relative), `exp(a) − 1` elsewhere (`e^a ≤ 0.71` there, so the subtraction loses nothing).
+#[inline(always)]
+pub(crate) fn expm1_nonpositive_lane(a: f32, exp_a: f32) -> f32 {
+    let mut p = 1.0 / 40320.0;
+    p = p * a + 1.0 / 5040.0;
+    p = p * a + 1.0 / 720.0;
+    p = p * a + 1.0 / 120.0;
+    p = p * a + 1.0 / 24.0;
+    p = p * a + 1.0 / 6.0;
+    p = p * a + 0.5;
+    p = p * a + 1.0;
+    let small = p * a;
+    if a > -0.346_573_6 {
+        small
+    } else {
+        exp_a - 1.0
+    }
+}
+
+/// Elements per task when an elementwise map runs on rayon's pool.
+const MAP_CHUNK: usize = 1 << 16;
+
+/// A scalar function of `N` floats for [`map`]. `apply` must be `#[inline(always)]` and built
+/// from branch-free `#[inline(always)]` arithmetic ([`exp_lane`], selects) so that the loop
+/// around it vectorises (a closure would not do: the compiler may leave it a call per element).
+pub(crate) trait Elementwise<const N: usize>: Copy + Send + Sync {
+    /// The value at one element.
+    fn apply(&self, x: [f32; N]) -> f32;
+}
+
+/// `f` applied to every element (of the `N` inputs together), compiled for the widest SIMD of
+/// this CPU ([`dispatch`]) and spread over rayon's pool for large inputs.
+pub(crate) fn map<const N: usize, F: Elementwise<N>>(inputs: [&[f32]; N], f: F) -> Vec<f32> {
+    use rayon::prelude::*;
+    let len = inputs.iter().map(|x| x.len()).min().unwrap_or(0);
+    let mut out = vec![0.0f32; len];
+    let run = |start: usize, chunk: &mut [f32]| dispatch(Map { inputs, start, out: chunk, f });
+    if len >= 2 * MAP_CHUNK {
+        out.par_chunks_mut(MAP_CHUNK)
+            .enumerate()
+            .for_each(|(i, chunk)| run(i * MAP_CHUNK, chunk));
+    } else {
+        run(0, &mut out);
+    }
+    out
+}
+
+/// The loop of [`map`] over one chunk.
+struct Map<'a, const N: usize, F> {
+    inputs: [&'a [f32]; N],
+    start: usize,
+    out: &'a mut [f32],
+    f: F,
+}
+
+impl<const N: usize, F: Elementwise<N>> WithSimd for Map<'_, N, F> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, _: S) {
+        let Self {
+            inputs,
+            start,
+            out,
+            f,
+        } = self;
+        let inputs = inputs.map(|x| &x[start..start + out.len()]);
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = f.apply(inputs.map(|x| x[i]));
+        }
+    }
+}
+
 /// `Σ a_j b_j`, summed lane by lane in blocks of [`LANES`], then across the lanes.
 #[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {

@@ -17,7 +17,8 @@ use super::dispatch::DispatchPlan;
 use super::situ::GluActivation;
 use crate::ops::backend::host::{HostArray, HostOp};
 use crate::ops::backend::matmul::{matmul_serial, Layout};
-use crate::ops::precision::host::{SituGlu, Unary};
+use crate::ops::backend::simd::map;
+use crate::ops::precision::host::{GateGradient, SituGlu, SwiGlu, UpGradient, Value};
 
 /// The routed experts of one dispatch: inputs `h: [m, ℓ]`, `weights: [m, k]`, `W1, W3: [n, ℓ, m_e]`,
 /// `W2: [n, m_e, ℓ_out]`; output `[m, ℓ_out]` (zeros for tokens without pairs).
@@ -57,26 +58,25 @@ impl RoutedExperts {
         }
     }
 
-    /// `act(g, u)`, elementwise.
-    fn act(&self, g: f32, u: f32) -> f32 {
+    /// `act(g, u)`, elementwise (vectorised, [`map`]).
+    fn act_all(&self, g: &[f32], u: &[f32]) -> Vec<f32> {
         match self.activation {
-            GluActivation::Situ { beta1, beta2 } => {
-                let s = SituGlu { beta1, beta2 };
-                s.gate(g).0 * s.up(u).0
-            }
-            GluActivation::SwiGlu => Unary::Silu.value(g) * u,
+            GluActivation::Situ { beta1, beta2 } => map([g, u], Value(SituGlu { beta1, beta2 })),
+            GluActivation::SwiGlu => map([g, u], Value(SwiGlu)),
         }
     }
 
-    /// `(∂act/∂g, ∂act/∂u) · d`.
-    fn act_grad(&self, g: f32, u: f32, d: f32) -> (f32, f32) {
+    /// `(∂act/∂g · d, ∂act/∂u · d)`, elementwise.
+    fn act_grad_all(&self, g: &[f32], u: &[f32], d: &[f32]) -> (Vec<f32>, Vec<f32>) {
         match self.activation {
             GluActivation::Situ { beta1, beta2 } => {
                 let s = SituGlu { beta1, beta2 };
-                let ((ga, gd), (ua, ud)) = (s.gate(g), s.up(u));
-                (d * ua * gd, d * ga * ud)
+                (map([g, u, d], GateGradient(s)), map([g, u, d], UpGradient(s)))
             }
-            GluActivation::SwiGlu => (d * u * Unary::Silu.derivative(g), d * Unary::Silu.value(g)),
+            GluActivation::SwiGlu => (
+                map([g, u, d], GateGradient(SwiGlu)),
+                map([g, u, d], UpGradient(SwiGlu)),
+            ),
         }
     }
 
@@ -136,11 +136,7 @@ impl HostOp<5> for RoutedExperts {
             let (w1, w3) = (&w1.data[e * l * me..], &w3.data[e * l * me..]);
             matmul_serial(g, &x, Layout::Plain, w1, Layout::Plain, [c, l, me], false);
             matmul_serial(u, &x, Layout::Plain, w3, Layout::Plain, [c, l, me], false);
-            let a: Vec<f32> = g
-                .iter()
-                .zip(u.iter())
-                .map(|(&a, &b)| self.act(a, b))
-                .collect();
+            let a = self.act_all(g, u);
             let w2 = &w2.data[e * me * lo..];
             matmul_serial(y, &a, Layout::Plain, w2, Layout::Plain, [c, me, lo], false);
         });
@@ -206,7 +202,7 @@ impl HostOp<5> for RoutedExperts {
                     &saved.u[range.start * me..range.end * me],
                 );
                 let dy = &dy[range.start * lo..range.end * lo];
-                let a: Vec<f32> = g.iter().zip(u).map(|(&a, &b)| self.act(a, b)).collect();
+                let a = self.act_all(g, u);
                 let w2e = &w2.data[e * me * lo..];
                 // dW2 = Aᵀ dY; dA = dY W2ᵀ.
                 matmul_serial(
@@ -228,15 +224,7 @@ impl HostOp<5> for RoutedExperts {
                     [c, lo, me],
                     false,
                 );
-                let (mut dg, mut du) = (vec![0.0f32; c * me], vec![0.0f32; c * me]);
-                for (((dg, du), &d), (&a, &b)) in dg
-                    .iter_mut()
-                    .zip(du.iter_mut())
-                    .zip(&da)
-                    .zip(g.iter().zip(u))
-                {
-                    (*dg, *du) = self.act_grad(a, b, d);
-                }
+                let (dg, du) = self.act_grad_all(g, u, &da);
                 let (w1e, w3e) = (&w1.data[e * l * me..], &w3.data[e * l * me..]);
                 matmul_serial(
                     dw1,

@@ -16,11 +16,12 @@
 //! returns rounding noise (σ(−20) ≈ 2e−9 is below f32's spacing at ½).
 
 use crate::ops::backend::host::{HostArray, HostOp};
+use crate::ops::backend::simd::{exp_lane, expm1_nonpositive_lane, map, Elementwise};
 
 /// `(σ(x), 1 − σ(x))` in `f32`, each accurate to a few ulp for every `x`.
-#[inline]
+#[inline(always)]
 pub(crate) fn sigmoid_pair(x: f32) -> (f32, f32) {
-    let e = (-x.abs()).exp();
+    let e = exp_lane(-x.abs());
     let r = 1.0 / (1.0 + e);
     let (big, small) = (r, e * r);
     if x >= 0.0 {
@@ -31,17 +32,18 @@ pub(crate) fn sigmoid_pair(x: f32) -> (f32, f32) {
 }
 
 /// The logistic sigmoid in `f32`, accurate to a few ulp for every `x`.
-#[inline]
+#[inline(always)]
 pub(crate) fn sigmoid(x: f32) -> f32 {
     sigmoid_pair(x).0
 }
 
 /// `(tanh(x), 1 − tanh²(x))` in `f32` through `expm1`: accurate near zero, and the derivative
 /// keeps its relative precision where `tanh` has saturated to ±1.
-#[inline]
+#[inline(always)]
 pub(crate) fn tanh_sech2(x: f32) -> (f32, f32) {
     let a = -2.0 * x.abs();
-    let (m, e2) = (a.exp_m1(), a.exp());
+    let e2 = exp_lane(a);
+    let m = expm1_nonpositive_lane(a, e2);
     let d = 1.0 + e2;
     ((-m / d).copysign(x), 4.0 * e2 / (d * d))
 }
@@ -63,6 +65,7 @@ pub(crate) enum Unary {
 }
 
 impl Unary {
+    #[inline(always)]
     pub(crate) fn value(self, x: f32) -> f32 {
         match self {
             Self::Sigmoid => sigmoid(x),
@@ -70,6 +73,7 @@ impl Unary {
         }
     }
 
+    #[inline(always)]
     pub(crate) fn derivative(self, x: f32) -> f32 {
         let (s, c) = sigmoid_pair(x);
         match self {
@@ -83,23 +87,17 @@ impl HostOp<1> for Unary {
     type Saved = ();
 
     fn forward(&self, [x]: &[HostArray; 1], save: bool) -> (HostArray, Option<()>) {
-        let data = x.data.iter().map(|&a| self.value(a)).collect();
         let out = HostArray {
-            data,
+            data: map([&x.data], Value(*self)).into(),
             shape: x.shape.clone(),
         };
         (out, save.then_some(()))
     }
 
     fn backward(&self, [x]: &[HostArray; 1], _: &(), grad: &HostArray) -> [HostArray; 1] {
-        let data = x
-            .data
-            .iter()
-            .zip(&grad.data)
-            .map(|(&a, &d)| d * self.derivative(a))
-            .collect();
+        let data = map([&x.data, &grad.data], Derivative(*self));
         [HostArray {
-            data,
+            data: data.into(),
             shape: x.shape.clone(),
         }]
     }
@@ -117,12 +115,14 @@ pub(crate) struct SituGlu {
 
 impl SituGlu {
     /// `(A(g), A'(g))`.
+    #[inline(always)]
     pub(crate) fn gate(&self, g: f32) -> (f32, f32) {
         let ((t, sech2), (s, c)) = (tanh_sech2(g / self.beta1), sigmoid_pair(g));
         (self.beta1 * t * s, sech2 * s + self.beta1 * t * s * c)
     }
 
     /// `(B(v), B'(v))`.
+    #[inline(always)]
     pub(crate) fn up(&self, v: f32) -> (f32, f32) {
         match self.beta2 {
             Some(b2) => {
@@ -138,27 +138,18 @@ impl HostOp<2> for SituGlu {
     type Saved = ();
 
     fn forward(&self, [g, v]: &[HostArray; 2], save: bool) -> (HostArray, Option<()>) {
-        let data = g
-            .data
-            .iter()
-            .zip(&v.data)
-            .map(|(&a, &b)| self.gate(a).0 * self.up(b).0)
-            .collect();
+        let data = map([&g.data, &v.data], Value(*self));
         let out = HostArray {
-            data,
+            data: data.into(),
             shape: g.shape.clone(),
         };
         (out, save.then_some(()))
     }
 
     fn backward(&self, [g, v]: &[HostArray; 2], _: &(), grad: &HostArray) -> [HostArray; 2] {
-        let n = g.data.len();
-        let (mut dg, mut dv) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        for ((&a, &b), &d) in g.data.iter().zip(&v.data).zip(&grad.data) {
-            let ((ga, gd), (ua, ud)) = (self.gate(a), self.up(b));
-            dg.push(d * ua * gd);
-            dv.push(d * ga * ud);
-        }
+        let inputs = [&g.data[..], &v.data[..], &grad.data[..]];
+        let dg = map(inputs, GateGradient(*self));
+        let dv = map(inputs, UpGradient(*self));
         let shape = g.shape.clone();
         [
             HostArray {
@@ -223,5 +214,81 @@ mod tests {
         assert_eq!(sigmoid(200.0), 1.0);
         assert_eq!(tanh(1e-20), 1e-20);
         assert_eq!(tanh(-50.0), -1.0);
+    }
+}
+
+/// An elementwise function's value, for [`map`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Value<F>(pub F);
+
+/// `d · f'(x)` for `[x, d]`, for [`map`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Derivative<F>(pub F);
+
+/// `d · ∂/∂g (A(g) B(v))` for `[g, v, d]`, for [`map`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GateGradient<F>(pub F);
+
+/// `d · ∂/∂v (A(g) B(v))` for `[g, v, d]`, for [`map`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct UpGradient<F>(pub F);
+
+impl Elementwise<1> for Value<Unary> {
+    #[inline(always)]
+    fn apply(&self, [x]: [f32; 1]) -> f32 {
+        self.0.value(x)
+    }
+}
+
+impl Elementwise<2> for Derivative<Unary> {
+    #[inline(always)]
+    fn apply(&self, [x, d]: [f32; 2]) -> f32 {
+        d * self.0.derivative(x)
+    }
+}
+
+impl Elementwise<2> for Value<SituGlu> {
+    #[inline(always)]
+    fn apply(&self, [g, v]: [f32; 2]) -> f32 {
+        self.0.gate(g).0 * self.0.up(v).0
+    }
+}
+
+impl Elementwise<3> for GateGradient<SituGlu> {
+    #[inline(always)]
+    fn apply(&self, [g, v, d]: [f32; 3]) -> f32 {
+        d * self.0.up(v).0 * self.0.gate(g).1
+    }
+}
+
+impl Elementwise<3> for UpGradient<SituGlu> {
+    #[inline(always)]
+    fn apply(&self, [g, v, d]: [f32; 3]) -> f32 {
+        d * self.0.gate(g).0 * self.0.up(v).1
+    }
+}
+
+/// SwiGLU `SiLU(g) · v`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SwiGlu;
+
+impl Elementwise<2> for Value<SwiGlu> {
+    #[inline(always)]
+    fn apply(&self, [g, v]: [f32; 2]) -> f32 {
+        Unary::Silu.value(g) * v
+    }
+}
+
+impl Elementwise<3> for GateGradient<SwiGlu> {
+    #[inline(always)]
+    fn apply(&self, [g, v, d]: [f32; 3]) -> f32 {
+        d * v * Unary::Silu.derivative(g)
+    }
+}
+
+impl Elementwise<3> for UpGradient<SwiGlu> {
+    #[inline(always)]
+    fn apply(&self, [g, _, d]: [f32; 3]) -> f32 {
+        d * Unary::Silu.value(g)
     }
 }
