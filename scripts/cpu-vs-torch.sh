@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The crate's CPU benches against the PyTorch baselines, in one run on one machine, as a ratio table.
+#
+#     scripts/cpu-vs-torch.sh [path/to/torch_blocks.py]
+#
+# Runs, back to back: a plain f32 matmul rate (the machine's limit, `benches/matmul.rs`), the
+# KDA and MoE benches on `NdArray<f32>` (criterion), then `torch_blocks.py kda` and `... moe`
+# (PyTorch on the CPU, same thread count, eager and `torch.compile`), and prints
+# `kimi-burn / PyTorch` per block against the faster PyTorch variant. Needs Python 3 with `torch`,
+# `numpy` and `einops` (benchmark-only: the crate's build and tests never need Python). The
+# baseline script is looked for in `$TORCH_BLOCKS`, the argument, or `../shared/baselines/`.
+#
+# Keep the machine otherwise idle: on a small VM a busy neighbour moves both sides by 1.5x and
+# more. `THREADS` (default: all cores) is given to PyTorch; the crate uses rayon's pool, one thread
+# per core.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+torch_blocks="${1:-${TORCH_BLOCKS:-../shared/baselines/torch_blocks.py}}"
+if [ ! -f "$torch_blocks" ]; then
+    echo "torch_blocks.py not found (give its path as the argument or in TORCH_BLOCKS)" >&2
+    exit 1
+fi
+threads="${THREADS:-$(nproc)}"
+out="${OUT_DIR:-target/cpu-vs-torch}"
+mkdir -p "$out"
+rm -rf target/criterion/{matmul_rate,chunk_kda_fwd,chunk_kda_fwd_bwd,fused_recurrent_kda_decode_token,fused_recurrent_kda_decode_token_b16,latent_moe_n64_k8_d512_l256_4096tok}
+
+cargo bench --bench matmul --bench kda --bench moe --no-run
+criterion=(--warm-up-time 2 --measurement-time 6)
+cargo bench --bench matmul -- "${criterion[@]}" | tee "$out/matmul.txt"
+cargo bench --bench kda -- "${criterion[@]}" 'ndarray$' | tee "$out/kda.txt"
+cargo bench --bench moe -- "${criterion[@]}" latent_moe | tee "$out/moe.txt"
+python3 "$torch_blocks" kda --threads "$threads" --skip-fla --runs 7 --warmup 2 >"$out/torch_kda.csv" 2>"$out/torch_kda.err"
+python3 "$torch_blocks" moe --threads "$threads" --runs 7 --warmup 2 >"$out/torch_moe.csv" 2>"$out/torch_moe.err"
+python3 scripts/cpu_vs_torch_table.py target/criterion "$out/torch_kda.csv" "$out/torch_moe.csv" | tee "$out/table.md"
