@@ -11,17 +11,31 @@ use burn::tensor::{backend::Backend, DType, Tensor};
 use crate::ops::backend::host::{self, HostArray, HostOp};
 use crate::ops::backend::matmul::{matmul as gemm, Layout};
 
-/// `y = x · W` for `x: [rows, d_in]`, `W: [d_in, d_out]`.
+/// `y = x · W` for `x: [.., d_in]` (any rank: its leading dims are the rows), `W: [d_in, d_out]`;
+/// `y: [.., d_out]`. Taking and giving the full shapes spares two reshapes, each a copy on
+/// Burn's ndarray backend.
 #[derive(Debug, Clone)]
 struct Matmul;
+
+impl Matmul {
+    /// `(rows, d_in, d_out)`.
+    fn sizes(x: &HostArray, w: &HostArray) -> (usize, usize, usize) {
+        let d_in = w.shape[0];
+        (x.data.len() / d_in.max(1), d_in, w.shape[1])
+    }
+}
 
 impl HostOp<2> for Matmul {
     type Saved = ();
 
     fn forward(&self, inputs: &[HostArray; 2], save: bool) -> (HostArray, Option<()>) {
         let [x, w] = inputs;
-        let (rows, d_in, d_out) = (x.shape[0], x.shape[1], w.shape[1]);
-        let mut y = HostArray::zeros(&[rows, d_out]);
+        let (rows, d_in, d_out) = Self::sizes(x, w);
+        let mut shape = x.shape.clone();
+        *shape
+            .last_mut()
+            .unwrap_or_else(|| unreachable!("x has a last dim")) = d_out;
+        let mut y = HostArray::zeros(&shape);
         gemm(
             &mut y.data,
             &x.data,
@@ -36,7 +50,7 @@ impl HostOp<2> for Matmul {
 
     fn backward(&self, inputs: &[HostArray; 2], _: &(), grad: &HostArray) -> [HostArray; 2] {
         let [x, w] = inputs;
-        let (rows, d_in, d_out) = (x.shape[0], x.shape[1], w.shape[1]);
+        let (rows, d_in, d_out) = Self::sizes(x, w);
         let mut dx = HostArray::zeros(&x.shape);
         let mut dw = HostArray::zeros(&w.shape);
         gemm(
@@ -71,14 +85,10 @@ pub(crate) fn matmul_last<B: Backend, const D: usize>(
     if !host {
         return x.matmul(w.unsqueeze());
     }
-    let dims = x.dims();
-    let [d_in, d_out] = w.dims();
-    let rows = dims[..D - 1].iter().product();
-    let x = x.reshape([rows, d_in]).into_primitive().tensor();
-    let y: Tensor<B, 2> = host::run(&Matmul, [x, w.into_primitive().tensor()]);
-    let mut shape = dims;
-    shape[D - 1] = d_out;
-    y.reshape(shape)
+    host::run(
+        &Matmul,
+        [x.into_primitive().tensor(), w.into_primitive().tensor()],
+    )
 }
 
 /// A linear layer applied to `x` (its last dim): `x · W (+ b)`, by [`matmul_last`].

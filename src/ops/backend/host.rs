@@ -469,6 +469,64 @@ impl<'a> DisjointWrites<'a> {
     }
 }
 
+/// Buffers of at least this many floats go back to the [`scratch`] pool; smaller ones come from
+/// the allocator's heap cheaply enough.
+const POOL_MIN: usize = 1 << 16;
+
+/// The most floats the [`scratch`] pool keeps (1 GiB).
+const POOL_MAX: usize = 1 << 28;
+
+/// Large scratch buffers of the host kernels, kept between calls.
+///
+/// A fresh large allocation is mapped afresh by the allocator, and every page is faulted in (and
+/// zeroed by the kernel) on first touch: on the benchmark machine that cost as much as the
+/// arithmetic of the MoE layer's activations. Buffers that the kernels fill and drop every call
+/// (the experts' hidden rows, the KDA checkpoints) come from here instead.
+static POOL: std::sync::Mutex<Vec<Vec<f32>>> = std::sync::Mutex::new(Vec::new());
+
+/// A buffer of `len` floats whose contents are unspecified (the caller overwrites them): a pooled
+/// one when one is large enough, else a new one.
+pub(crate) fn scratch(len: usize) -> Vec<f32> {
+    if len >= POOL_MIN {
+        let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+        let best = pool
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.len() >= len)
+            .min_by_key(|(_, v)| v.len())
+            .map(|(i, _)| i);
+        if let Some(i) = best {
+            let mut v = pool.swap_remove(i);
+            v.truncate(len);
+            return v;
+        }
+    }
+    vec![0.0; len]
+}
+
+/// [`scratch`] filled with zeros.
+pub(crate) fn scratch_zeros(len: usize) -> Vec<f32> {
+    let mut v = scratch(len);
+    v.fill(0.0);
+    v
+}
+
+/// Hands a buffer back to the [`scratch`] pool (small ones are simply dropped; the pool drops its
+/// oldest buffers beyond [`POOL_MAX`] floats).
+pub(crate) fn recycle(mut v: Vec<f32>) {
+    if v.capacity() < POOL_MIN {
+        return;
+    }
+    // Every element up to the capacity initialised, so `scratch` can hand out any length.
+    v.resize(v.capacity(), 0.0);
+    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    pool.push(v);
+    let mut total: usize = pool.iter().map(Vec::len).sum();
+    while total > POOL_MAX && !pool.is_empty() {
+        total -= pool.remove(0).len();
+    }
+}
+
 /// Work (in element operations, roughly) below which [`parallel_map_sized`] stays on the calling
 /// thread: handing work to the thread pool and waking the caller again costs tens of microseconds
 /// on a busy or virtualised machine, the time of about this much work.

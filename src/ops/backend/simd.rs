@@ -121,18 +121,41 @@ pub(crate) trait Elementwise<const N: usize>: Copy + Send + Sync {
 /// `f` applied to every element (of the `N` inputs together), compiled for the widest SIMD of
 /// this CPU ([`dispatch`]) and spread over rayon's pool for large inputs.
 pub(crate) fn map<const N: usize, F: Elementwise<N>>(inputs: [&[f32]; N], f: F) -> Vec<f32> {
-    use rayon::prelude::*;
     let len = inputs.iter().map(|x| x.len()).min().unwrap_or(0);
     let mut out = vec![0.0f32; len];
-    let run = |start: usize, chunk: &mut [f32]| dispatch(Map { inputs, start, out: chunk, f });
+    map_into(&mut out, inputs, f);
+    out
+}
+
+/// [`map`] into `out` (as long as the shortest input).
+pub(crate) fn map_into<const N: usize, F: Elementwise<N>>(
+    out: &mut [f32],
+    inputs: [&[f32]; N],
+    f: F,
+) {
+    use rayon::prelude::*;
+    let len = inputs.iter().map(|x| x.len()).min().unwrap_or(0);
+    assert!(
+        out.len() >= len,
+        "map_into: output of {} for inputs of {len}",
+        out.len()
+    );
+    let out = &mut out[..len];
+    let run = |start: usize, chunk: &mut [f32]| {
+        dispatch(Map {
+            inputs,
+            start,
+            out: chunk,
+            f,
+        })
+    };
     if len >= 2 * MAP_CHUNK {
         out.par_chunks_mut(MAP_CHUNK)
             .enumerate()
             .for_each(|(i, chunk)| run(i * MAP_CHUNK, chunk));
     } else {
-        run(0, &mut out);
+        run(0, out);
     }
-    out
 }
 
 /// The loop of [`map`] over one chunk.

@@ -203,6 +203,12 @@ impl KdaRecurrence {
         jobs
     }
 
+    /// The shape `[B, T, H, V]` of `o`.
+    fn output_shape(&self, inputs: &[HostArray; 6]) -> [usize; 4] {
+        let (q, v) = (&inputs[0].shape, &inputs[2].shape);
+        [q[0], q[1], q[2], v[3]]
+    }
+
     /// The sizes of the output `o` and of the final states (0 without `final_state`).
     fn output_sizes(&self, inputs: &[HostArray; 6]) -> (usize, usize) {
         let (q, v) = (&inputs[0].shape, &inputs[2].shape);
@@ -667,16 +673,22 @@ impl HostOp<6> for KdaRecurrence {
 
     fn forward(&self, inputs: &[HostArray; 6], save: bool) -> (HostArray, Option<Saved>) {
         let (n_o, n_s) = self.output_sizes(inputs);
-        let mut out = HostArray::zeros(&[n_o + n_s]);
+        // `o` alone keeps its shape (a reshape is a copy on ndarray); with the final states the
+        // two are one flat output.
+        let mut out = if self.final_state {
+            HostArray::zeros(&[n_o + n_s])
+        } else {
+            HostArray::zeros(&self.output_shape(inputs))
+        };
         let (o, s) = out.data.split_at_mut(n_o);
         let saved = self.forward_into(inputs, save, o, s);
         (out, saved)
     }
 
     fn forward_parts(&self, inputs: &[HostArray; 6]) -> Vec<HostArray> {
-        let (n_o, n_s) = self.output_sizes(inputs);
-        let mut o = HostArray::zeros(&[n_o]);
-        let mut s = HostArray::zeros(&[n_s]);
+        let (q, v) = (&inputs[0].shape, &inputs[2].shape);
+        let mut o = HostArray::zeros(&self.output_shape(inputs));
+        let mut s = HostArray::zeros(&[self.sequences(q[0]), q[2], q[3], v[3]]);
         self.forward_into(inputs, false, &mut o.data, &mut s.data);
         if self.final_state {
             vec![o, s]

@@ -447,22 +447,20 @@ pub(crate) fn cpu_kda<B: Backend>(
     ];
     let n_o = b * t * h * vd;
     let state_shape = [n, h, kd, vd];
-    if opts.output_final_state {
-        // Untracked: `o` and the states as two tensors, no split (which would copy).
-        if let Some(mut parts) = crate::ops::backend::host::run_parts::<B, _, 6>(&op, &inputs) {
-            let s = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(parts.remove(1)));
-            let o = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(parts.remove(0)));
-            return Some((o.reshape([b, t, h, vd]), Some(s.reshape(state_shape))));
-        }
+    if !opts.output_final_state {
+        // The op's output is `o` itself, `[B, T, H, V]`.
+        return Some((crate::ops::backend::host::run(&op, inputs), None));
+    }
+    // Untracked: `o` and the states as two tensors of their own shapes (splitting would copy).
+    if let Some(mut parts) = crate::ops::backend::host::run_parts::<B, _, 6>(&op, &inputs) {
+        let s = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(parts.remove(1)));
+        let o = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(parts.remove(0)));
+        return Some((o, Some(s)));
     }
     let out: Tensor<B, 1> = crate::ops::backend::host::run(&op, inputs);
-    Some(if opts.output_final_state {
-        let o = out.clone().narrow(0, 0, n_o).reshape([b, t, h, vd]);
-        let s = out.narrow(0, n_o, n * h * kd * vd).reshape(state_shape);
-        (o, Some(s))
-    } else {
-        (out.reshape([b, t, h, vd]), None)
-    })
+    let o = out.clone().narrow(0, 0, n_o).reshape([b, t, h, vd]);
+    let s = out.narrow(0, n_o, n * h * kd * vd).reshape(state_shape);
+    Some((o, Some(s)))
 }
 
 /// A KDA CubeCL kernel ([`KdaKernels`]) on prepared inputs, when the backend has one (the chunked

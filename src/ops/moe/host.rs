@@ -15,9 +15,9 @@ use rayon::prelude::*;
 
 use super::dispatch::DispatchPlan;
 use super::situ::GluActivation;
-use crate::ops::backend::host::{HostArray, HostOp};
+use crate::ops::backend::host::{recycle, scratch, HostArray, HostOp};
 use crate::ops::backend::matmul::{matmul_serial, Layout};
-use crate::ops::backend::simd::map;
+use crate::ops::backend::simd::map_into;
 use crate::ops::precision::host::{GateGradient, SituGlu, SwiGlu, UpGradient, Value};
 
 /// The routed experts of one dispatch: inputs `h: [m, ℓ]`, `weights: [m, k]`, `W1, W3: [n, ℓ, m_e]`,
@@ -32,12 +32,21 @@ pub(crate) struct RoutedExperts {
     pub activation: GluActivation,
 }
 
-/// `G`, `U` (`[P, m_e]`) and the unweighted expert outputs `Y` (`[P, ℓ_out]`), in pair order.
+/// `G`, `U` (`[P, m_e]`) and the unweighted expert outputs `Y` (`[P, ℓ_out]`), in pair order;
+/// back to the scratch pool when dropped.
 #[derive(Debug)]
 pub(crate) struct Saved {
     g: Vec<f32>,
     u: Vec<f32>,
     y: Vec<f32>,
+}
+
+impl Drop for Saved {
+    fn drop(&mut self) {
+        for buf in [&mut self.g, &mut self.u, &mut self.y] {
+            recycle(std::mem::take(buf));
+        }
+    }
 }
 
 /// Sizes of one call.
@@ -58,34 +67,37 @@ impl RoutedExperts {
         }
     }
 
-    /// `act(g, u)`, elementwise (vectorised, [`map`]).
-    fn act_all(&self, g: &[f32], u: &[f32]) -> Vec<f32> {
+    /// `act(g, u)` into `out`, elementwise (vectorised, [`map_into`]).
+    fn act_into(&self, out: &mut [f32], g: &[f32], u: &[f32]) {
         match self.activation {
-            GluActivation::Situ { beta1, beta2 } => map([g, u], Value(SituGlu { beta1, beta2 })),
-            GluActivation::SwiGlu => map([g, u], Value(SwiGlu)),
+            GluActivation::Situ { beta1, beta2 } => {
+                map_into(out, [g, u], Value(SituGlu { beta1, beta2 }))
+            }
+            GluActivation::SwiGlu => map_into(out, [g, u], Value(SwiGlu)),
         }
     }
 
-    /// `(∂act/∂g · d, ∂act/∂u · d)`, elementwise.
-    fn act_grad_all(&self, g: &[f32], u: &[f32], d: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    /// `(∂act/∂g · d, ∂act/∂u · d)` into `(dg, du)`, elementwise.
+    fn act_grad_into(&self, dg: &mut [f32], du: &mut [f32], g: &[f32], u: &[f32], d: &[f32]) {
         match self.activation {
             GluActivation::Situ { beta1, beta2 } => {
                 let s = SituGlu { beta1, beta2 };
-                (map([g, u, d], GateGradient(s)), map([g, u, d], UpGradient(s)))
+                map_into(dg, [g, u, d], GateGradient(s));
+                map_into(du, [g, u, d], UpGradient(s));
             }
-            GluActivation::SwiGlu => (
-                map([g, u, d], GateGradient(SwiGlu)),
-                map([g, u, d], UpGradient(SwiGlu)),
-            ),
+            GluActivation::SwiGlu => {
+                map_into(dg, [g, u, d], GateGradient(SwiGlu));
+                map_into(du, [g, u, d], UpGradient(SwiGlu));
+            }
         }
     }
 
     /// The rows of `h` of an expert's segment, gathered: `[len, ℓ]`.
     fn gather(&self, h: &[f32], l: usize, range: std::ops::Range<usize>) -> Vec<f32> {
-        let mut x = Vec::with_capacity(range.len() * l);
-        for &t in &self.plan.tokens[range] {
+        let mut x = scratch(range.len() * l);
+        for (row, &t) in x.chunks_exact_mut(l).zip(&self.plan.tokens[range]) {
             let t = t as usize;
-            x.extend_from_slice(&h[t * l..(t + 1) * l]);
+            row.copy_from_slice(&h[t * l..(t + 1) * l]);
         }
         x
     }
@@ -119,7 +131,7 @@ impl HostOp<5> for RoutedExperts {
         let [h, weights, w1, w3, w2] = inputs;
         let Dims { l, me, lo } = Self::dims(inputs);
         let (m, p) = (self.plan.m, self.plan.len());
-        let (mut g, mut u, mut y) = (vec![0.0; p * me], vec![0.0; p * me], vec![0.0; p * lo]);
+        let (mut g, mut u, mut y) = (scratch(p * me), scratch(p * me), scratch(p * lo));
         let jobs: Vec<_> = segments_mut(&self.plan, &mut g, me)
             .into_iter()
             .zip(segments_mut(&self.plan, &mut u, me))
@@ -136,9 +148,12 @@ impl HostOp<5> for RoutedExperts {
             let (w1, w3) = (&w1.data[e * l * me..], &w3.data[e * l * me..]);
             matmul_serial(g, &x, Layout::Plain, w1, Layout::Plain, [c, l, me], false);
             matmul_serial(u, &x, Layout::Plain, w3, Layout::Plain, [c, l, me], false);
-            let a = self.act_all(g, u);
+            let mut a = scratch(c * me);
+            self.act_into(&mut a, g, u);
             let w2 = &w2.data[e * me * lo..];
             matmul_serial(y, &a, Layout::Plain, w2, Layout::Plain, [c, me, lo], false);
+            recycle(a);
+            recycle(x);
         });
         let at = self.positions();
         let mut out = HostArray::zeros(&[m, lo]);
@@ -156,7 +171,15 @@ impl HostOp<5> for RoutedExperts {
                     }
                 }
             });
-        (out, save.then_some(Saved { g, u, y }))
+        let saved = if save {
+            Some(Saved { g, u, y })
+        } else {
+            recycle(g);
+            recycle(u);
+            recycle(y);
+            None
+        };
+        (out, saved)
     }
 
     fn backward(&self, inputs: &[HostArray; 5], saved: &Saved, grad: &HostArray) -> [HostArray; 5] {
@@ -166,7 +189,7 @@ impl HostOp<5> for RoutedExperts {
         let at = self.positions();
         // dp = Y · dOut and dY = p · dOut, per pair.
         let mut dweights = HostArray::zeros(&weights.shape);
-        let mut dy = vec![0.0f32; p * lo];
+        let mut dy = scratch(p * lo);
         for (pos, &pair) in self.plan.pairs.iter().enumerate() {
             let (pair, t) = (pair as usize, self.plan.tokens[pos] as usize);
             let dout = &grad.data[t * lo..(t + 1) * lo];
@@ -180,7 +203,7 @@ impl HostOp<5> for RoutedExperts {
         let mut dw1 = HostArray::zeros(&w1.shape);
         let mut dw3 = HostArray::zeros(&w3.shape);
         let mut dw2 = HostArray::zeros(&w2.shape);
-        let mut dx = vec![0.0f32; p * l];
+        let mut dx = scratch(p * l);
         let jobs: Vec<_> = dw1
             .data
             .chunks_mut(l * me)
@@ -202,7 +225,8 @@ impl HostOp<5> for RoutedExperts {
                     &saved.u[range.start * me..range.end * me],
                 );
                 let dy = &dy[range.start * lo..range.end * lo];
-                let a = self.act_all(g, u);
+                let mut a = scratch(c * me);
+                self.act_into(&mut a, g, u);
                 let w2e = &w2.data[e * me * lo..];
                 // dW2 = Aᵀ dY; dA = dY W2ᵀ.
                 matmul_serial(
@@ -214,7 +238,7 @@ impl HostOp<5> for RoutedExperts {
                     [me, c, lo],
                     false,
                 );
-                let mut da = vec![0.0f32; c * me];
+                let mut da = scratch(c * me);
                 matmul_serial(
                     &mut da,
                     dy,
@@ -224,7 +248,8 @@ impl HostOp<5> for RoutedExperts {
                     [c, lo, me],
                     false,
                 );
-                let (dg, du) = self.act_grad_all(g, u, &da);
+                let (mut dg, mut du) = (scratch(c * me), scratch(c * me));
+                self.act_grad_into(&mut dg, &mut du, g, u, &da);
                 let (w1e, w3e) = (&w1.data[e * l * me..], &w3.data[e * l * me..]);
                 matmul_serial(
                     dw1,
@@ -274,6 +299,8 @@ impl HostOp<5> for RoutedExperts {
                 }
             }
         });
+        recycle(dy);
+        recycle(dx);
         [dh, dweights, dw1, dw3, dw2]
     }
 }
