@@ -119,6 +119,9 @@ pub fn causal_attention<B: Backend>(
     kind: AttentionKind,
 ) -> Tensor<B, 4> {
     let [batch, heads, t, dqk] = q.dims();
+    if let Some(o) = host_attention(&q, &k, &v, key_padding.as_ref()) {
+        return o;
+    }
     match kind {
         AttentionKind::Fused => {
             let mask =
@@ -136,6 +139,33 @@ pub fn causal_attention<B: Backend>(
             attention_plain(q, k, v, mask, (dqk as f64).powf(-0.5))
         }
     }
+}
+
+/// [`causal_attention`] on the CPU host kernel ([`crate::ops::attention`]) when the backend has
+/// one and the inputs are f32; `None` otherwise. The key padding is read to the host.
+fn host_attention<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    key_padding: Option<&Tensor<B, 2, Bool>>,
+) -> Option<Tensor<B, 4>> {
+    use crate::ops::backend::host;
+    let f32s = [q.dtype(), k.dtype(), v.dtype()]
+        .iter()
+        .all(|d| *d == burn::tensor::DType::F32);
+    if !(f32s && host::is_cpu_backend::<B>()) {
+        return None;
+    }
+    let key_padding = match key_padding {
+        Some(pad) => Some(pad.clone().into_data().to_vec::<bool>().ok()?),
+        None => None,
+    };
+    let op = crate::ops::attention::CausalAttention {
+        scale: (q.dims()[3] as f32).powf(-0.5),
+        key_padding,
+    };
+    let prim = |x: &Tensor<B, 4>| x.clone().into_primitive().tensor();
+    Some(host::run(&op, [prim(q), prim(k), prim(v)]))
 }
 
 /// Attention in the absorbed latent form (design §5, decode): the keys and values are never

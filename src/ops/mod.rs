@@ -8,6 +8,7 @@
 //! share (the registry of kernel backends, the kernels switch, the CPU host-kernel runner, the
 //! `Fusion` glue) is [`backend`].
 
+pub(crate) mod attention;
 pub mod attn_res;
 pub mod backend;
 pub mod kda;
