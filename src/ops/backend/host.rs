@@ -504,13 +504,6 @@ pub(crate) fn scratch(len: usize) -> Vec<f32> {
     vec![0.0; len]
 }
 
-/// [`scratch`] filled with zeros.
-pub(crate) fn scratch_zeros(len: usize) -> Vec<f32> {
-    let mut v = scratch(len);
-    v.fill(0.0);
-    v
-}
-
 /// Hands a buffer back to the [`scratch`] pool (small ones are simply dropped; the pool drops its
 /// oldest buffers beyond [`POOL_MAX`] floats).
 pub(crate) fn recycle(mut v: Vec<f32>) {
