@@ -742,7 +742,6 @@ impl HostOp<6> for KdaRecurrence {
                 unsafe { dh0_writes.slice(at, kv) }.copy_from_slice(&ds);
             }
         });
-        drop((out, dh0_writes));
         [dq, dk, dv, dg, db, dh0]
     }
 }

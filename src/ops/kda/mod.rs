@@ -339,6 +339,9 @@ pub(crate) fn prepare<B: Backend>(
     })
 }
 
+/// A KDA op's output `o` and, when asked for, the final state.
+pub(crate) type KdaOutput<B> = (Tensor<B, 4>, Option<Tensor<B, 4>>);
+
 /// The CPU host kernel as the whole op: on a CPU backend, with f32 inputs (and initial state),
 /// [`chunk_kda`] and [`fused_recurrent_kda`] are one host recurrence ([`cpu_kda`]) after the op's
 /// input checks. `Ok(None)`: the op goes on with its other paths.
@@ -350,7 +353,7 @@ pub(crate) fn host_forward<B: Backend>(
     beta: &Tensor<B, 3>,
     opts: &KdaOptions<B>,
     check_gates: bool,
-) -> Result<Option<(Tensor<B, 4>, Option<Tensor<B, 4>>)>> {
+) -> Result<Option<KdaOutput<B>>> {
     if !host_kernel_applies(q, k, v, g, beta, opts) {
         return Ok(None);
     }
@@ -415,7 +418,7 @@ pub(crate) fn cpu_kda<B: Backend>(
     beta: &Tensor<B, 3>,
     opts: &KdaOptions<B>,
     seqs: Option<Vec<(usize, usize)>>,
-) -> Option<(Tensor<B, 4>, Option<Tensor<B, 4>>)> {
+) -> Option<KdaOutput<B>> {
     if !host_kernel_applies(q, k, v, g, beta, opts) {
         return None;
     }
