@@ -1,7 +1,8 @@
 //! The machine's f32 matrix-multiply rate: the physical limit the MoE layer is measured against
 //! (issue: "the forward within 1.25× of the time of its matmul FLOPs").
 //!
-//! `gemm`: the `gemm` crate on rayon's pool, as the CPU host kernels call it; `ndarray`: Burn's
+//! `gemm`: the `gemm` crate's f32 kernels (`gemm-f32`) on rayon's pool, as the CPU host kernels
+//! call them; `ndarray`: Burn's
 //! `NdArray` `matmul` (`matrixmultiply`, one thread), for comparison. Throughput is in
 //! multiply-adds · 2 (FLOPs).
 //!
@@ -15,28 +16,29 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 const SHAPES: [[usize; 3]; 2] = [[4096, 512, 512], [4096, 256, 2048]];
 
 fn gemm_into(c: &mut [f32], a: &[f32], b: &[f32], [m, k, n]: [usize; 3]) {
-    // SAFETY: row-major `[m, k]`, `[k, n]`, `[m, n]` buffers of exactly those sizes.
+    // SAFETY: row-major `[m, k]`, `[k, n]`, `[m, n]` buffers of exactly those sizes; computed as
+    // Cᵀ = Bᵀ·Aᵀ, the kernels' preferred (column-major) destination.
     unsafe {
-        gemm::gemm(
-            m,
+        gemm_f32::gemm::f32::get_gemm_fn()(
             n,
+            m,
             k,
             c.as_mut_ptr(),
-            1,
             n as isize,
+            1,
             false,
-            a.as_ptr(),
-            1,
-            k as isize,
             b.as_ptr(),
-            1,
             n as isize,
+            1,
+            a.as_ptr(),
+            k as isize,
+            1,
             0.0,
             1.0,
             false,
             false,
             false,
-            gemm::Parallelism::Rayon(0),
+            gemm_common::Parallelism::Rayon(0),
         )
     }
 }

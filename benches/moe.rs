@@ -1,5 +1,5 @@
 //! Stable LatentMoE forward and forward+backward at n = 64, k = 8, d = 512, ℓ = 256, 4096 tokens,
-//! on the reference (tensor-op) path of the CPU backend.
+//! on the CPU backend (its host kernels; `KIMI_BURN_REFERENCE=1` runs the tensor-op reference).
 //!
 //! Baseline measured in the same run: a dense SiTU-GLU FFN with the same active compute per token
 //! (`W_down` 512→256, one FFN 256→2048→256 = 8 experts' worth, `W_up` 256→512, the shared expert), so

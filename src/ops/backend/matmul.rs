@@ -1,6 +1,6 @@
-//! Matrix products on host buffers for the CPU host kernels, by the `gemm` crate (the kernels
-//! several Rust ML libraries use: register-blocked, AVX-512 / AVX2+FMA / NEON chosen at run time,
-//! threads from rayon's pool for large products).
+//! Matrix products on host buffers for the CPU host kernels, by the `gemm` crate's f32 kernels
+//! (`gemm-f32`, what several Rust ML libraries use: register-blocked, AVX-512 / AVX2+FMA / NEON
+//! chosen at run time, threads from rayon's pool for large products).
 
 /// Products with at least this many multiply-adds use rayon's thread pool; smaller ones stay on
 /// the calling thread, where handing work to the pool would cost more than it saves.
@@ -86,27 +86,29 @@ fn product(
         Layout::Transposed => (k as isize, 1),
     };
     let parallelism = if parallel {
-        gemm::Parallelism::Rayon(0)
+        gemm_common::Parallelism::Rayon(0)
     } else {
-        gemm::Parallelism::None
+        gemm_common::Parallelism::None
     };
+    // The kernels want a column-major destination: compute Cᵀ = Bᵀ·Aᵀ, whose column-major
+    // layout is C's row-major one (what the `gemm` facade does before calling them).
     // SAFETY: the strides address `[m, k]`, `[k, n]` and `[m, n]` elements within the lengths
     // checked above; `c` is borrowed mutably and so overlaps neither input.
     unsafe {
-        gemm::gemm(
-            m,
+        gemm_f32::gemm::f32::get_gemm_fn()(
             n,
+            m,
             k,
             c.as_mut_ptr(),
-            1,
             n as isize,
+            1,
             accumulate,
-            a.as_ptr(),
-            a_cs,
-            a_rs,
             b.as_ptr(),
-            b_cs,
             b_rs,
+            b_cs,
+            a.as_ptr(),
+            a_rs,
+            a_cs,
             1.0,
             1.0,
             false,
