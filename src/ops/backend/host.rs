@@ -269,6 +269,18 @@ fn run_parts_on<B: Backend, X: Backend, O: HostOp<N>, const N: usize>(
     op: &O,
     inputs: &[FloatTensor<B>; N],
 ) -> Option<Vec<FloatTensor<B>>> {
+    let (host, device) = plain_inputs::<B, X, N>(inputs)?;
+    op.forward_parts(&host)
+        .into_iter()
+        .map(|part| cast(from_host::<X>(part, &device)))
+        .collect()
+}
+
+/// The inputs on the host and their device, when `B` is the plain backend `X`.
+#[cfg(any(feature = "ndarray", feature = "flex"))]
+fn plain_inputs<B: Backend, X: Backend, const N: usize>(
+    inputs: &[FloatTensor<B>; N],
+) -> Option<([HostArray; N], X::Device)> {
     if TypeId::of::<B>() != TypeId::of::<X>() {
         return None;
     }
@@ -276,11 +288,7 @@ fn run_parts_on<B: Backend, X: Backend, O: HostOp<N>, const N: usize>(
         .clone()
         .map(|x| cast(x).unwrap_or_else(|| unreachable!("B is X")));
     let device = X::float_device(&prims[0]);
-    let host = prims.map(to_host::<X>);
-    op.forward_parts(&host)
-        .into_iter()
-        .map(|part| cast(from_host::<X>(part, &device)))
-        .collect()
+    Some((prims.map(to_host::<X>), device))
 }
 
 /// `x` as a value of type `T` when it is one.
@@ -345,14 +353,7 @@ fn run_on<B: Backend, X: Backend, O: HostOp<N>, const N: usize>(
     op: &O,
     inputs: &[FloatTensor<B>; N],
 ) -> Option<FloatTensor<B>> {
-    if TypeId::of::<B>() != TypeId::of::<X>() {
-        return None;
-    }
-    let prims: [FloatTensor<X>; N] = inputs
-        .clone()
-        .map(|x| cast(x).unwrap_or_else(|| unreachable!("B is X")));
-    let device = X::float_device(&prims[0]);
-    let host = prims.map(to_host::<X>);
+    let (host, device) = plain_inputs::<B, X, N>(inputs)?;
     let (out, _) = op.forward(&host, false);
     cast(from_host::<X>(out, &device))
 }

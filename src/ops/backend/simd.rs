@@ -184,6 +184,78 @@ impl<const N: usize, F: Elementwise<N>> WithSimd for Map<'_, N, F> {
     }
 }
 
+/// Two scalar functions of the same `N` floats for [`map_pair_into`], computed together (a
+/// gradient's two halves that share their transcendentals, say); `#[inline(always)]` as for
+/// [`Elementwise`].
+pub(crate) trait ElementwisePair<const N: usize>: Copy + Send + Sync {
+    /// The two values at one element.
+    fn apply(&self, x: [f32; N]) -> (f32, f32);
+}
+
+/// [`map_into`] for a function with two outputs, into `a` and `b` (each as long as the shortest
+/// input).
+pub(crate) fn map_pair_into<const N: usize, F: ElementwisePair<N>>(
+    a: &mut [f32],
+    b: &mut [f32],
+    inputs: [&[f32]; N],
+    f: F,
+) {
+    use rayon::prelude::*;
+    let len = inputs.iter().map(|x| x.len()).min().unwrap_or(0);
+    assert!(
+        a.len() >= len && b.len() >= len,
+        "map_pair_into: outputs of {} and {} for inputs of {len}",
+        a.len(),
+        b.len()
+    );
+    let (a, b) = (&mut a[..len], &mut b[..len]);
+    let run = |start: usize, a: &mut [f32], b: &mut [f32]| {
+        dispatch(MapPair {
+            inputs,
+            start,
+            a,
+            b,
+            f,
+        })
+    };
+    if len >= 2 * MAP_CHUNK {
+        a.par_chunks_mut(MAP_CHUNK)
+            .zip(b.par_chunks_mut(MAP_CHUNK))
+            .enumerate()
+            .for_each(|(i, (a, b))| run(i * MAP_CHUNK, a, b));
+    } else {
+        run(0, a, b);
+    }
+}
+
+/// The loop of [`map_pair_into`] over one chunk.
+struct MapPair<'a, const N: usize, F> {
+    inputs: [&'a [f32]; N],
+    start: usize,
+    a: &'a mut [f32],
+    b: &'a mut [f32],
+    f: F,
+}
+
+impl<const N: usize, F: ElementwisePair<N>> WithSimd for MapPair<'_, N, F> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, _: S) {
+        let Self {
+            inputs,
+            start,
+            a,
+            b,
+            f,
+        } = self;
+        let inputs = inputs.map(|x| &x[start..start + a.len()]);
+        for (i, (a, b)) in a.iter_mut().zip(b.iter_mut()).enumerate() {
+            (*a, *b) = f.apply(inputs.map(|x| x[i]));
+        }
+    }
+}
+
 /// `Σ a_j b_j`, summed lane by lane in blocks of [`LANES`], then across the lanes.
 #[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {

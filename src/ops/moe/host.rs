@@ -17,8 +17,8 @@ use super::dispatch::DispatchPlan;
 use super::situ::GluActivation;
 use crate::ops::backend::host::{recycle, scratch, HostArray, HostOp};
 use crate::ops::backend::matmul::{matmul_serial, Layout};
-use crate::ops::backend::simd::map_into;
-use crate::ops::precision::host::{GateGradient, SituGlu, SwiGlu, UpGradient, Value};
+use crate::ops::backend::simd::{map_into, map_pair_into};
+use crate::ops::precision::host::{Gradient, SituGlu, SwiGlu, Value};
 
 /// The routed experts of one dispatch: inputs `h: [m, ℓ]`, `weights: [m, k]`, `W1, W3: [n, ℓ, m_e]`,
 /// `W2: [n, m_e, ℓ_out]`; output `[m, ℓ_out]` (zeros for tokens without pairs).
@@ -77,18 +77,14 @@ impl RoutedExperts {
         }
     }
 
-    /// `(∂act/∂g · d, ∂act/∂u · d)` into `(dg, du)`, elementwise.
+    /// `(∂act/∂g · d, ∂act/∂u · d)` into `(dg, du)`, elementwise, from one evaluation of the
+    /// activation per element.
     fn act_grad_into(&self, dg: &mut [f32], du: &mut [f32], g: &[f32], u: &[f32], d: &[f32]) {
         match self.activation {
             GluActivation::Situ { beta1, beta2 } => {
-                let s = SituGlu { beta1, beta2 };
-                map_into(dg, [g, u, d], GateGradient(s));
-                map_into(du, [g, u, d], UpGradient(s));
+                map_pair_into(dg, du, [g, u, d], Gradient(SituGlu { beta1, beta2 }))
             }
-            GluActivation::SwiGlu => {
-                map_into(dg, [g, u, d], GateGradient(SwiGlu));
-                map_into(du, [g, u, d], UpGradient(SwiGlu));
-            }
+            GluActivation::SwiGlu => map_pair_into(dg, du, [g, u, d], Gradient(SwiGlu)),
         }
     }
 

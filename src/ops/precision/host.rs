@@ -16,7 +16,9 @@
 //! returns rounding noise (σ(−20) ≈ 2e−9 is below f32's spacing at ½).
 
 use crate::ops::backend::host::{HostArray, HostOp};
-use crate::ops::backend::simd::{exp_lane, expm1_nonpositive_lane, map, Elementwise};
+use crate::ops::backend::simd::{
+    exp_lane, expm1_nonpositive_lane, map, map_pair_into, Elementwise, ElementwisePair,
+};
 
 /// `(σ(x), 1 − σ(x))` in `f32`, each accurate to a few ulp for every `x`.
 #[inline(always)]
@@ -147,9 +149,10 @@ impl HostOp<2> for SituGlu {
     }
 
     fn backward(&self, [g, v]: &[HostArray; 2], _: &(), grad: &HostArray) -> [HostArray; 2] {
+        let n = g.data.len();
+        let (mut dg, mut dv) = (vec![0.0f32; n], vec![0.0f32; n]);
         let inputs = [&g.data[..], &v.data[..], &grad.data[..]];
-        let dg = map(inputs, GateGradient(*self));
-        let dv = map(inputs, UpGradient(*self));
+        map_pair_into(&mut dg, &mut dv, inputs, Gradient(*self));
         let shape = g.shape.clone();
         [
             HostArray {
@@ -225,13 +228,10 @@ pub(crate) struct Value<F>(pub F);
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Derivative<F>(pub F);
 
-/// `d · ∂/∂g (A(g) B(v))` for `[g, v, d]`, for [`map`].
+/// `(d · ∂/∂g, d · ∂/∂v)` of `A(g) B(v)` for `[g, v, d]`, for [`map_pair_into`]: both halves
+/// from one evaluation of `A` and `B` and their derivatives.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct GateGradient<F>(pub F);
-
-/// `d · ∂/∂v (A(g) B(v))` for `[g, v, d]`, for [`map`].
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct UpGradient<F>(pub F);
+pub(crate) struct Gradient<F>(pub F);
 
 impl Elementwise<1> for Value<Unary> {
     #[inline(always)]
@@ -254,17 +254,11 @@ impl Elementwise<2> for Value<SituGlu> {
     }
 }
 
-impl Elementwise<3> for GateGradient<SituGlu> {
+impl ElementwisePair<3> for Gradient<SituGlu> {
     #[inline(always)]
-    fn apply(&self, [g, v, d]: [f32; 3]) -> f32 {
-        d * self.0.up(v).0 * self.0.gate(g).1
-    }
-}
-
-impl Elementwise<3> for UpGradient<SituGlu> {
-    #[inline(always)]
-    fn apply(&self, [g, v, d]: [f32; 3]) -> f32 {
-        d * self.0.gate(g).0 * self.0.up(v).1
+    fn apply(&self, [g, v, d]: [f32; 3]) -> (f32, f32) {
+        let ((ga, gd), (ua, ud)) = (self.0.gate(g), self.0.up(v));
+        (d * ua * gd, d * ga * ud)
     }
 }
 
@@ -279,16 +273,10 @@ impl Elementwise<2> for Value<SwiGlu> {
     }
 }
 
-impl Elementwise<3> for GateGradient<SwiGlu> {
+impl ElementwisePair<3> for Gradient<SwiGlu> {
     #[inline(always)]
-    fn apply(&self, [g, v, d]: [f32; 3]) -> f32 {
-        d * v * Unary::Silu.derivative(g)
-    }
-}
-
-impl Elementwise<3> for UpGradient<SwiGlu> {
-    #[inline(always)]
-    fn apply(&self, [g, _, d]: [f32; 3]) -> f32 {
-        d * Unary::Silu.value(g)
+    fn apply(&self, [g, v, d]: [f32; 3]) -> (f32, f32) {
+        let (s, c) = sigmoid_pair(g);
+        (d * v * s * (1.0 + g * c), d * g * s)
     }
 }
