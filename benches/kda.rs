@@ -163,10 +163,12 @@ fn forward_backward<B: AutodiffBackend>(
     group.finish();
 }
 
-/// One decode token of `batch` sequences, carrying the state from call to call.
+/// One decode token of `batch` sequences, carrying the state from call to call. The state is
+/// handed over (moved), as a decode loop does, so that the op may update it in place (as PyTorch's
+/// baseline step does).
 fn decode<B: Backend>(c: &mut Criterion, backend: &str, batch: usize, device: &B::Device) {
     let x = inputs::<B>(batch, 1, &SMALL, device);
-    let mut state = x.h0.clone();
+    let mut state = Some(x.h0.clone());
     let rows = if batch == 1 {
         String::new()
     } else {
@@ -183,12 +185,10 @@ fn decode<B: Backend>(c: &mut Criterion, backend: &str, batch: usize, device: &B
                     x.g.clone(),
                     x.beta.clone(),
                     KdaOptions::default()
-                        .with_initial_state(state.clone())
+                        .with_initial_state(state.take().expect("the last step's state"))
                         .with_final_state(true),
                 );
-                if let Some(s) = s {
-                    state = s;
-                }
+                state = s;
                 sync(o);
             })
         },

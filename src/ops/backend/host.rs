@@ -58,6 +58,23 @@ pub(crate) enum HostData {
 }
 
 impl HostData {
+    /// The values to write in place, when nothing else holds them: the buffer itself when owned,
+    /// an ndarray tensor's buffer when the tensor's last handle was handed over (a decode loop's
+    /// state, say); `None` when another handle still reads it. Unlike `DerefMut`, never copies.
+    pub fn unique_mut(&mut self) -> Option<&mut [f32]> {
+        match self {
+            Self::Owned(v) => Some(v),
+            #[cfg(feature = "ndarray")]
+            Self::NdArray(burn::backend::ndarray::NdArrayTensor::F32(storage))
+                if storage.is_unique() =>
+            {
+                storage.ensure_owned().as_slice_mut()
+            }
+            #[cfg(feature = "ndarray")]
+            Self::NdArray(_) => None,
+        }
+    }
+
     /// The values as a `Vec`, moved out when owned, copied otherwise.
     pub fn into_vec(self) -> Vec<f32> {
         match self {
@@ -155,8 +172,12 @@ pub(crate) trait HostOp<const N: usize>: Debug + Clone + Send + Sync + 'static {
     /// of [`forward`](Self::forward) is then their concatenation, flattened, which is what a
     /// tracked call needs: Burn's autodiff registers one output per op). Splitting a tensor
     /// afterwards would copy every part but the first.
-    fn forward_parts(&self, inputs: &[HostArray; N]) -> Vec<HostArray> {
-        vec![self.forward(inputs, false).0]
+    ///
+    /// The inputs are the op's own: it may write an output into an input's buffer when
+    /// [`HostData::unique_mut`] gives it (the output is then that input's tensor, without a new
+    /// allocation).
+    fn forward_parts(&self, inputs: [HostArray; N]) -> Vec<HostArray> {
+        vec![self.forward(&inputs, false).0]
     }
 
     /// The gradient of every input, given the inputs, the saved values and the output gradient.
@@ -245,35 +266,40 @@ pub(crate) fn run<B: Backend, O: HostOp<N>, const N: usize, const D: usize>(
 }
 
 /// The separate outputs of `op` ([`HostOp::forward_parts`]) as tensors when `B` is a plain
-/// (non-autodiff) CPU backend; `None` on an autodiff backend, where [`run`] gives the concatenated
-/// output.
+/// (non-autodiff) CPU backend; the inputs back on an autodiff backend, where [`run`] gives the
+/// concatenated output. The inputs are moved in so that an op may write into one nothing else
+/// holds.
 pub(crate) fn run_parts<B: Backend, O: HostOp<N>, const N: usize>(
     op: &O,
-    inputs: &[FloatTensor<B>; N],
-) -> Option<Vec<FloatTensor<B>>> {
+    inputs: [FloatTensor<B>; N],
+) -> std::result::Result<Vec<FloatTensor<B>>, [FloatTensor<B>; N]> {
+    let out = Err(inputs);
     #[cfg(feature = "ndarray")]
-    if let Some(out) = run_parts_on::<B, burn::backend::NdArray<f32>, O, N>(op, inputs) {
-        return Some(out);
-    }
+    let out =
+        out.or_else(|inputs| run_parts_on::<B, burn::backend::NdArray<f32>, O, N>(op, inputs));
     #[cfg(feature = "flex")]
-    if let Some(out) = run_parts_on::<B, burn::backend::Flex, O, N>(op, inputs) {
-        return Some(out);
-    }
-    let _ = (op, inputs);
-    None
+    let out = out.or_else(|inputs| run_parts_on::<B, burn::backend::Flex, O, N>(op, inputs));
+    let _ = op;
+    out
 }
 
 /// [`run_parts`] when `B` is the plain backend `X`.
 #[cfg(any(feature = "ndarray", feature = "flex"))]
 fn run_parts_on<B: Backend, X: Backend, O: HostOp<N>, const N: usize>(
     op: &O,
-    inputs: &[FloatTensor<B>; N],
-) -> Option<Vec<FloatTensor<B>>> {
-    let (host, device) = plain_inputs::<B, X, N>(inputs)?;
-    op.forward_parts(&host)
+    inputs: [FloatTensor<B>; N],
+) -> std::result::Result<Vec<FloatTensor<B>>, [FloatTensor<B>; N]> {
+    if TypeId::of::<B>() != TypeId::of::<X>() {
+        return Err(inputs);
+    }
+    let prims: [FloatTensor<X>; N] =
+        inputs.map(|x| cast(x).unwrap_or_else(|| unreachable!("B is X")));
+    let device = X::float_device(&prims[0]);
+    Ok(op
+        .forward_parts(prims.map(to_host::<X>))
         .into_iter()
-        .map(|part| cast(from_host::<X>(part, &device)))
-        .collect()
+        .map(|part| cast(from_host::<X>(part, &device)).unwrap_or_else(|| unreachable!("B is X")))
+        .collect())
 }
 
 /// The inputs on the host and their device, when `B` is the plain backend `X`.
@@ -300,6 +326,26 @@ fn cast<S: 'static, T: 'static>(x: S) -> Option<T> {
         .map(|b| *b)
 }
 
+/// `x` as a value of type `T` when it is one, else `x` back.
+#[cfg(any(feature = "ndarray", feature = "flex"))]
+fn try_cast<S: 'static, T: 'static>(x: S) -> std::result::Result<T, S> {
+    if TypeId::of::<S>() != TypeId::of::<T>() {
+        return Err(x);
+    }
+    Ok(cast(x).unwrap_or_else(|| unreachable!("S is T")))
+}
+
+/// The shape of an ndarray `f32` tensor whose values [`ndarray_slice`] reads in place.
+#[cfg(feature = "ndarray")]
+fn ndarray_shape(nd: &burn::backend::ndarray::NdArrayTensor) -> Option<Vec<usize>> {
+    match nd {
+        burn::backend::ndarray::NdArrayTensor::F32(storage) if ndarray_slice(nd).is_some() => {
+            Some(storage.shape().to_vec())
+        }
+        _ => None,
+    }
+}
+
 /// Copies a primitive of backend `X` to the host in `f32`.
 ///
 /// An ndarray `f32` tensor in standard layout is shared, not copied ([`HostData::NdArray`]):
@@ -308,25 +354,17 @@ fn cast<S: 'static, T: 'static>(x: S) -> Option<T> {
 #[cfg(any(feature = "ndarray", feature = "flex"))]
 fn to_host<X: Backend>(x: FloatTensor<X>) -> HostArray {
     #[cfg(feature = "ndarray")]
-    let x = match (TypeId::of::<FloatTensor<X>>()
-        == TypeId::of::<burn::backend::ndarray::NdArrayTensor>())
-    .then(|| cast::<FloatTensor<X>, burn::backend::ndarray::NdArrayTensor>(x.clone()))
-    .flatten()
-    {
-        Some(nd) => {
-            if let burn::backend::ndarray::NdArrayTensor::F32(storage) = &nd {
-                let shape = storage.view().shape().to_vec();
-                if ndarray_slice(&nd).is_some() {
-                    return HostArray {
-                        data: HostData::NdArray(nd),
-                        shape,
-                    };
-                }
+    let x = match try_cast::<FloatTensor<X>, burn::backend::ndarray::NdArrayTensor>(x) {
+        Ok(nd) => {
+            if let Some(shape) = ndarray_shape(&nd) {
+                return HostArray {
+                    data: HostData::NdArray(nd),
+                    shape,
+                };
             }
-            cast::<burn::backend::ndarray::NdArrayTensor, FloatTensor<X>>(nd)
-                .unwrap_or_else(|| unreachable!("cast back to the type it came from"))
+            try_cast(nd).unwrap_or_else(|_| unreachable!("cast back to the type it came from"))
         }
-        None => x,
+        Err(x) => x,
     };
     let data = Tensor::<X, 1>::from_primitive(TensorPrimitive::Float(x))
         .into_data()
@@ -343,8 +381,22 @@ fn to_host<X: Backend>(x: FloatTensor<X>) -> HostArray {
 
 /// A primitive of backend `X` holding `x`.
 #[cfg(any(feature = "ndarray", feature = "flex"))]
+///
+/// An ndarray tensor's buffer ([`HostData::NdArray`]) of the same shape is handed back as that
+/// tensor, without a copy: an output written in place into an input's buffer.
 fn from_host<X: Backend>(x: HostArray, device: &X::Device) -> FloatTensor<X> {
-    X::float_from_data(TensorData::new(x.data.into_vec(), x.shape), device)
+    let HostArray { data, shape } = x;
+    #[cfg(feature = "ndarray")]
+    let data = match data {
+        HostData::NdArray(nd) if ndarray_shape(&nd).as_deref() == Some(&shape[..]) => {
+            match try_cast::<_, FloatTensor<X>>(nd) {
+                Ok(tensor) => return tensor,
+                Err(nd) => HostData::NdArray(nd),
+            }
+        }
+        data => data,
+    };
+    X::float_from_data(TensorData::new(data.into_vec(), shape), device)
 }
 
 /// The forward pass on a plain (non-autodiff) backend `X`, when `B` is `X`.

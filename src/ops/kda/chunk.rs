@@ -86,10 +86,13 @@ pub(crate) fn chunk_kda_inner<B: Backend>(
             format!("must be one of {CHUNK_SIZES:?}, got {c}"),
         ));
     }
-    if let Some(out) = host_forward(&q, &k, &v, &g, &beta, &opts, check_gates)? {
-        backend::record(FusedOp::KdaChunk, KernelPath::Reference);
-        return Ok(out);
-    }
+    let opts = match host_forward(&q, &k, &v, &g, &beta, opts, check_gates)? {
+        Ok(out) => {
+            backend::record(FusedOp::KdaChunk, KernelPath::Reference);
+            return Ok(out);
+        }
+        Err(opts) => opts,
+    };
     let p = prepare(q, k, v, g, beta, opts, check_gates)?;
     Ok(match kernel_forward(p, KdaForm::Chunk(c)) {
         Ok(out) => {

@@ -26,7 +26,7 @@
 
 use std::ops::Range;
 
-use crate::ops::backend::host::{parallel_map_sized, DisjointWrites, HostArray, HostOp};
+use crate::ops::backend::host::{parallel_map_sized, DisjointWrites, HostArray, HostData, HostOp};
 use crate::ops::backend::simd::{dispatch, dot, exp_in_place, load, store, Scalar, Simd, WithSimd};
 
 /// Tokens between two saved states: the backward pass recomputes `CHECKPOINT + 1` states of
@@ -222,8 +222,9 @@ impl KdaRecurrence {
     }
 
     /// The forward pass: `o` (`[B, T, H, V]`, zeros on entry) and, with `final_state`, the final
-    /// states into `s_out` (`[N, H, K, V]`, zeros on entry), where each job's state is updated in
-    /// place; with `save` the checkpoints of the backward pass.
+    /// states into `s_out` (`[N, H, K, V]`), where each job's state is updated in place: `s_out`
+    /// holds the initial states on entry (zeros without `initial_state`). With `save` the
+    /// checkpoints of the backward pass.
     fn forward_into(
         &self,
         inputs: &[HostArray; 6],
@@ -248,13 +249,13 @@ impl KdaRecurrence {
             let s = if self.final_state {
                 // SAFETY: the state of (sequence, head) belongs to this job alone.
                 unsafe { s_writes.slice(at, kv) }
+            } else if self.initial_state {
+                own.extend_from_slice(&h0.data[at..at + kv]);
+                &mut own[..]
             } else {
                 own.resize(kv, 0.0);
                 &mut own[..]
             };
-            if self.initial_state {
-                s.copy_from_slice(&h0.data[at..at + kv]);
-            }
             let mut states = Vec::with_capacity(if save {
                 job.len.div_ceil(CHECKPOINT) * kv
             } else {
@@ -681,20 +682,41 @@ impl HostOp<6> for KdaRecurrence {
             HostArray::zeros(&self.output_shape(inputs))
         };
         let (o, s) = out.data.split_at_mut(n_o);
+        if self.final_state && self.initial_state {
+            s.copy_from_slice(&inputs[5].data);
+        }
         let saved = self.forward_into(inputs, save, o, s);
         (out, saved)
     }
 
-    fn forward_parts(&self, inputs: &[HostArray; 6]) -> Vec<HostArray> {
+    /// `o` and, with `final_state`, the final states. An initial state that nothing else holds
+    /// (a decode loop's, handed over) is updated in place and becomes the final state: no new
+    /// buffer, no copy. Otherwise the final states are a new buffer starting as a copy of it.
+    fn forward_parts(&self, mut inputs: [HostArray; 6]) -> Vec<HostArray> {
         let (q, v) = (&inputs[0].shape, &inputs[2].shape);
-        let mut o = HostArray::zeros(&self.output_shape(inputs));
-        let mut s = HostArray::zeros(&[self.sequences(q[0]), q[2], q[3], v[3]]);
-        self.forward_into(inputs, false, &mut o.data, &mut s.data);
-        if self.final_state {
-            vec![o, s]
-        } else {
-            vec![o]
+        let shape = vec![self.sequences(q[0]), q[2], q[3], v[3]];
+        let mut o = HostArray::zeros(&self.output_shape(&inputs));
+        if !self.final_state {
+            self.forward_into(&inputs, false, &mut o.data, &mut []);
+            return vec![o];
         }
+        let mut s = if !self.initial_state {
+            HostArray::zeros(&shape)
+        } else if inputs[5].shape == shape && inputs[5].data.unique_mut().is_some() {
+            // Moved out, so that `inputs` no longer holds the buffer the op writes.
+            std::mem::replace(&mut inputs[5], HostArray::zeros(&[0]))
+        } else {
+            HostArray {
+                data: HostData::Owned(inputs[5].data.to_vec()),
+                shape,
+            }
+        };
+        let s_out = s
+            .data
+            .unique_mut()
+            .unwrap_or_else(|| unreachable!("owned, or checked unique above"));
+        self.forward_into(&inputs, false, &mut o.data, s_out);
+        vec![o, s]
     }
 
     fn backward(&self, inputs: &[HostArray; 6], saved: &Saved, grad: &HostArray) -> [HostArray; 6] {
@@ -837,7 +859,7 @@ mod tests {
                 opts = opts.with_initial_state(h0.clone()).with_final_state(true);
             }
             let (o, s) = if host_kernel {
-                cpu_kda(&q, &k, &v, &g, &beta, &opts, seqs.clone())
+                cpu_kda(&q, &k, &v, &g, &beta, opts, seqs.clone())
                     .expect("ndarray has the CPU kernel")
             } else {
                 naive_recurrent_kda(
@@ -935,5 +957,95 @@ mod tests {
             state: true,
             ..Case::new([1, 40, 2, 16, 16])
         });
+    }
+
+    /// The buffer of an ndarray `f32` tensor, for telling whether an op wrote in place.
+    fn buffer(x: &Tensor<NdArray<f32>, 4>) -> *const f32 {
+        match x.clone().into_primitive().tensor() {
+            burn::backend::ndarray::NdArrayTensor::F32(storage) => storage.view().as_ptr(),
+            _ => unreachable!("an f32 tensor"),
+        }
+    }
+
+    /// A decode loop on the plain backend that hands its state over: the state is updated in
+    /// place (same buffer), token by token, and agrees with one naive recurrence over all the
+    /// tokens; a state the caller keeps a handle to is never written.
+    #[test]
+    fn a_handed_over_state_is_updated_in_place() {
+        type P = NdArray<f32>;
+        let device = Default::default();
+        let [b, t, h, kd, vd] = [3, 5, 2, 16, 8];
+        P::seed(&device, 7);
+        let normal =
+            |s: [usize; 4]| Tensor::<P, 4>::random(s, Distribution::Normal(0.0, 1.0), &device);
+        let (q, k, v) = (
+            normal([b, t, h, kd]),
+            normal([b, t, h, kd]),
+            normal([b, t, h, vd]),
+        );
+        let g = normal([b, t, h, kd]).neg().exp().log1p().neg();
+        let beta = Tensor::<P, 3>::random([b, t, h], Distribution::Uniform(0.0, 1.0), &device);
+        let h0 = normal([b, h, kd, vd]);
+        let opts = || {
+            KdaOptions::default()
+                .with_qk_l2norm(true)
+                .with_final_state(true)
+        };
+        let (want_o, want_s) = naive_recurrent_kda(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            g.clone(),
+            beta.clone(),
+            opts().with_initial_state(h0.clone()),
+        );
+        let want_s = want_s.expect("asked for");
+
+        let kept = h0.clone().into_data();
+        // Fresh values (not `h0` itself) so that nothing else holds the buffer.
+        let mut state = h0.clone().add_scalar(0.0);
+        let start = buffer(&state);
+        let mut outs = Vec::new();
+        for i in 0..t {
+            let token = |x: &Tensor<P, 4>| x.clone().narrow(1, i, 1);
+            let (o, s) = crate::ops::kda::fused_recurrent_kda(
+                token(&q),
+                token(&k),
+                token(&v),
+                token(&g),
+                beta.clone().narrow(1, i, 1),
+                opts().with_initial_state(state),
+            );
+            state = s.expect("asked for");
+            assert_eq!(
+                buffer(&state),
+                start,
+                "token {i}: the state moved to a new buffer"
+            );
+            outs.push(o);
+        }
+        let got_o = Tensor::cat(outs, 1);
+        let close = |name: &str, got: Tensor<P, 4>, want: Tensor<P, 4>| {
+            let scale = want.clone().abs().max().into_scalar().max(1.0);
+            let err = (got - want).abs().max().into_scalar();
+            assert!(
+                err <= 2e-5 * scale,
+                "{name}: max error {err} (scale {scale})"
+            );
+        };
+        close("o", got_o, want_o);
+        close("final state", state, want_s);
+
+        // A handle the caller keeps: the op writes a new buffer and leaves the old one alone.
+        let (_, s) = crate::ops::kda::fused_recurrent_kda(
+            q.clone().narrow(1, 0, 1),
+            k.clone().narrow(1, 0, 1),
+            v.clone().narrow(1, 0, 1),
+            g.clone().narrow(1, 0, 1),
+            beta.clone().narrow(1, 0, 1),
+            opts().with_initial_state(h0.clone()),
+        );
+        assert_ne!(buffer(&s.expect("asked for")), buffer(&h0));
+        assert_eq!(h0.into_data(), kept, "a shared initial state was written");
     }
 }

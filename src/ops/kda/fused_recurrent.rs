@@ -59,10 +59,13 @@ pub(crate) fn fused_recurrent_kda_inner<B: Backend>(
     opts: KdaOptions<B>,
     check_gates: bool,
 ) -> Result<(Tensor<B, 4>, Option<Tensor<B, 4>>)> {
-    if let Some(out) = host_forward(&q, &k, &v, &g, &beta, &opts, check_gates)? {
-        backend::record(FusedOp::KdaRecurrent, KernelPath::Reference);
-        return Ok(out);
-    }
+    let opts = match host_forward(&q, &k, &v, &g, &beta, opts, check_gates)? {
+        Ok(out) => {
+            backend::record(FusedOp::KdaRecurrent, KernelPath::Reference);
+            return Ok(out);
+        }
+        Err(opts) => opts,
+    };
     let p = prepare(q, k, v, g, beta, opts, check_gates)?;
     Ok(match kernel_forward(p, KdaForm::Recurrent) {
         Ok(out) => {

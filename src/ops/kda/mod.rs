@@ -344,21 +344,25 @@ pub(crate) type KdaOutput<B> = (Tensor<B, 4>, Option<Tensor<B, 4>>);
 
 /// The CPU host kernel as the whole op: on a CPU backend, with f32 inputs (and initial state),
 /// [`chunk_kda`] and [`fused_recurrent_kda`] are one host recurrence ([`cpu_kda`]) after the op's
-/// input checks. `Ok(None)`: the op goes on with its other paths.
+/// input checks. `Ok(Err(opts))`: the op goes on with its other paths. The options are taken by
+/// value so that an initial state the caller hands over (a decode loop's) is updated in place.
 pub(crate) fn host_forward<B: Backend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,
     g: &Tensor<B, 4>,
     beta: &Tensor<B, 3>,
-    opts: &KdaOptions<B>,
+    opts: KdaOptions<B>,
     check_gates: bool,
-) -> Result<Option<KdaOutput<B>>> {
-    if !host_kernel_applies(q, k, v, g, beta, opts) {
-        return Ok(None);
+) -> Result<std::result::Result<KdaOutput<B>, KdaOptions<B>>> {
+    if !host_kernel_applies(q, k, v, g, beta, &opts) {
+        return Ok(Err(opts));
     }
-    let seqs = validate(q, k, v, g, beta, opts, check_gates)?;
-    Ok(cpu_kda(q, k, v, g, beta, opts, seqs))
+    let seqs = validate(q, k, v, g, beta, &opts, check_gates)?;
+    let out = cpu_kda(q, k, v, g, beta, opts, seqs);
+    Ok(Ok(out.unwrap_or_else(|| {
+        unreachable!("host_kernel_applies held above")
+    })))
 }
 
 /// Whether [`cpu_kda`] runs these inputs: a CPU backend and f32 everywhere.
@@ -409,17 +413,18 @@ pub(crate) fn layer_kda<B: Backend>(
 /// `q, k, g: [B, T, H, K]`, `v: [B, T, H, V]`, `beta: [B, T, H]`; `q` is L2-normalised (with
 /// `opts.use_qk_l2norm`) and scaled (by `opts.scale`, `K^−1/2` when `None`) inside, like
 /// [`prepare`] does; `seqs`: packed `(start, len)` spans along T with `B = 1`. The caller
-/// validates the shapes (`opts.cu_seqlens` is not read: `seqs` is its checked form).
+/// validates the shapes (`opts.cu_seqlens` is not read: `seqs` is its checked form). An initial
+/// state that nothing else holds becomes the final state, updated in place, on a plain backend.
 pub(crate) fn cpu_kda<B: Backend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,
     g: &Tensor<B, 4>,
     beta: &Tensor<B, 3>,
-    opts: &KdaOptions<B>,
+    opts: KdaOptions<B>,
     seqs: Option<Vec<(usize, usize)>>,
 ) -> Option<KdaOutput<B>> {
-    if !host_kernel_applies(q, k, v, g, beta, opts) {
+    if !host_kernel_applies(q, k, v, g, beta, &opts) {
         return None;
     }
     let [b, t, h, kd] = q.dims();
@@ -434,8 +439,8 @@ pub(crate) fn cpu_kda<B: Backend>(
     };
     let prim = |x: Tensor<B, 4>| x.into_primitive().tensor();
     // Without an initial state the op's sixth input is a one-element placeholder.
-    let h0 = match &opts.initial_state {
-        Some(s) => prim(s.clone()),
+    let h0 = match opts.initial_state {
+        Some(s) => prim(s),
         None => Tensor::<B, 1>::zeros([1], &q.device())
             .into_primitive()
             .tensor(),
@@ -455,11 +460,14 @@ pub(crate) fn cpu_kda<B: Backend>(
         return Some((crate::ops::backend::host::run(&op, inputs), None));
     }
     // Untracked: `o` and the states as two tensors of their own shapes (splitting would copy).
-    if let Some(mut parts) = crate::ops::backend::host::run_parts::<B, _, 6>(&op, &inputs) {
-        let s = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(parts.remove(1)));
-        let o = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(parts.remove(0)));
-        return Some((o, Some(s)));
-    }
+    let inputs = match crate::ops::backend::host::run_parts::<B, _, 6>(&op, inputs) {
+        Ok(mut parts) => {
+            let s = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(parts.remove(1)));
+            let o = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(parts.remove(0)));
+            return Some((o, Some(s)));
+        }
+        Err(inputs) => inputs,
+    };
     let out: Tensor<B, 1> = crate::ops::backend::host::run(&op, inputs);
     let o = out.clone().narrow(0, 0, n_o).reshape([b, t, h, vd]);
     let s = out.narrow(0, n_o, n * h * kd * vd).reshape(state_shape);
