@@ -1062,6 +1062,17 @@ fn bad_input_gives_clear_errors() {
         is_arg,
         &["`g`", "0.25"],
     );
+    gv[17] = f64::NAN;
+    let nan = Inputs {
+        g: from_f64(&gv, [1, 10, 2, 8], &d),
+        ..clone_inputs(&x)
+    };
+    expect_err(
+        "g NaN",
+        call(&nan, KdaOptions::default()),
+        |e| matches!(e, Error::NonFinite { .. }),
+        &["g", "NaN"],
+    );
     let opts = || KdaOptions::default();
     expect_err(
         "g > 0 naive",

@@ -1,9 +1,10 @@
 //! Loop bodies for the host kernels that compile to SIMD code.
 //!
 //! The host kernels are built for the baseline CPU of the target (SSE2 on x86-64) and run on
-//! whatever CPU the user has, so their hot loops are wrapped in `#[multiversion]` functions: one
-//! copy per instruction set (AVX-512, AVX2+FMA, …) chosen at run time. The helpers here are
-//! `#[inline(always)]` so that each copy compiles them with its own instruction set.
+//! whatever CPU the user has, so their hot loops are `pulp` [`WithSimd`] bodies run through
+//! [`dispatch`]: one copy per instruction set (AVX-512, AVX2+FMA, …) chosen at run time. The
+//! helpers here are `#[inline(always)]` so that each copy compiles them with its own instruction
+//! set.
 //!
 //! Every helper works lane by lane on `[f32; LANES]` blocks with the same operation order on every
 //! instruction set (Rust never contracts `a * b + c` into a fused multiply-add on its own), so the
@@ -275,6 +276,30 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     hsum(&acc) + tail
 }
 
+/// The largest element of `x` (`−∞` when empty), NaN when any element is NaN.
+pub(crate) fn max(x: &[f32]) -> f32 {
+    struct Max<'a>(&'a [f32]);
+    impl WithSimd for Max<'_> {
+        type Output = f32;
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, _simd: S) -> f32 {
+            // Per lane: NaN once seen stays (`m < v` and `v ≠ v` are both false for a NaN `m`).
+            let step = |m: f32, v: f32| if m < v || v.is_nan() { v } else { m };
+            let (blocks, tail) = self.0.as_chunks::<LANES>();
+            let mut m = [f32::NEG_INFINITY; LANES];
+            for block in blocks {
+                for l in 0..LANES {
+                    m[l] = step(m[l], block[l]);
+                }
+            }
+            m.into_iter()
+                .chain(tail.iter().copied())
+                .fold(f32::NEG_INFINITY, step)
+        }
+    }
+    dispatch(Max(x))
+}
+
 /// The sum of the lanes, pairwise (the same order on every instruction set).
 #[inline(always)]
 pub(crate) fn hsum(acc: &[f32; LANES]) -> f32 {
@@ -292,6 +317,23 @@ pub(crate) fn hsum(acc: &[f32; LANES]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn max_is_the_largest_element_and_sees_nan() {
+        let xs: Vec<f32> = (0..1003)
+            .map(|i| ((i * 7919) % 1009) as f32 - 2000.0)
+            .collect();
+        let want = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        assert_eq!(max(&xs), want);
+        assert_eq!(max(&[]), f32::NEG_INFINITY);
+        assert_eq!(max(&[-3.0, -1.0, -2.0]), -1.0);
+        // A NaN anywhere (in a full block, first in its lane, or in the tail) wins.
+        for at in [0, 5, 16, 500, 1002] {
+            let mut ys = xs.clone();
+            ys[at] = f32::NAN;
+            assert!(max(&ys).is_nan(), "NaN at {at}");
+        }
+    }
 
     #[test]
     fn exp_matches_the_standard_library() {

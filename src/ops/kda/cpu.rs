@@ -26,7 +26,9 @@
 
 use std::ops::Range;
 
-use crate::ops::backend::host::{parallel_map_sized, DisjointWrites, HostArray, HostData, HostOp};
+use crate::ops::backend::host::{
+    parallel_map_sized, recycle, scratch, DisjointWrites, HostArray, HostData, HostOp,
+};
 use crate::ops::backend::simd::{dispatch, dot, exp_in_place, load, store, Scalar, Simd, WithSimd};
 
 /// Tokens between two saved states: the backward pass recomputes `CHECKPOINT + 1` states of
@@ -89,10 +91,27 @@ struct Job {
 }
 
 /// What the backward pass needs besides the inputs: the state before every [`CHECKPOINT`]-th
-/// token of each job.
+/// token of each job, job `j`'s from `starts[j]` on, in one buffer of the [`scratch`] pool (it
+/// goes back there when the autodiff graph drops it: 16 MiB of fresh pages per call at T = 8192
+/// otherwise).
 #[derive(Debug)]
 pub(crate) struct Saved {
-    states: Vec<Vec<f32>>,
+    states: Vec<f32>,
+    starts: Vec<usize>,
+}
+
+impl Saved {
+    /// The checkpoints of job `j`.
+    fn job(&self, j: usize) -> &[f32] {
+        let end = self.starts.get(j + 1).copied().unwrap_or(self.states.len());
+        &self.states[self.starts[j]..end]
+    }
+}
+
+impl Drop for Saved {
+    fn drop(&mut self) {
+        recycle(std::mem::take(&mut self.states));
+    }
 }
 
 /// The inputs every job reads, as given, and how `q` and `k` are prepared.
@@ -242,7 +261,20 @@ impl KdaRecurrence {
         let jobs = self.jobs(b, t, h);
         let kv = kd * vd;
         let (o_writes, s_writes) = (DisjointWrites::new(o), DisjointWrites::new(s_out));
-        let states = parallel_map_sized(jobs.len(), b * t * h * kv, |j| {
+        // Job j's checkpoints from starts[j] on, one state per CHECKPOINT tokens.
+        let mut starts = Vec::with_capacity(jobs.len());
+        let mut total = 0;
+        for job in &jobs {
+            starts.push(total);
+            total += if save {
+                job.len.div_ceil(CHECKPOINT) * kv
+            } else {
+                0
+            };
+        }
+        let mut states = scratch(total);
+        let state_writes = DisjointWrites::new(&mut states);
+        parallel_map_sized(jobs.len(), b * t * h * kv, |j| {
             let job = &jobs[j];
             let at = geo.state(job.seq, job.h);
             let mut own = Vec::new();
@@ -256,22 +288,22 @@ impl KdaRecurrence {
                 own.resize(kv, 0.0);
                 &mut own[..]
             };
-            let mut states = Vec::with_capacity(if save {
-                job.len.div_ceil(CHECKPOINT) * kv
-            } else {
-                0
-            });
+            let end = starts.get(j + 1).copied().unwrap_or(total);
             dispatch(ForwardJob {
                 x: &x,
                 job,
                 s,
                 out: &o_writes,
-                states: &mut states,
+                // SAFETY: job j's checkpoints are its own.
+                states: unsafe { state_writes.slice(starts[j], end - starts[j]) },
                 save,
             });
-            states
         });
-        save.then_some(Saved { states })
+        if !save {
+            recycle(states);
+            return None;
+        }
+        Some(Saved { states, starts })
     }
 
     /// The inputs as the jobs read them.
@@ -402,13 +434,13 @@ fn step<S: Simd>(
 
 /// The forward recurrence of one job from the state in `s` (left holding `S_T`): `o` per token
 /// into `out` (`[B, T, H, V]`), and with `save` the state before every [`CHECKPOINT`]-th token
-/// appended to `states`.
+/// into `states`, one after the other.
 struct ForwardJob<'a> {
     x: &'a Inputs<'a>,
     job: &'a Job,
     s: &'a mut [f32],
     out: &'a DisjointWrites<'a>,
-    states: &'a mut Vec<f32>,
+    states: &'a mut [f32],
     save: bool,
 }
 
@@ -430,7 +462,8 @@ impl WithSimd for ForwardJob<'_> {
         let (mut e, mut u) = (vec![0.0f32; vd], vec![0.0f32; vd]);
         for i in 0..job.len {
             if save && i % CHECKPOINT == 0 {
-                states.extend_from_slice(s);
+                let at = i / CHECKPOINT * s.len();
+                states[at..at + s.len()].copy_from_slice(s);
             }
             let tk = job.start + i;
             let (v, beta) = x.token(job, tk, &mut t);
@@ -613,7 +646,8 @@ impl WithSimd for BackwardJob<'_> {
         let Geometry { kd, vd, .. } = x.geo;
         let (n, kv) = (job.len, kd * vd);
         // States S_{t−1}, S_t of one checkpoint span, and per token its prepared inputs, e and u.
-        let mut span = vec![0.0f32; (CHECKPOINT + 1) * kv];
+        // Every state of the span is written before it is read (the first from `states`).
+        let mut span = scratch((CHECKPOINT + 1) * kv);
         let mut tokens: Vec<Prepared> = (0..CHECKPOINT).map(|_| Prepared::new(kd)).collect();
         let mut es = vec![0.0f32; CHECKPOINT * vd];
         let mut us = vec![0.0f32; CHECKPOINT * vd];
@@ -666,6 +700,7 @@ impl WithSimd for BackwardJob<'_> {
                 unprepare_gradient(dk, &t.k, t.k_norm, 1.0, x.l2norm);
             }
         }
+        recycle(span);
     }
 }
 
@@ -754,7 +789,7 @@ impl HostOp<6> for KdaRecurrence {
             dispatch(BackwardJob {
                 x: &x,
                 job,
-                states: &saved.states[j],
+                states: saved.job(j),
                 grad: &grad.data,
                 ds: &mut ds,
                 out: &out,

@@ -276,7 +276,10 @@ fn validate<B: Backend>(
         }
     }
     if check_gates {
-        let gmax: f64 = g.clone().max().into_scalar().elem();
+        let gmax: f64 = match crate::ops::backend::host::max(g) {
+            Some(m) => m.into(),
+            None => g.clone().max().into_scalar().elem(),
+        };
         if gmax.is_nan() {
             return Err(Error::NonFinite {
                 what: "g".into(),
