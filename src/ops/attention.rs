@@ -8,7 +8,7 @@
 
 use rayon::prelude::*;
 
-use crate::ops::backend::host::{recycle, scratch, HostArray, HostOp};
+use crate::ops::backend::host::{scratch, HostArray, HostOp, Scratch};
 use crate::ops::backend::matmul::{matmul_serial, Layout};
 use crate::ops::backend::simd::{exp_lane, map_into, Elementwise};
 
@@ -25,13 +25,7 @@ pub(crate) struct CausalAttention {
 /// back to the scratch pool when dropped.
 #[derive(Debug)]
 pub(crate) struct Saved {
-    p: Vec<f32>,
-}
-
-impl Drop for Saved {
-    fn drop(&mut self) {
-        recycle(std::mem::take(&mut self.p));
-    }
+    p: Scratch,
 }
 
 /// `e^{x − max}` for the row maximum `max`.
@@ -109,12 +103,7 @@ impl HostOp<3> for CausalAttention {
                 self.probabilities(p, qs, &k.data[bh * t * d..], bh / h, t, d);
                 matmul_serial(o, p, Layout::Plain, vs, Layout::Plain, [t, t, dv], false);
             });
-        let saved = if save {
-            Some(Saved { p })
-        } else {
-            recycle(p);
-            None
-        };
+        let saved = save.then_some(Saved { p });
         (out, saved)
     }
 
@@ -171,7 +160,6 @@ impl HostOp<3> for CausalAttention {
                     [t, t, d],
                     false,
                 );
-                recycle(ds);
             });
         [dq, dk, dvs]
     }

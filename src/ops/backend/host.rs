@@ -552,7 +552,8 @@ const POOL_MIN: usize = 1 << 16;
 /// The most floats the [`scratch`] pool keeps (1 GiB).
 const POOL_MAX: usize = 1 << 28;
 
-/// Large scratch buffers of the host kernels, kept between calls.
+/// Large scratch buffers of the host kernels, kept between calls. Every buffer here has every
+/// element up to its capacity initialised (`len == capacity`).
 ///
 /// A fresh large allocation is mapped afresh by the allocator, and every page is faulted in (and
 /// zeroed by the kernel) on first touch: on the benchmark machine that cost as much as the
@@ -560,9 +561,55 @@ const POOL_MAX: usize = 1 << 28;
 /// (the experts' hidden rows, the KDA checkpoints) come from here instead.
 static POOL: std::sync::Mutex<Vec<Vec<f32>>> = std::sync::Mutex::new(Vec::new());
 
-/// A buffer of `len` floats whose contents are unspecified (the caller overwrites them): a pooled
-/// one when one is large enough, else a new one.
-pub(crate) fn scratch(len: usize) -> Vec<f32> {
+/// A buffer of the [`scratch`] pool: `len` floats whose contents are unspecified (the caller
+/// overwrites them), handed back to the pool when dropped. Its allocation may be longer than
+/// `len`; the rest is never cleared (an earlier version refilled it on every return, a `memset`
+/// that cost a tenth of the MoE layer's backward).
+pub(crate) struct Scratch {
+    /// The whole allocation, every element initialised (`len == capacity`).
+    buf: Vec<f32>,
+    /// The length handed out.
+    len: usize,
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        &self.buf[..self.len]
+    }
+}
+
+impl std::ops::DerefMut for Scratch {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.buf[..self.len]
+    }
+}
+
+impl Debug for Scratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Scratch({} values)", self.len)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.buf);
+        if buf.len() < POOL_MIN {
+            return;
+        }
+        let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+        pool.push(buf);
+        let mut total: usize = pool.iter().map(Vec::len).sum();
+        while total > POOL_MAX && !pool.is_empty() {
+            total -= pool.remove(0).len();
+        }
+    }
+}
+
+/// A [`Scratch`] buffer of `len` floats: a pooled one when one is large enough (the smallest such),
+/// else a new one.
+pub(crate) fn scratch(len: usize) -> Scratch {
     if len >= POOL_MIN {
         let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
         let best = pool
@@ -572,28 +619,15 @@ pub(crate) fn scratch(len: usize) -> Vec<f32> {
             .min_by_key(|(_, v)| v.len())
             .map(|(i, _)| i);
         if let Some(i) = best {
-            let mut v = pool.swap_remove(i);
-            v.truncate(len);
-            return v;
+            return Scratch {
+                buf: pool.swap_remove(i),
+                len,
+            };
         }
     }
-    vec![0.0; len]
-}
-
-/// Hands a buffer back to the [`scratch`] pool (small ones are simply dropped; the pool drops its
-/// oldest buffers beyond [`POOL_MAX`] floats).
-pub(crate) fn recycle(mut v: Vec<f32>) {
-    if v.capacity() < POOL_MIN {
-        return;
-    }
-    // Every element up to the capacity initialised, so `scratch` can hand out any length.
-    v.resize(v.capacity(), 0.0);
-    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    pool.push(v);
-    let mut total: usize = pool.iter().map(Vec::len).sum();
-    while total > POOL_MAX && !pool.is_empty() {
-        total -= pool.remove(0).len();
-    }
+    let buf = vec![0.0; len];
+    debug_assert_eq!(buf.len(), buf.capacity());
+    Scratch { buf, len }
 }
 
 /// Work (in element operations, roughly) below which [`parallel_map_sized`] stays on the calling

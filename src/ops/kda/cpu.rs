@@ -27,7 +27,7 @@
 use std::ops::Range;
 
 use crate::ops::backend::host::{
-    parallel_map_sized, recycle, scratch, DisjointWrites, HostArray, HostData, HostOp,
+    parallel_map_sized, scratch, DisjointWrites, HostArray, HostData, HostOp, Scratch,
 };
 use crate::ops::backend::simd::{dispatch, dot, exp_in_place, load, store, Scalar, Simd, WithSimd};
 
@@ -96,7 +96,7 @@ struct Job {
 /// otherwise).
 #[derive(Debug)]
 pub(crate) struct Saved {
-    states: Vec<f32>,
+    states: Scratch,
     starts: Vec<usize>,
 }
 
@@ -105,12 +105,6 @@ impl Saved {
     fn job(&self, j: usize) -> &[f32] {
         let end = self.starts.get(j + 1).copied().unwrap_or(self.states.len());
         &self.states[self.starts[j]..end]
-    }
-}
-
-impl Drop for Saved {
-    fn drop(&mut self) {
-        recycle(std::mem::take(&mut self.states));
     }
 }
 
@@ -299,11 +293,7 @@ impl KdaRecurrence {
                 save,
             });
         });
-        if !save {
-            recycle(states);
-            return None;
-        }
-        Some(Saved { states, starts })
+        save.then_some(Saved { states, starts })
     }
 
     /// The inputs as the jobs read them.
@@ -700,7 +690,6 @@ impl WithSimd for BackwardJob<'_> {
                 unprepare_gradient(dk, &t.k, t.k_norm, 1.0, x.l2norm);
             }
         }
-        recycle(span);
     }
 }
 

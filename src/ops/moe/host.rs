@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 use super::dispatch::DispatchPlan;
 use super::situ::GluActivation;
-use crate::ops::backend::host::{recycle, scratch, HostArray, HostOp};
+use crate::ops::backend::host::{scratch, HostArray, HostOp, Scratch};
 use crate::ops::backend::matmul::{matmul_serial, Layout};
 use crate::ops::backend::simd::{map_into, map_pair_into};
 use crate::ops::precision::host::{Gradient, SituGlu, SwiGlu, Value};
@@ -36,17 +36,9 @@ pub(crate) struct RoutedExperts {
 /// back to the scratch pool when dropped.
 #[derive(Debug)]
 pub(crate) struct Saved {
-    g: Vec<f32>,
-    u: Vec<f32>,
-    y: Vec<f32>,
-}
-
-impl Drop for Saved {
-    fn drop(&mut self) {
-        for buf in [&mut self.g, &mut self.u, &mut self.y] {
-            recycle(std::mem::take(buf));
-        }
-    }
+    g: Scratch,
+    u: Scratch,
+    y: Scratch,
 }
 
 /// Sizes of one call.
@@ -89,7 +81,7 @@ impl RoutedExperts {
     }
 
     /// The rows of `h` of an expert's segment, gathered: `[len, ℓ]`.
-    fn gather(&self, h: &[f32], l: usize, range: std::ops::Range<usize>) -> Vec<f32> {
+    fn gather(&self, h: &[f32], l: usize, range: std::ops::Range<usize>) -> Scratch {
         let mut x = scratch(range.len() * l);
         for (row, &t) in x.chunks_exact_mut(l).zip(&self.plan.tokens[range]) {
             let t = t as usize;
@@ -148,8 +140,6 @@ impl HostOp<5> for RoutedExperts {
             self.act_into(&mut a, g, u);
             let w2 = &w2.data[e * me * lo..];
             matmul_serial(y, &a, Layout::Plain, w2, Layout::Plain, [c, me, lo], false);
-            recycle(a);
-            recycle(x);
         });
         let at = self.positions();
         let mut out = HostArray::zeros(&[m, lo]);
@@ -167,14 +157,7 @@ impl HostOp<5> for RoutedExperts {
                     }
                 }
             });
-        let saved = if save {
-            Some(Saved { g, u, y })
-        } else {
-            recycle(g);
-            recycle(u);
-            recycle(y);
-            None
-        };
+        let saved = save.then_some(Saved { g, u, y });
         (out, saved)
     }
 
@@ -295,8 +278,6 @@ impl HostOp<5> for RoutedExperts {
                 }
             }
         });
-        recycle(dy);
-        recycle(dx);
         [dh, dweights, dw1, dw3, dw2]
     }
 }
