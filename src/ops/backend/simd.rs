@@ -185,60 +185,64 @@ impl<const N: usize, F: Elementwise<N>> WithSimd for Map<'_, N, F> {
     }
 }
 
-/// Two scalar functions of the same `N` floats for [`map_pair_into`], computed together (a
-/// gradient's two halves that share their transcendentals, say); `#[inline(always)]` as for
-/// [`Elementwise`].
-pub(crate) trait ElementwisePair<const N: usize>: Copy + Send + Sync {
-    /// The two values at one element.
-    fn apply(&self, x: [f32; N]) -> (f32, f32);
+/// `M` scalar functions of the same `N` floats for [`map_many_into`], computed together (a
+/// gradient's two halves, or a value and its gradient, that share their transcendentals);
+/// `#[inline(always)]` as for [`Elementwise`].
+pub(crate) trait ElementwiseMany<const N: usize, const M: usize>:
+    Copy + Send + Sync
+{
+    /// The `M` values at one element.
+    fn apply(&self, x: [f32; N]) -> [f32; M];
 }
 
-/// [`map_into`] for a function with two outputs, into `a` and `b` (each as long as the shortest
+/// [`map_into`] for a function with `M` outputs, into `outs` (each as long as the shortest
 /// input).
-pub(crate) fn map_pair_into<const N: usize, F: ElementwisePair<N>>(
-    a: &mut [f32],
-    b: &mut [f32],
+pub(crate) fn map_many_into<const N: usize, const M: usize, F: ElementwiseMany<N, M>>(
+    outs: [&mut [f32]; M],
     inputs: [&[f32]; N],
     f: F,
 ) {
     use rayon::prelude::*;
     let len = inputs.iter().map(|x| x.len()).min().unwrap_or(0);
-    assert!(
-        a.len() >= len && b.len() >= len,
-        "map_pair_into: outputs of {} and {} for inputs of {len}",
-        a.len(),
-        b.len()
-    );
-    let (a, b) = (&mut a[..len], &mut b[..len]);
-    let run = |start: usize, a: &mut [f32], b: &mut [f32]| {
-        dispatch(MapPair {
+    for o in &outs {
+        assert!(
+            o.len() >= len,
+            "map_many_into: an output of {} for inputs of {len}",
+            o.len()
+        );
+    }
+    let run = |start: usize, outs: [&mut [f32]; M]| {
+        dispatch(MapMany {
             inputs,
             start,
-            a,
-            b,
+            outs,
             f,
         })
     };
+    let mut chunks = outs.map(|o| o[..len].chunks_mut(MAP_CHUNK));
     if len >= 2 * MAP_CHUNK {
-        a.par_chunks_mut(MAP_CHUNK)
-            .zip(b.par_chunks_mut(MAP_CHUNK))
+        let jobs: Vec<[&mut [f32]; M]> = (0..len.div_ceil(MAP_CHUNK))
+            .map(|_| std::array::from_fn(|j| chunks[j].next().unwrap_or_else(|| unreachable!())))
+            .collect();
+        jobs.into_par_iter()
             .enumerate()
-            .for_each(|(i, (a, b))| run(i * MAP_CHUNK, a, b));
+            .for_each(|(i, outs)| run(i * MAP_CHUNK, outs));
     } else {
-        run(0, a, b);
+        // One chunk (or none): the whole of each output.
+        let whole = std::array::from_fn(|j| chunks[j].next().unwrap_or_default());
+        run(0, whole);
     }
 }
 
-/// The loop of [`map_pair_into`] over one chunk.
-struct MapPair<'a, const N: usize, F> {
+/// The loop of [`map_many_into`] over one chunk.
+struct MapMany<'a, const N: usize, const M: usize, F> {
     inputs: [&'a [f32]; N],
     start: usize,
-    a: &'a mut [f32],
-    b: &'a mut [f32],
+    outs: [&'a mut [f32]; M],
     f: F,
 }
 
-impl<const N: usize, F: ElementwisePair<N>> WithSimd for MapPair<'_, N, F> {
+impl<const N: usize, const M: usize, F: ElementwiseMany<N, M>> WithSimd for MapMany<'_, N, M, F> {
     type Output = ();
 
     #[inline(always)]
@@ -246,13 +250,16 @@ impl<const N: usize, F: ElementwisePair<N>> WithSimd for MapPair<'_, N, F> {
         let Self {
             inputs,
             start,
-            a,
-            b,
+            mut outs,
             f,
         } = self;
-        let inputs = inputs.map(|x| &x[start..start + a.len()]);
-        for (i, (a, b)) in a.iter_mut().zip(b.iter_mut()).enumerate() {
-            (*a, *b) = f.apply(inputs.map(|x| x[i]));
+        let len = outs.iter().map(|o| o.len()).min().unwrap_or(0);
+        let inputs = inputs.map(|x| &x[start..start + len]);
+        for i in 0..len {
+            let y = f.apply(inputs.map(|x| x[i]));
+            for (o, y) in outs.iter_mut().zip(y) {
+                o[i] = y;
+            }
         }
     }
 }

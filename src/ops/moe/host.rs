@@ -17,8 +17,8 @@ use super::dispatch::DispatchPlan;
 use super::situ::GluActivation;
 use crate::ops::backend::host::{scratch, HostArray, HostOp, Scratch};
 use crate::ops::backend::matmul::{matmul_serial, Layout};
-use crate::ops::backend::simd::{map_into, map_pair_into};
-use crate::ops::precision::host::{Gradient, SituGlu, SwiGlu, Value};
+use crate::ops::backend::simd::{map_into, map_many_into};
+use crate::ops::precision::host::{SituGlu, SwiGlu, Value, ValueAndGradient};
 
 /// The routed experts of one dispatch: inputs `h: [m, ℓ]`, `weights: [m, k]`, `W1, W3: [n, ℓ, m_e]`,
 /// `W2: [n, m_e, ℓ_out]`; output `[m, ℓ_out]` (zeros for tokens without pairs).
@@ -69,14 +69,15 @@ impl RoutedExperts {
         }
     }
 
-    /// `(∂act/∂g · d, ∂act/∂u · d)` into `(dg, du)`, elementwise, from one evaluation of the
-    /// activation per element.
-    fn act_grad_into(&self, dg: &mut [f32], du: &mut [f32], g: &[f32], u: &[f32], d: &[f32]) {
+    /// `act(g, u)` into `a` and `(∂act/∂g · d, ∂act/∂u · d)` into `(dg, du)`, elementwise, from
+    /// one evaluation of the activation per element.
+    fn act_and_grad_into(&self, [a, dg, du]: [&mut [f32]; 3], g: &[f32], u: &[f32], d: &[f32]) {
+        let outs = [a, dg, du];
         match self.activation {
             GluActivation::Situ { beta1, beta2 } => {
-                map_pair_into(dg, du, [g, u, d], Gradient(SituGlu { beta1, beta2 }))
+                map_many_into(outs, [g, u, d], ValueAndGradient(SituGlu { beta1, beta2 }))
             }
-            GluActivation::SwiGlu => map_pair_into(dg, du, [g, u, d], Gradient(SwiGlu)),
+            GluActivation::SwiGlu => map_many_into(outs, [g, u, d], ValueAndGradient(SwiGlu)),
         }
     }
 
@@ -204,19 +205,8 @@ impl HostOp<5> for RoutedExperts {
                     &saved.u[range.start * me..range.end * me],
                 );
                 let dy = &dy[range.start * lo..range.end * lo];
-                let mut a = scratch(c * me);
-                self.act_into(&mut a, g, u);
                 let w2e = &w2.data[e * me * lo..];
-                // dW2 = Aᵀ dY; dA = dY W2ᵀ.
-                matmul_serial(
-                    dw2,
-                    &a,
-                    Layout::Transposed,
-                    dy,
-                    Layout::Plain,
-                    [me, c, lo],
-                    false,
-                );
+                // dA = dY W2ᵀ; then A (recomputed) and dG, dU in one pass; dW2 = Aᵀ dY.
                 let mut da = scratch(c * me);
                 matmul_serial(
                     &mut da,
@@ -227,8 +217,17 @@ impl HostOp<5> for RoutedExperts {
                     [c, lo, me],
                     false,
                 );
-                let (mut dg, mut du) = (scratch(c * me), scratch(c * me));
-                self.act_grad_into(&mut dg, &mut du, g, u, &da);
+                let (mut a, mut dg, mut du) = (scratch(c * me), scratch(c * me), scratch(c * me));
+                self.act_and_grad_into([&mut a, &mut dg, &mut du], g, u, &da);
+                matmul_serial(
+                    dw2,
+                    &a,
+                    Layout::Transposed,
+                    dy,
+                    Layout::Plain,
+                    [me, c, lo],
+                    false,
+                );
                 let (w1e, w3e) = (&w1.data[e * l * me..], &w3.data[e * l * me..]);
                 matmul_serial(
                     dw1,

@@ -17,7 +17,7 @@
 
 use crate::ops::backend::host::{HostArray, HostOp};
 use crate::ops::backend::simd::{
-    exp_lane, expm1_nonpositive_lane, map, map_pair_into, Elementwise, ElementwisePair,
+    exp_lane, expm1_nonpositive_lane, map, map_many_into, Elementwise, ElementwiseMany,
 };
 
 /// `(σ(x), 1 − σ(x))` in `f32`, each accurate to a few ulp for every `x`.
@@ -152,7 +152,7 @@ impl HostOp<2> for SituGlu {
         let n = g.data.len();
         let (mut dg, mut dv) = (vec![0.0f32; n], vec![0.0f32; n]);
         let inputs = [&g.data[..], &v.data[..], &grad.data[..]];
-        map_pair_into(&mut dg, &mut dv, inputs, Gradient(*self));
+        map_many_into([&mut dg, &mut dv], inputs, Gradient(*self));
         let shape = g.shape.clone();
         [
             HostArray {
@@ -228,7 +228,7 @@ pub(crate) struct Value<F>(pub F);
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Derivative<F>(pub F);
 
-/// `(d · ∂/∂g, d · ∂/∂v)` of `A(g) B(v)` for `[g, v, d]`, for [`map_pair_into`]: both halves
+/// `(d · ∂/∂g, d · ∂/∂v)` of `A(g) B(v)` for `[g, v, d]`, for [`map_many_into`]: both halves
 /// from one evaluation of `A` and `B` and their derivatives.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Gradient<F>(pub F);
@@ -254,11 +254,24 @@ impl Elementwise<2> for Value<SituGlu> {
     }
 }
 
-impl ElementwisePair<3> for Gradient<SituGlu> {
+impl ElementwiseMany<3, 2> for Gradient<SituGlu> {
     #[inline(always)]
-    fn apply(&self, [g, v, d]: [f32; 3]) -> (f32, f32) {
+    fn apply(&self, [g, v, d]: [f32; 3]) -> [f32; 2] {
         let ((ga, gd), (ua, ud)) = (self.0.gate(g), self.0.up(v));
-        (d * ua * gd, d * ga * ud)
+        [d * ua * gd, d * ga * ud]
+    }
+}
+
+/// `(A(g) B(v), d · ∂/∂g, d · ∂/∂v)` for `[g, v, d]`, for [`map_many_into`]: the value the
+/// backward pass recomputes and both gradient halves from one evaluation.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ValueAndGradient<F>(pub F);
+
+impl ElementwiseMany<3, 3> for ValueAndGradient<SituGlu> {
+    #[inline(always)]
+    fn apply(&self, [g, v, d]: [f32; 3]) -> [f32; 3] {
+        let ((ga, gd), (ua, ud)) = (self.0.gate(g), self.0.up(v));
+        [ga * ua, d * ua * gd, d * ga * ud]
     }
 }
 
@@ -273,10 +286,18 @@ impl Elementwise<2> for Value<SwiGlu> {
     }
 }
 
-impl ElementwisePair<3> for Gradient<SwiGlu> {
+impl ElementwiseMany<3, 2> for Gradient<SwiGlu> {
     #[inline(always)]
-    fn apply(&self, [g, v, d]: [f32; 3]) -> (f32, f32) {
+    fn apply(&self, [g, v, d]: [f32; 3]) -> [f32; 2] {
         let (s, c) = sigmoid_pair(g);
-        (d * v * s * (1.0 + g * c), d * g * s)
+        [d * v * s * (1.0 + g * c), d * g * s]
+    }
+}
+
+impl ElementwiseMany<3, 3> for ValueAndGradient<SwiGlu> {
+    #[inline(always)]
+    fn apply(&self, [g, v, d]: [f32; 3]) -> [f32; 3] {
+        let (s, c) = sigmoid_pair(g);
+        [g * s * v, d * v * s * (1.0 + g * c), d * g * s]
     }
 }
