@@ -476,11 +476,15 @@ impl<X: Backend, O: HostOp<N>, const N: usize> burn::backend::autodiff::ops::Bac
     }
 }
 
-/// The largest element of `x` (NaN when any is NaN), read in place on the host, when `x` is an
-/// ndarray `f32` tensor in standard layout (plain or under autodiff); `None` otherwise, and the
-/// caller reduces with tensor ops. Burn's ndarray `max` walks the tensor one element at a time
-/// through a dynamic-rank iterator: the gate check of the KDA ops cost a sixth of the CPU kernel.
-pub(crate) fn max<B: Backend, const D: usize>(x: &Tensor<B, D>) -> Option<f32> {
+/// `f` of the values of `x`, read in place on the host, when `x` is an ndarray `f32` tensor in
+/// standard layout (plain or under autodiff); `None` otherwise, and the caller takes the general
+/// road. Burn's ndarray `into_data` and reductions walk a tensor one element at a time through a
+/// dynamic-rank iterator: reading back the router's scores that way took 6 ms of the MoE layer's
+/// 110, the KDA gate check a sixth of the CPU kernel.
+pub(crate) fn read_in_place<B: Backend, const D: usize, R>(
+    x: &Tensor<B, D>,
+    f: impl FnOnce(&[f32]) -> R,
+) -> Option<R> {
     #[cfg(feature = "ndarray")]
     if x.dtype() == burn::tensor::DType::F32 {
         use burn::backend::{ndarray::NdArrayTensor, Autodiff, NdArray};
@@ -492,11 +496,16 @@ pub(crate) fn max<B: Backend, const D: usize>(x: &Tensor<B, D>) -> Option<f32> {
                 .map(|ad| ad.primitive),
         };
         if let Some(values) = nd.as_ref().and_then(ndarray_slice) {
-            return Some(super::simd::max(values));
+            return Some(f(values));
         }
     }
-    let _ = x;
+    let _ = (x, f);
     None
+}
+
+/// The largest element of `x` (NaN when any is NaN), through [`read_in_place`].
+pub(crate) fn max<B: Backend, const D: usize>(x: &Tensor<B, D>) -> Option<f32> {
+    read_in_place(x, super::simd::max)
 }
 
 /// A buffer that several threads write at once, each thread to its own elements (the rows of one

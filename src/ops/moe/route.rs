@@ -178,7 +178,16 @@ impl Selection {
 
 /// Reads a float tensor of any dtype back to the host as `f32`s (row-major).
 pub fn to_host_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data().iter::<f32>().collect()
+    if let Some(v) = crate::ops::backend::host::read_in_place(&t, <[f32]>::to_vec) {
+        return v;
+    }
+    let data = t.into_data();
+    match data.dtype {
+        burn::tensor::DType::F32 => data
+            .into_vec::<f32>()
+            .unwrap_or_else(|e| unreachable!("f32 data: {e:?}")),
+        _ => data.iter::<f32>().collect(),
+    }
 }
 
 /// The result of [`route_top_k_fused`].

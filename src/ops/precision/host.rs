@@ -43,11 +43,20 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
 /// keeps its relative precision where `tanh` has saturated to ±1.
 #[inline(always)]
 pub(crate) fn tanh_sech2(x: f32) -> (f32, f32) {
+    let (n, d, e2) = tanh_parts(x);
+    // One division (they are the slow instruction of these loops) for both.
+    let r = 1.0 / d;
+    (n * r, 4.0 * e2 * r * r)
+}
+
+/// `tanh(x) = n / d` as `(n, d, e₂)`: `n = −sign(x)·expm1(−2|x|)`, `d = 1 + e₂ ∈ [1, 2]`,
+/// `e₂ = e^{−2|x|}`; the division left to the caller, who may fold several into one.
+#[inline(always)]
+fn tanh_parts(x: f32) -> (f32, f32, f32) {
     let a = -2.0 * x.abs();
     let e2 = exp_lane(a);
     let m = expm1_nonpositive_lane(a, e2);
-    let d = 1.0 + e2;
-    ((-m / d).copysign(x), 4.0 * e2 / (d * d))
+    ((-m).copysign(x), 1.0 + e2, e2)
 }
 
 /// `tanh` in `f32` through `expm1`, accurate near zero and saturating cleanly for large `|x|`.
@@ -116,10 +125,29 @@ pub(crate) struct SituGlu {
 }
 
 impl SituGlu {
+    /// `A(g) · B(v)` with a single division: each of `tanh(g/β1)`, `σ(g)` and `tanh(v/β2)` is a
+    /// quotient whose denominator lies in `[1, 2]`, so their product is one quotient that can
+    /// neither overflow nor underflow (five divisions otherwise, the bulk of the loop's time).
+    #[inline(always)]
+    pub(crate) fn value(&self, g: f32, v: f32) -> f32 {
+        let (n1, d1, _) = tanh_parts(g * (1.0 / self.beta1));
+        let e = exp_lane(-g.abs());
+        let ns = if g >= 0.0 { 1.0 } else { e };
+        let a = self.beta1 * n1 * ns;
+        let d = d1 * (1.0 + e);
+        match self.beta2 {
+            Some(b2) => {
+                let (n2, d2, _) = tanh_parts(v * (1.0 / b2));
+                a * (b2 * n2) / (d * d2)
+            }
+            None => a * v / d,
+        }
+    }
+
     /// `(A(g), A'(g))`.
     #[inline(always)]
     pub(crate) fn gate(&self, g: f32) -> (f32, f32) {
-        let ((t, sech2), (s, c)) = (tanh_sech2(g / self.beta1), sigmoid_pair(g));
+        let ((t, sech2), (s, c)) = (tanh_sech2(g * (1.0 / self.beta1)), sigmoid_pair(g));
         (self.beta1 * t * s, sech2 * s + self.beta1 * t * s * c)
     }
 
@@ -128,7 +156,7 @@ impl SituGlu {
     pub(crate) fn up(&self, v: f32) -> (f32, f32) {
         match self.beta2 {
             Some(b2) => {
-                let (t, sech2) = tanh_sech2(v / b2);
+                let (t, sech2) = tanh_sech2(v * (1.0 / b2));
                 (b2 * t, sech2)
             }
             None => (v, 1.0),
@@ -170,6 +198,31 @@ impl HostOp<2> for SituGlu {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The one-division SiTU-GLU value against the f64 formula, with and without `β2`, through
+    /// saturation on both sides, and against the two-factor form the gradients use.
+    #[test]
+    fn situ_glu_value_matches_f64() {
+        for beta2 in [Some(25.0f32), Some(0.7), None] {
+            let f = SituGlu { beta1: 4.0, beta2 };
+            for i in -300..=300 {
+                for j in -60..=60 {
+                    let (g, v) = (i as f32 * 0.17 + 0.001, j as f32 * 1.3 - 0.002);
+                    let (gd, vd) = (g as f64, v as f64);
+                    let a = 4.0 * (gd / 4.0).tanh() / (1.0 + (-gd).exp());
+                    let b = beta2.map_or(vd, |b2| b2 as f64 * (vd / b2 as f64).tanh());
+                    let want = a * b;
+                    let got = f.value(g, v) as f64;
+                    assert!(
+                        (got - want).abs() <= 2e-6 * want.abs() + 1e-30,
+                        "A({g})·B({v}) = {got} vs {want} (β2 {beta2:?})"
+                    );
+                    let two = (f.gate(g).0 * f.up(v).0) as f64;
+                    assert!((two - want).abs() <= 2e-6 * want.abs() + 1e-30);
+                }
+            }
+        }
+    }
 
     #[test]
     fn scalar_functions_match_f64() {
@@ -250,7 +303,7 @@ impl Elementwise<2> for Derivative<Unary> {
 impl Elementwise<2> for Value<SituGlu> {
     #[inline(always)]
     fn apply(&self, [g, v]: [f32; 2]) -> f32 {
-        self.0.gate(g).0 * self.0.up(v).0
+        self.0.value(g, v)
     }
 }
 
@@ -271,7 +324,8 @@ impl ElementwiseMany<3, 3> for ValueAndGradient<SituGlu> {
     #[inline(always)]
     fn apply(&self, [g, v, d]: [f32; 3]) -> [f32; 3] {
         let ((ga, gd), (ua, ud)) = (self.0.gate(g), self.0.up(v));
-        [ga * ua, d * ua * gd, d * ga * ud]
+        // The value as the forward pass computed it (`value`), not `ga · ua`: the same bits.
+        [self.0.value(g, v), d * ua * gd, d * ga * ud]
     }
 }
 
