@@ -24,7 +24,7 @@ fi
 threads="${THREADS:-$(nproc)}"
 out="${OUT_DIR:-target/cpu-vs-torch}"
 mkdir -p "$out"
-rm -rf target/criterion/{matmul_rate,chunk_kda_fwd,chunk_kda_fwd_bwd,fused_recurrent_kda_decode_token,fused_recurrent_kda_decode_token_b16,latent_moe_n64_k8_d512_l256_4096tok}
+rm -rf target/criterion/{matmul_rate,moe_forward_products,chunk_kda_fwd,chunk_kda_fwd_bwd,fused_recurrent_kda_decode_token,fused_recurrent_kda_decode_token_b16,latent_moe_n64_k8_d512_l256_4096tok}
 
 cargo bench --bench matmul --bench kda --bench moe --no-run
 criterion=(--warm-up-time 2 --measurement-time 6)

@@ -84,3 +84,8 @@ if rates:
           f"the MoE forward's {flops / 1e9:.2f} GFLOP take {floor_ms:.1f} ms at that rate")
     if fwd is not None:
         print(f"MoE forward / matmul time: {fwd / floor_ms:.2f} (target ≤ 1.25)")
+    products = rust_ms("moe_forward_products/gemm")
+    if products is not None:
+        print(f"the same products at their real shapes (moe_forward_products): {products:.1f} ms, "
+              f"{products / floor_ms:.2f} x the matmul time"
+              + ("" if fwd is None else f"; the forward takes {fwd / products:.2f} x that"))
