@@ -219,19 +219,18 @@ pub(crate) fn map_many_into<const N: usize, const M: usize, F: ElementwiseMany<N
             f,
         })
     };
-    let mut chunks = outs.map(|o| o[..len].chunks_mut(MAP_CHUNK));
-    if len >= 2 * MAP_CHUNK {
-        let jobs: Vec<[&mut [f32]; M]> = (0..len.div_ceil(MAP_CHUNK))
-            .map(|_| std::array::from_fn(|j| chunks[j].next().unwrap_or_else(|| unreachable!())))
-            .collect();
-        jobs.into_par_iter()
-            .enumerate()
-            .for_each(|(i, outs)| run(i * MAP_CHUNK, outs));
-    } else {
-        // One chunk (or none): the whole of each output.
-        let whole = std::array::from_fn(|j| chunks[j].next().unwrap_or_default());
-        run(0, whole);
+    let outs = outs.map(|o| &mut o[..len]);
+    if len < 2 * MAP_CHUNK {
+        run(0, outs);
+        return;
     }
+    let mut chunks = outs.map(|o| o.chunks_mut(MAP_CHUNK));
+    let jobs: Vec<[&mut [f32]; M]> = (0..len.div_ceil(MAP_CHUNK))
+        .map(|_| std::array::from_fn(|j| chunks[j].next().unwrap_or_else(|| unreachable!())))
+        .collect();
+    jobs.into_par_iter()
+        .enumerate()
+        .for_each(|(i, outs)| run(i * MAP_CHUNK, outs));
 }
 
 /// The loop of [`map_many_into`] over one chunk.
