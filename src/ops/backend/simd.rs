@@ -324,6 +324,48 @@ pub(crate) fn hsum(acc: &[f32; LANES]) -> f32 {
 mod tests {
     use super::*;
 
+    #[derive(Clone, Copy)]
+    struct AffinePair;
+
+    impl Elementwise<2> for AffinePair {
+        #[inline(always)]
+        fn apply(&self, [x, y]: [f32; 2]) -> f32 {
+            2.0 * x + y
+        }
+    }
+
+    impl ElementwiseMany<2, 3> for AffinePair {
+        #[inline(always)]
+        fn apply(&self, [x, y]: [f32; 2]) -> [f32; 3] {
+            [x + y, x - y, x * y]
+        }
+    }
+
+    /// Every element of every output written, at lengths around the chunking of the parallel
+    /// path (one chunk, just over one, several with a partial last), into outputs holding NaN.
+    #[test]
+    fn maps_write_every_element_at_every_length() {
+        for len in [0, 1, 17, MAP_CHUNK - 1, MAP_CHUNK, MAP_CHUNK + 5, 2 * MAP_CHUNK + 3] {
+            let x: Vec<f32> = (0..len).map(|i| (i % 251) as f32).collect();
+            let y: Vec<f32> = (0..len).map(|i| (i % 7) as f32 - 3.0).collect();
+            let mut one = vec![f32::NAN; len + 2];
+            map_into(&mut one, [&x, &y], AffinePair);
+            let [mut a, mut b, mut c] = [(); 3].map(|_| vec![f32::NAN; len + 1]);
+            map_many_into([&mut a, &mut b, &mut c], [&x, &y], AffinePair);
+            for i in 0..len {
+                let (xi, yi) = (x[i], y[i]);
+                assert_eq!(one[i], 2.0 * xi + yi, "map_into, length {len}, element {i}");
+                assert_eq!(
+                    [a[i], b[i], c[i]],
+                    [xi + yi, xi - yi, xi * yi],
+                    "map_many_into, length {len}, element {i}"
+                );
+            }
+            // Nothing past the inputs' length.
+            assert!(one[len].is_nan() && a[len].is_nan() && c[len].is_nan());
+        }
+    }
+
     #[test]
     fn max_is_the_largest_element_and_sees_nan() {
         let xs: Vec<f32> = (0..1003)
