@@ -24,12 +24,13 @@ fi
 threads="${THREADS:-$(nproc)}"
 out="${OUT_DIR:-target/cpu-vs-torch}"
 mkdir -p "$out"
-rm -rf target/criterion/{matmul_rate,moe_forward_products,chunk_kda_fwd,chunk_kda_fwd_bwd,fused_recurrent_kda_decode_token,fused_recurrent_kda_decode_token_b16,latent_moe_n64_k8_d512_l256_4096tok}
+# Criterion keeps old estimates: remove them so that a bench that did not run shows as missing.
+rm -rf target/criterion/{matmul_rate,moe_forward_products,chunk_kda_fwd_ndarray,chunk_kda_fwd_bwd_ndarray,fused_recurrent_kda_decode_token_ndarray,fused_recurrent_kda_decode_token_b16_ndarray,latent_moe_n64_k8_d512_l256_4096tok}
 
 cargo bench --bench matmul --bench kda --bench moe --no-run
 criterion=(--warm-up-time 2 --measurement-time 6)
 cargo bench --bench matmul -- "${criterion[@]}" | tee "$out/matmul.txt"
-cargo bench --bench kda -- "${criterion[@]}" 'ndarray$' | tee "$out/kda.txt"
+cargo bench --bench kda -- "${criterion[@]}" '^(chunk_kda_fwd|chunk_kda_fwd_bwd)/ndarray/|^fused_recurrent_kda_decode_token(_b16)?/ndarray$' | tee "$out/kda.txt"
 cargo bench --bench moe -- "${criterion[@]}" latent_moe | tee "$out/moe.txt"
 python3 "$torch_blocks" kda --threads "$threads" --skip-fla --runs 7 --warmup 2 >"$out/torch_kda.csv" 2>"$out/torch_kda.err"
 python3 "$torch_blocks" moe --threads "$threads" --runs 7 --warmup 2 >"$out/torch_moe.csv" 2>"$out/torch_moe.err"
