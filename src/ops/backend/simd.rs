@@ -345,7 +345,15 @@ mod tests {
     /// path (one chunk, just over one, several with a partial last), into outputs holding NaN.
     #[test]
     fn maps_write_every_element_at_every_length() {
-        for len in [0, 1, 17, MAP_CHUNK - 1, MAP_CHUNK, MAP_CHUNK + 5, 2 * MAP_CHUNK + 3] {
+        for len in [
+            0,
+            1,
+            17,
+            MAP_CHUNK - 1,
+            MAP_CHUNK,
+            MAP_CHUNK + 5,
+            2 * MAP_CHUNK + 3,
+        ] {
             let x: Vec<f32> = (0..len).map(|i| (i % 251) as f32).collect();
             let y: Vec<f32> = (0..len).map(|i| (i % 7) as f32 - 3.0).collect();
             let mut one = vec![f32::NAN; len + 2];
