@@ -63,6 +63,17 @@ for name, path, (block, cfg, suffix), target in rows:
     ratio = "—" if ours is None or theirs is None else f"{ours / theirs:.2f}"
     print(f"| {name} | {fmt(ours)} | {fmt(theirs)} ({variant or '—'}) | {ratio} | ≤ {target} |")
 
+# Time per 4x T (target: at most 4.4x), the crate's and PyTorch's best variant.
+print()
+for label, group, suffix in (("forward", "chunk_kda_fwd_ndarray", "_fwd"),
+                             ("forward + backward", "chunk_kda_fwd_bwd_ndarray", "_fwdbwd")):
+    ours = [rust_ms(f"{group}/{t}") for t in (512, 2048, 8192)]
+    theirs = [torch_best("kda", f"-T{t}-", suffix)[0] for t in (512, 2048, 8192)]
+    growth = lambda xs: ("—" if None in xs else
+                         " then ".join(f"{b / a:.2f}x" for a, b in zip(xs, xs[1:])))
+    print(f"KDA {label}, time per 4x T (512 -> 2048 -> 8192): kimi-burn {growth(ours)}, "
+          f"PyTorch {growth(theirs)} (target <= 4.4x)")
+
 # The MoE forward against the time of its matrix products at the measured matmul rate.
 rates = []
 for shape in ("4096x512x512", "4096x256x2048"):
