@@ -289,32 +289,28 @@ fn run_parts_on<B: Backend, X: Backend, O: HostOp<N>, const N: usize>(
     op: &O,
     inputs: [FloatTensor<B>; N],
 ) -> std::result::Result<Vec<FloatTensor<B>>, [FloatTensor<B>; N]> {
+    let (host, device) = plain_inputs::<B, X, N>(inputs)?;
+    Ok(op
+        .forward_parts(host)
+        .into_iter()
+        .map(|part| cast(from_host::<X>(part, &device)).unwrap_or_else(|| unreachable!("B is X")))
+        .collect())
+}
+
+/// The inputs on the host and their device when `B` is the plain backend `X`; the inputs back
+/// otherwise.
+#[cfg(any(feature = "ndarray", feature = "flex"))]
+#[allow(clippy::type_complexity)]
+fn plain_inputs<B: Backend, X: Backend, const N: usize>(
+    inputs: [FloatTensor<B>; N],
+) -> std::result::Result<([HostArray; N], X::Device), [FloatTensor<B>; N]> {
     if TypeId::of::<B>() != TypeId::of::<X>() {
         return Err(inputs);
     }
     let prims: [FloatTensor<X>; N] =
         inputs.map(|x| cast(x).unwrap_or_else(|| unreachable!("B is X")));
     let device = X::float_device(&prims[0]);
-    Ok(op
-        .forward_parts(prims.map(to_host::<X>))
-        .into_iter()
-        .map(|part| cast(from_host::<X>(part, &device)).unwrap_or_else(|| unreachable!("B is X")))
-        .collect())
-}
-
-/// The inputs on the host and their device, when `B` is the plain backend `X`.
-#[cfg(any(feature = "ndarray", feature = "flex"))]
-fn plain_inputs<B: Backend, X: Backend, const N: usize>(
-    inputs: &[FloatTensor<B>; N],
-) -> Option<([HostArray; N], X::Device)> {
-    if TypeId::of::<B>() != TypeId::of::<X>() {
-        return None;
-    }
-    let prims: [FloatTensor<X>; N] = inputs
-        .clone()
-        .map(|x| cast(x).unwrap_or_else(|| unreachable!("B is X")));
-    let device = X::float_device(&prims[0]);
-    Some((prims.map(to_host::<X>), device))
+    Ok((prims.map(to_host::<X>), device))
 }
 
 /// `x` as a value of type `T` when it is one.
@@ -380,10 +376,10 @@ fn to_host<X: Backend>(x: FloatTensor<X>) -> HostArray {
 }
 
 /// A primitive of backend `X` holding `x`.
-#[cfg(any(feature = "ndarray", feature = "flex"))]
 ///
 /// An ndarray tensor's buffer ([`HostData::NdArray`]) of the same shape is handed back as that
 /// tensor, without a copy: an output written in place into an input's buffer.
+#[cfg(any(feature = "ndarray", feature = "flex"))]
 fn from_host<X: Backend>(x: HostArray, device: &X::Device) -> FloatTensor<X> {
     let HostArray { data, shape } = x;
     #[cfg(feature = "ndarray")]
@@ -405,7 +401,7 @@ fn run_on<B: Backend, X: Backend, O: HostOp<N>, const N: usize>(
     op: &O,
     inputs: &[FloatTensor<B>; N],
 ) -> Option<FloatTensor<B>> {
-    let (host, device) = plain_inputs::<B, X, N>(inputs)?;
+    let (host, device) = plain_inputs::<B, X, N>(inputs.clone()).ok()?;
     let (out, _) = op.forward(&host, false);
     cast(from_host::<X>(out, &device))
 }

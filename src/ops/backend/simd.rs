@@ -128,60 +128,23 @@ pub(crate) fn map<const N: usize, F: Elementwise<N>>(inputs: [&[f32]; N], f: F) 
     out
 }
 
-/// [`map`] into `out` (as long as the shortest input).
+/// [`map`] into `out` (as long as the shortest input): [`map_many_into`] with one output.
 pub(crate) fn map_into<const N: usize, F: Elementwise<N>>(
     out: &mut [f32],
     inputs: [&[f32]; N],
     f: F,
 ) {
-    use rayon::prelude::*;
-    let len = inputs.iter().map(|x| x.len()).min().unwrap_or(0);
-    assert!(
-        out.len() >= len,
-        "map_into: output of {} for inputs of {len}",
-        out.len()
-    );
-    let out = &mut out[..len];
-    let run = |start: usize, chunk: &mut [f32]| {
-        dispatch(Map {
-            inputs,
-            start,
-            out: chunk,
-            f,
-        })
-    };
-    if len >= 2 * MAP_CHUNK {
-        out.par_chunks_mut(MAP_CHUNK)
-            .enumerate()
-            .for_each(|(i, chunk)| run(i * MAP_CHUNK, chunk));
-    } else {
-        run(0, out);
-    }
+    map_many_into([out], inputs, One(f));
 }
 
-/// The loop of [`map`] over one chunk.
-struct Map<'a, const N: usize, F> {
-    inputs: [&'a [f32]; N],
-    start: usize,
-    out: &'a mut [f32],
-    f: F,
-}
+/// An [`Elementwise`] function as an [`ElementwiseMany`] with one output.
+#[derive(Clone, Copy)]
+struct One<F>(F);
 
-impl<const N: usize, F: Elementwise<N>> WithSimd for Map<'_, N, F> {
-    type Output = ();
-
+impl<const N: usize, F: Elementwise<N>> ElementwiseMany<N, 1> for One<F> {
     #[inline(always)]
-    fn with_simd<S: Simd>(self, _: S) {
-        let Self {
-            inputs,
-            start,
-            out,
-            f,
-        } = self;
-        let inputs = inputs.map(|x| &x[start..start + out.len()]);
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = f.apply(inputs.map(|x| x[i]));
-        }
+    fn apply(&self, x: [f32; N]) -> [f32; 1] {
+        [self.0.apply(x)]
     }
 }
 
@@ -249,11 +212,14 @@ impl<const N: usize, const M: usize, F: ElementwiseMany<N, M>> WithSimd for MapM
         let Self {
             inputs,
             start,
-            mut outs,
+            outs,
             f,
         } = self;
+        // Every slice exactly `len` long, so the indexing below needs no bounds checks (which
+        // would keep the loop from vectorising).
         let len = outs.iter().map(|o| o.len()).min().unwrap_or(0);
         let inputs = inputs.map(|x| &x[start..start + len]);
+        let mut outs = outs.map(|o| &mut o[..len]);
         for i in 0..len {
             let y = f.apply(inputs.map(|x| x[i]));
             for (o, y) in outs.iter_mut().zip(y) {

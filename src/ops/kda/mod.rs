@@ -362,14 +362,11 @@ pub(crate) fn host_forward<B: Backend>(
         return Ok(Err(opts));
     }
     let seqs = validate(q, k, v, g, beta, &opts, check_gates)?;
-    let out = cpu_kda(q, k, v, g, beta, opts, seqs);
-    Ok(Ok(out.unwrap_or_else(|| {
-        unreachable!("host_kernel_applies held above")
-    })))
+    Ok(Ok(cpu_kda(q, k, v, g, beta, opts, seqs)))
 }
 
 /// Whether [`cpu_kda`] runs these inputs: a CPU backend and f32 everywhere.
-fn host_kernel_applies<B: Backend>(
+pub(crate) fn host_kernel_applies<B: Backend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,
@@ -409,9 +406,9 @@ pub(crate) fn layer_kda<B: Backend>(
     }
 }
 
-/// KDA on the CPU kernel ([`cpu`]) when the backend has one and every input is f32; `None`
-/// otherwise (the caller then runs a tensor-op form). Returns `o` and, with
-/// `opts.output_final_state`, the final state.
+/// KDA on the CPU kernel ([`cpu`]); the caller checks that the backend has one and every input
+/// is f32 ([`host_kernel_applies`]). Returns `o` and, with `opts.output_final_state`, the final
+/// state.
 ///
 /// `q, k, g: [B, T, H, K]`, `v: [B, T, H, V]`, `beta: [B, T, H]`; `q` is L2-normalised (with
 /// `opts.use_qk_l2norm`) and scaled (by `opts.scale`, `K^−1/2` when `None`) inside, like
@@ -426,10 +423,7 @@ pub(crate) fn cpu_kda<B: Backend>(
     beta: &Tensor<B, 3>,
     opts: KdaOptions<B>,
     seqs: Option<Vec<(usize, usize)>>,
-) -> Option<KdaOutput<B>> {
-    if !host_kernel_applies(q, k, v, g, beta, &opts) {
-        return None;
-    }
+) -> KdaOutput<B> {
     let [b, t, h, kd] = q.dims();
     let vd = v.dims()[3];
     let n = seqs.as_ref().map_or(b, Vec::len);
@@ -460,21 +454,21 @@ pub(crate) fn cpu_kda<B: Backend>(
     let state_shape = [n, h, kd, vd];
     if !opts.output_final_state {
         // The op's output is `o` itself, `[B, T, H, V]`.
-        return Some((crate::ops::backend::host::run(&op, inputs), None));
+        return (crate::ops::backend::host::run(&op, inputs), None);
     }
     // Untracked: `o` and the states as two tensors of their own shapes (splitting would copy).
     let inputs = match crate::ops::backend::host::run_parts::<B, _, 6>(&op, inputs) {
         Ok(mut parts) => {
             let s = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(parts.remove(1)));
             let o = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(parts.remove(0)));
-            return Some((o, Some(s)));
+            return (o, Some(s));
         }
         Err(inputs) => inputs,
     };
     let out: Tensor<B, 1> = crate::ops::backend::host::run(&op, inputs);
     let o = out.clone().narrow(0, 0, n_o).reshape([b, t, h, vd]);
     let s = out.narrow(0, n_o, n * h * kd * vd).reshape(state_shape);
-    Some((o, Some(s)))
+    (o, Some(s))
 }
 
 /// A KDA CubeCL kernel ([`KdaKernels`]) on prepared inputs, when the backend has one (the chunked

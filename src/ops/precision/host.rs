@@ -320,12 +320,17 @@ impl ElementwiseMany<3, 2> for Gradient<SituGlu> {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ValueAndGradient<F>(pub F);
 
-impl ElementwiseMany<3, 3> for ValueAndGradient<SituGlu> {
+impl<F: Copy + Send + Sync> ElementwiseMany<3, 3> for ValueAndGradient<F>
+where
+    Value<F>: Elementwise<2>,
+    Gradient<F>: ElementwiseMany<3, 2>,
+{
     #[inline(always)]
     fn apply(&self, [g, v, d]: [f32; 3]) -> [f32; 3] {
-        let ((ga, gd), (ua, ud)) = (self.0.gate(g), self.0.up(v));
-        // The value as the forward pass computed it (`value`), not `ga · ua`: the same bits.
-        [self.0.value(g, v), d * ua * gd, d * ga * ud]
+        // The value exactly as the forward pass computes it (the compiler shares the
+        // transcendentals of the two calls).
+        let [dg, du] = Gradient(self.0).apply([g, v, d]);
+        [Value(self.0).apply([g, v]), dg, du]
     }
 }
 
@@ -345,13 +350,5 @@ impl ElementwiseMany<3, 2> for Gradient<SwiGlu> {
     fn apply(&self, [g, v, d]: [f32; 3]) -> [f32; 2] {
         let (s, c) = sigmoid_pair(g);
         [d * v * s * (1.0 + g * c), d * g * s]
-    }
-}
-
-impl ElementwiseMany<3, 3> for ValueAndGradient<SwiGlu> {
-    #[inline(always)]
-    fn apply(&self, [g, v, d]: [f32; 3]) -> [f32; 3] {
-        let (s, c) = sigmoid_pair(g);
-        [g * s * v, d * v * s * (1.0 + g * c), d * g * s]
     }
 }
