@@ -186,8 +186,7 @@ fn to_tensor<B: Backend>(packet: Vec<f32>, device: &B::Device) -> Tensor<B, 1> {
 }
 
 fn read<B: Backend>(summed: Tensor<B, 1>) -> Result<Vec<f32>> {
-    summed
-        .into_data()
+    crate::sync::read(summed)
         .convert::<f32>()
         .into_vec::<f32>()
         .map_err(|e| Error::argument("summed balance packet", format!("{e:?}")))

@@ -202,9 +202,7 @@ impl<B: Backend> KimiForCausalLM<B> {
         for _ in 0..options.max_new_tokens {
             let logits = self.try_forward(input, None, Some(&mut cache))?.logits;
             let [_, t, vocab] = logits.dims();
-            let last: Vec<f32> = logits
-                .narrow(1, t - 1, 1)
-                .into_data()
+            let last: Vec<f32> = crate::sync::read(logits.narrow(1, t - 1, 1))
                 .iter::<f32>()
                 .collect();
             let next: Vec<i64> = last

@@ -140,7 +140,7 @@ impl<B: Backend> ItemLazy for LmOutput<B> {
 
     fn sync(self) -> LmOutput<MetricBackend> {
         LmOutput {
-            loss: Tensor::from_data(self.loss.into_data(), &Default::default()),
+            loss: Tensor::from_data(crate::sync::read(self.loss), &Default::default()),
             accuracy: self.accuracy,
             moe_stats: self.moe_stats,
         }
@@ -172,17 +172,18 @@ fn forward<B: Backend>(
     model: &KimiForCausalLM<B>,
     batch: LmBatch<B>,
 ) -> (Tensor<B, 1>, LmOutput<B>) {
-    let targets: Vec<i64> = batch.targets.clone().into_data().iter::<i64>().collect();
+    let targets: Vec<i64> = crate::sync::read(batch.targets.clone()).iter::<i64>().collect();
     let out = model
         .try_forward(batch.inputs, None, None)
         .unwrap_or_else(|e| panic!("kimi-burn learner step: {e}"));
     let accuracy = accuracy_from_logits(out.logits.clone(), &targets)
         .unwrap_or_else(|e| panic!("kimi-burn learner step: {e}"));
+    let moe_stats = out.moe_stats();
     let loss = masked_cross_entropy(out.logits, batch.targets);
     let output = LmOutput {
         loss: loss.clone(),
         accuracy,
-        moe_stats: out.moe_stats,
+        moe_stats,
     };
     (loss, output)
 }

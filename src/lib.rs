@@ -1,5 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
+// Unit tests read tensors freely; the library code reads only through `sync::read`.
+#![cfg_attr(test, allow(clippy::disallowed_methods))]
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub mod backends;
@@ -19,6 +21,7 @@ pub mod optim;
 #[cfg(feature = "collective")]
 pub mod parallel;
 pub mod store;
+pub mod sync;
 #[cfg(feature = "tokenizer")]
 pub mod tokenizer;
 pub mod train;

@@ -7,14 +7,14 @@
 use crate::ops::linear::linear;
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear};
-use burn::tensor::{backend::Backend, Bool, ElementConversion, Int, Tensor};
+use burn::tensor::{backend::Backend, Bool, Int, Tensor};
 
 pub use crate::cache::{KimiCache, LayerCache};
 pub use crate::config::KimiConfig;
 use crate::error::{Error, Result};
 use crate::nn::attn_res::{AttnResConfig, AttnResMix};
 use crate::nn::{
-    GatedMla, KimiDeltaAttention, LatentMoe, MoeStats, RmsNorm, RmsNormConfig, SituGlu,
+    GatedMla, KimiDeltaAttention, LatentMoe, MoeLoads, MoeStats, RmsNorm, RmsNormConfig, SituGlu,
     SituGluConfig,
 };
 
@@ -136,8 +136,17 @@ impl KimiConfig {
 pub struct CausalLmOutput<B: Backend> {
     /// `[B, T, vocab]`.
     pub logits: Tensor<B, 3>,
-    /// Load statistics of every MoE layer, in layer order.
-    pub moe_stats: Vec<MoeStats>,
+    /// Expert loads of every MoE layer, in layer order, where they were counted (on the device
+    /// on the kernel path; [`moe_stats`](Self::moe_stats) reads them).
+    pub moe_loads: Vec<MoeLoads<B>>,
+}
+
+impl<B: Backend> CausalLmOutput<B> {
+    /// Load statistics of every MoE layer, in layer order (one device read per MoE layer on the
+    /// kernel path).
+    pub fn moe_stats(&self) -> Vec<MoeStats> {
+        self.moe_loads.iter().map(MoeLoads::stats).collect()
+    }
 }
 
 /// The AttnRes state between layers (design §6): the completed block sums and the running partial sum.
@@ -157,7 +166,7 @@ impl<B: Backend> DecoderLayer<B> {
         res: &mut Residual<B>,
         padding: Option<Tensor<B, 2, Bool>>,
         cache: Option<&mut LayerCache<B>>,
-    ) -> Result<(Tensor<B, 3>, Option<MoeStats>)> {
+    ) -> Result<(Tensor<B, 3>, Option<MoeLoads<B>>)> {
         let Some(size) = res.block_size else {
             let h = x.clone().add(self.mixer(
                 self.input_layernorm.forward(x),
@@ -218,12 +227,12 @@ impl<B: Backend> DecoderLayer<B> {
         &self,
         x: Tensor<B, 3>,
         padding: Option<Tensor<B, 2, Bool>>,
-    ) -> Result<(Tensor<B, 3>, Option<MoeStats>)> {
+    ) -> Result<(Tensor<B, 3>, Option<MoeLoads<B>>)> {
         match &self.ffn {
             Ffn::Dense(glu) => Ok((glu.forward(x), None)),
             Ffn::Moe(moe) => {
                 let out = moe.try_forward(x, padding)?;
-                Ok((out.output, Some(out.stats)))
+                Ok((out.output, Some(out.loads)))
             }
         }
     }
@@ -288,12 +297,12 @@ impl<B: Backend> KimiForCausalLM<B> {
             blocks: Vec::new(),
             block_size: self.config.attn_res_block_size,
         };
-        let mut moe_stats = Vec::new();
+        let mut moe_loads = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            let (next, stats) = layer.forward(i, x, &mut res, padding.clone(), layer_cache)?;
+            let (next, loads) = layer.forward(i, x, &mut res, padding.clone(), layer_cache)?;
             x = next;
-            moe_stats.extend(stats);
+            moe_loads.extend(loads);
         }
         if let Some(mix) = &self.output_res {
             x = mix.forward(x, &res.blocks);
@@ -306,20 +315,22 @@ impl<B: Backend> KimiForCausalLM<B> {
             Some(head) => linear(head, h),
             None => h.matmul(self.embed_tokens.weight.val().transpose().unsqueeze()),
         };
-        Ok(CausalLmOutput { logits, moe_stats })
+        Ok(CausalLmOutput { logits, moe_loads })
     }
 
-    /// Token ids outside `0..vocab` are an error. The check reads the ids' range back, which on a
-    /// GPU drains the stream: on the kernel path (wgpu, CUDA) it runs in debug builds only, and a
-    /// release build embeds an out-of-range id as whatever the device's bounds-checked gather
+    /// Token ids outside `0..vocab` are an error. The check reads the ids' range back (one read),
+    /// which on a GPU drains the stream: on the kernel path (wgpu, CUDA) it runs only with
+    /// [`eager_checks`](crate::sync::eager_checks) (by default in debug builds), and without
+    /// them an out-of-range id is embedded as whatever the device's bounds-checked gather
     /// returns. On every other backend it always runs.
     fn check_ids(&self, ids: &Tensor<B, 2, Int>) -> Result<()> {
-        if !cfg!(debug_assertions) && crate::ops::backend::kernels_available::<B>() {
+        if !crate::sync::eager_checks() && crate::ops::backend::kernels_available::<B>() {
             return Ok(());
         }
         let vocab = self.config.vocab_size as i64;
-        let lo = ids.clone().min().into_scalar().elem::<i64>();
-        let hi = ids.clone().max().into_scalar().elem::<i64>();
+        let range = Tensor::cat(vec![ids.clone().min(), ids.clone().max()], 0);
+        let range: Vec<i64> = crate::sync::read(range).iter::<i64>().collect();
+        let (lo, hi) = (range[0], range[1]);
         if lo < 0 || hi >= vocab {
             return Err(Error::argument(
                 "ids",

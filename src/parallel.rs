@@ -231,10 +231,7 @@ impl<B: AutodiffBackend> Peer<B> {
         parts.push(Tensor::from_data(TensorData::new(tail, [n]), &self.device));
         let summed = self.all_reduce_sum(Tensor::cat(parts, 0))?;
 
-        let tail: Vec<f32> = summed
-            .clone()
-            .slice(numel..numel + n)
-            .into_data()
+        let tail: Vec<f32> = crate::sync::read(summed.clone().slice(numel..numel + n))
             .convert::<f32>()
             .into_vec::<f32>()
             .map_err(|e| collective_error("all-reduce", e))?;
@@ -286,8 +283,7 @@ impl<B: AutodiffBackend> Peer<B> {
             TensorData::new(packet, [n]),
             &self.device,
         ))?;
-        let got = summed
-            .into_data()
+        let got = crate::sync::read(summed)
             .convert::<f32>()
             .into_vec::<f32>()
             .map_err(|e| collective_error("all-reduce", e))?;
@@ -323,8 +319,7 @@ impl<B: AutodiffBackend> Peer<B> {
             TensorData::new(packet, [9]),
             &self.device,
         ))?;
-        let got: Vec<f32> = summed
-            .into_data()
+        let got: Vec<f32> = crate::sync::read(summed)
             .convert::<f32>()
             .into_vec::<f32>()
             .map_err(|e| collective_error("replica check", e))?;
@@ -441,7 +436,7 @@ struct Digest<B> {
 
 impl<B: Backend> ModuleVisitor<B> for Digest<B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let data = param.val().into_data().convert::<f32>();
+        let data = crate::sync::read(param.val()).convert::<f32>();
         self.state = balance_sync::fnv(self.state, data.as_bytes());
     }
 }

@@ -8,7 +8,6 @@
 
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ElementConversion;
 
 use crate::data::{accuracy_from_logits, masked_cross_entropy, Accuracy, Batch};
 use crate::error::{Error, Result};
@@ -73,16 +72,17 @@ pub fn accumulate_gradients<B: AutodiffBackend>(
         accuracy.total += a.total;
         let loss = masked_cross_entropy(out.logits, targets)
             .mul_scalar(part.scored() as f64 / denominator);
-        loss_value += loss.clone().into_scalar().elem::<f64>();
+        loss_value += crate::sync::read(loss.clone()).iter::<f64>().next().unwrap_or(f64::NAN);
         median_margins = out
-            .moe_stats
+            .moe_loads
             .iter()
-            .map(|s| s.median_margin.filter(|_| parts == 1))
+            .map(|s| s.median_margin().filter(|_| parts == 1))
             .collect();
-        loads.resize(out.moe_stats.len(), Vec::new());
-        for (pooled, s) in loads.iter_mut().zip(&out.moe_stats) {
-            pooled.resize(s.tokens_per_expert.len(), 0);
-            for (p, t) in pooled.iter_mut().zip(&s.tokens_per_expert) {
+        loads.resize(out.moe_loads.len(), Vec::new());
+        for (pooled, s) in loads.iter_mut().zip(&out.moe_loads) {
+            let counted = s.tokens_per_expert();
+            pooled.resize(counted.len(), 0);
+            for (p, t) in pooled.iter_mut().zip(&counted) {
                 *p += t;
             }
         }

@@ -174,7 +174,7 @@ pub fn accuracy_from_logits<B: Backend>(logits: Tensor<B, 3>, targets: &[i64]) -
             logits.dims(),
         ));
     }
-    let predictions: Vec<i64> = logits.argmax(2).into_data().iter::<i64>().collect();
+    let predictions: Vec<i64> = crate::sync::read(logits.argmax(2)).iter::<i64>().collect();
     accuracy(&predictions, targets)
 }
 

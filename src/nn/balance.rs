@@ -7,8 +7,12 @@
 
 use std::sync::{Arc, Mutex};
 
-use burn::module::{Module, RunningState};
-use burn::tensor::{backend::Backend, Tensor, TensorData};
+use burn::module::{
+    AutodiffModule, Content, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper,
+    ModuleVisitor, Param, ParamId,
+};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -257,6 +261,8 @@ pub struct QuantileBalancer {
     k: Option<usize>,
     bounds: Option<(f32, f32)>,
     counts: Vec<u64>,
+    /// Counts of a batch are pending on the device (see [`BalanceState::observe_device`]).
+    pending: bool,
 }
 
 impl QuantileBalancer {
@@ -280,6 +286,7 @@ impl QuantileBalancer {
             k: None,
             bounds: None,
             counts: vec![0; experts * bins],
+            pending: false,
         })
     }
 
@@ -337,7 +344,7 @@ impl QuantileBalancer {
 
     /// Checks that a batch routed with `bias` and `k` may be pooled with the counts so far, and
     /// records both.
-    fn begin(&mut self, bias: &[f32], k: usize) -> Result<(f32, f32)> {
+    pub(crate) fn begin(&mut self, bias: &[f32], k: usize) -> Result<(f32, f32)> {
         if self.k.is_some_and(|k0| k0 != k) {
             return Err(Error::argument(
                 "k",
@@ -345,7 +352,7 @@ impl QuantileBalancer {
             ));
         }
         let bounds = bounds_for_bias(bias);
-        if self.tokens() > 0 && self.bounds != Some(bounds) {
+        if (self.pending || self.tokens() > 0) && self.bounds != Some(bounds) {
             return Err(Error::argument(
                 "bias",
                 "changed between observations without an update(); counts of different biases cannot be pooled",
@@ -411,6 +418,7 @@ impl Balancer for QuantileBalancer {
     fn reset(&mut self) {
         self.counts.iter_mut().for_each(|c| *c = 0);
         self.bounds = None;
+        self.pending = false;
     }
 }
 
@@ -572,15 +580,203 @@ impl AnyBalancer {
     }
 }
 
+/// The device side of a layer's balance: the expert bias `[n]` (checkpoint name
+/// `e_score_correction_bias`) with a host copy that every write keeps in step, and the counts
+/// observed on the device since they were last read.
+///
+/// Routing reads the host copy, so a forward needs no read of the bias. Writes go through
+/// [`BalanceState::set_bias`] / [`BalanceState::update`] and loading a record; both copies
+/// change together. A [`ModuleMapper`] that rewrites the bias's *values* (rather than its device
+/// or dtype) leaves the host copy behind: call [`BiasState::resync`] after it. The record is a
+/// `Param<Tensor<B, 1>>`, as Burn's `RunningState` records it, so checkpoints written before
+/// this type load unchanged.
+///
+/// Clones share the state (as `RunningState`'s do).
+#[derive(Clone, Debug)]
+pub struct BiasState<B: Backend> {
+    id: ParamId,
+    inner: Arc<Mutex<BiasInner<B>>>,
+}
+
+#[derive(Clone, Debug)]
+struct BiasInner<B: Backend> {
+    device: Tensor<B, 1>,
+    host: Vec<f32>,
+    /// Counts accumulated on the device since the last read, flattened as the balancer's
+    /// [`counts`](Balancer::counts).
+    pending: Option<Tensor<B, 1, Int>>,
+}
+
+impl<B: Backend> BiasState<B> {
+    fn new(host: Vec<f32>, device: &B::Device) -> Self {
+        let n = host.len();
+        Self {
+            id: ParamId::new(),
+            inner: Arc::new(Mutex::new(BiasInner {
+                device: Tensor::from_data(TensorData::new(host.clone(), [n]), device),
+                host,
+                pending: None,
+            })),
+        }
+    }
+
+    fn with_device(id: ParamId, device: Tensor<B, 1>, host: Vec<f32>) -> Self {
+        Self {
+            id,
+            inner: Arc::new(Mutex::new(BiasInner {
+                device,
+                host,
+                pending: None,
+            })),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BiasInner<B>> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The bias on the device.
+    pub fn value(&self) -> Tensor<B, 1> {
+        self.lock().device.clone()
+    }
+
+    /// The bias on the host (no read: the host copy).
+    pub fn host(&self) -> Vec<f32> {
+        self.lock().host.clone()
+    }
+
+    /// Writes both copies.
+    fn set(&self, bias: &[f32]) {
+        let mut inner = self.lock();
+        let device = inner.device.device();
+        inner.device = Tensor::from_data(TensorData::new(bias.to_vec(), [bias.len()]), &device);
+        inner.host = bias.to_vec();
+    }
+
+    /// Reads the device bias back into the host copy (one read), after a [`ModuleMapper`] that
+    /// changed its values.
+    pub fn resync(&self) {
+        let mut inner = self.lock();
+        inner.host = to_host_f32(inner.device.clone());
+    }
+
+    /// Adds counts gathered on the device to the pending ones (no read).
+    fn add_pending(&self, counts: Tensor<B, 1, Int>) {
+        let mut inner = self.lock();
+        inner.pending = Some(match inner.pending.take() {
+            Some(acc) => acc.add(counts),
+            None => counts,
+        });
+    }
+
+    /// Takes the pending device counts to the host (one read), if there are any.
+    fn take_pending(&self) -> Option<Vec<u64>> {
+        let pending = self.lock().pending.take()?;
+        Some(
+            crate::sync::read(pending)
+                .iter::<i64>()
+                .map(|c| c.max(0) as u64)
+                .collect(),
+        )
+    }
+}
+
+impl<B: Backend> core::fmt::Display for BiasState<B> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "BiasState")
+    }
+}
+
+impl<B: Backend> ModuleDisplayDefault for BiasState<B> {
+    fn content(&self, content: Content) -> Option<Content> {
+        content.add_formatted(&"BiasState".to_string()).optional()
+    }
+}
+
+impl<B: Backend> ModuleDisplay for BiasState<B> {}
+
+impl<B: Backend> Module<B> for BiasState<B> {
+    type Record = Param<Tensor<B, 1>>;
+
+    fn collect_devices(&self, mut devices: Vec<B::Device>) -> Vec<B::Device> {
+        let device = self.lock().device.device();
+        if !devices.contains(&device) {
+            devices.push(device);
+        }
+        devices
+    }
+
+    fn fork(self, device: &B::Device) -> Self {
+        self.to_device(device)
+    }
+
+    fn to_device(self, device: &B::Device) -> Self {
+        {
+            let mut inner = self.lock();
+            inner.device = inner.device.clone().to_device(device);
+            inner.pending = inner.pending.take().map(|p| p.to_device(device));
+        }
+        self
+    }
+
+    fn visit<V: ModuleVisitor<B>>(&self, visitor: &mut V) {
+        visitor.visit_float(&Param::initialized(self.id, self.value()))
+    }
+
+    fn map<M: ModuleMapper<B>>(self, mapper: &mut M) -> Self {
+        let (_, tensor, _) = mapper
+            .map_float(Param::initialized(self.id, self.value()))
+            .consume();
+        self.lock().device = tensor;
+        self
+    }
+
+    fn load_record(mut self, record: Self::Record) -> Self {
+        let device = self.lock().device.device();
+        let value = record.val().to_device(&device);
+        {
+            let mut inner = self.lock();
+            inner.host = to_host_f32(value.clone());
+            inner.device = value;
+        }
+        self.id = record.id;
+        self
+    }
+
+    fn into_record(self) -> Self::Record {
+        Param::initialized(self.id, self.value())
+    }
+}
+
+impl<B: AutodiffBackend> AutodiffModule<B> for BiasState<B> {
+    type InnerModule = BiasState<B::InnerBackend>;
+
+    fn valid(&self) -> Self::InnerModule {
+        let inner = self.lock();
+        BiasState::with_device(self.id, inner.device.clone().inner(), inner.host.clone())
+    }
+
+    fn from_inner(module: Self::InnerModule) -> Self {
+        let inner = module.lock();
+        BiasState::with_device(
+            module.id,
+            Tensor::from_inner(inner.device.clone()),
+            inner.host.clone(),
+        )
+    }
+}
+
 /// The balance state of one MoE layer: the expert bias `[n]` (a saved buffer, checkpoint name
-/// `e_score_correction_bias`) and the balancer's accumulated counts (not saved).
+/// `e_score_correction_bias`, with a host copy: [`BiasState`]) and the balancer's accumulated
+/// counts (not saved), on the host or, from the kernel path, on the device until the balance
+/// update reads them (one read per optimiser step).
 ///
 /// Cloning the module shares the accumulator, so clones made for evaluation keep feeding the
 /// same statistics; call [`update`](BalanceState::update) once per optimiser step.
 #[derive(Module, Debug)]
 pub struct BalanceState<B: Backend> {
     /// The expert bias `b` added to the scores for selection only.
-    pub bias: RunningState<Tensor<B, 1>>,
+    pub bias: BiasState<B>,
     #[module(skip)]
     acc: Arc<Mutex<Option<AnyBalancer>>>,
 }
@@ -589,24 +785,19 @@ impl<B: Backend> BalanceState<B> {
     /// A zero bias for `experts` experts and the balancer `kind`.
     pub fn new(experts: usize, kind: BalancerKind, device: &B::Device) -> Result<Self> {
         Ok(Self {
-            bias: RunningState::new(Tensor::zeros([experts], device)),
+            bias: BiasState::new(vec![0.0; experts], device),
             acc: Arc::new(Mutex::new(kind.build(experts)?)),
         })
     }
 
-    /// The current bias on the host.
+    /// The current bias on the host (its host copy: no device read).
     pub fn bias_host(&self) -> Vec<f32> {
-        to_host_f32(self.bias.value())
+        self.bias.host()
     }
 
     /// Replaces the bias (e.g. after loading a checkpoint or an all-reduce).
     pub fn set_bias(&self, bias: &[f32]) {
-        let device = self.bias.value().device();
-        self.bias.update(Tensor::from_data(
-            TensorData::new(bias.to_vec(), [bias.len()]),
-            &device,
-        ));
-        self.bias.value_sync();
+        self.bias.set(bias);
     }
 
     /// Accumulates one routed batch into the balancer (no-op without a balancer).
@@ -640,9 +831,54 @@ impl<B: Backend> BalanceState<B> {
         }
     }
 
+    /// Accumulates the device counts of one batch routed with `bias` and `k` experts per token,
+    /// without reading them: the QB histogram `[n, bins]` of the fused routing kernel, or for the
+    /// sign rule the expert loads `[n]` ([`expert_loads`]). They are read, once for all the
+    /// batches observed so far, by [`update`](Self::update), [`counts`](Self::counts) or
+    /// [`merge`](Self::merge). No-op without a balancer.
+    ///
+    /// Errors on counts of the wrong size, or when QB's bounds or `k` changed since the last
+    /// update.
+    pub fn observe_device<const D: usize>(
+        &self,
+        counts: Tensor<B, D, Int>,
+        bias: &[f32],
+        k: usize,
+    ) -> Result<()> {
+        let mut guard = self.lock();
+        let Some(balancer) = guard.as_mut() else {
+            return Ok(());
+        };
+        let expected = balancer.inner().counts().len();
+        let dims = counts.dims();
+        if counts.shape().num_elements() != expected {
+            return Err(Error::shape("device counts", format!("{expected} counts"), dims));
+        }
+        if let AnyBalancer::Quantile(q) = balancer {
+            q.begin(bias, k)?;
+            q.pending = true;
+        }
+        self.bias.add_pending(counts.reshape([expected]));
+        Ok(())
+    }
+
+    /// Moves counts pending on the device into the balancer (one read, if there are any).
+    fn flush(&self) -> Result<()> {
+        match self.bias.take_pending() {
+            Some(counts) => match self.lock().as_mut() {
+                Some(b) => b.inner().merge(&counts),
+                None => Ok(()),
+            },
+            None => Ok(()),
+        }
+    }
+
     /// Applies the balancer's update to the bias and clears its counts. Returns the new bias.
+    /// Reads the counts observed on the device, if any (one read).
     pub fn update(&self) -> Vec<f32> {
         let bias = self.bias_host();
+        self.flush()
+            .unwrap_or_else(|e| unreachable!("device counts have the balancer's size: {e}"));
         let next = match self.lock().as_mut() {
             Some(b) => b.inner().update(&bias),
             None => return bias,
@@ -651,8 +887,11 @@ impl<B: Backend> BalanceState<B> {
         next
     }
 
-    /// The raw integer counts accumulated since the last update (empty without a balancer).
+    /// The raw integer counts accumulated since the last update (empty without a balancer),
+    /// reading those pending on the device (one read, if there are any).
     pub fn counts(&self) -> Vec<u64> {
+        self.flush()
+            .unwrap_or_else(|e| unreachable!("device counts have the balancer's size: {e}"));
         self.lock()
             .as_mut()
             .map(|b| b.inner().counts().to_vec())
@@ -668,15 +907,23 @@ impl<B: Backend> BalanceState<B> {
     /// (counts included), sharing nothing with `self`. A plain `clone` shares the accumulator
     /// and the bias state, which is what an evaluation copy wants and a replica must not have.
     pub fn replica(&self, device: &B::Device) -> Self {
+        self.flush()
+            .unwrap_or_else(|e| unreachable!("device counts have the balancer's size: {e}"));
         let acc = self.lock().clone();
+        let bias = BiasState::with_device(
+            self.bias.id,
+            self.bias.value().to_device(device),
+            self.bias.host(),
+        );
         Self {
-            bias: RunningState::from_record(self.bias.clone().into_record()).to_device(device),
+            bias,
             acc: Arc::new(Mutex::new(acc)),
         }
     }
 
     /// Adds another replica's counts (one integer all-reduce) before [`update`](Self::update).
     pub fn merge(&self, counts: &[u64]) -> Result<()> {
+        self.flush()?;
         match self.lock().as_mut() {
             Some(b) => b.inner().merge(counts),
             None => Ok(()),
@@ -688,6 +935,27 @@ impl<B: Backend> BalanceState<B> {
         // integers and stay usable.
         self.acc.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// Tokens per expert `[n]` of a selection `indices: [m, k]` on its device, counting only the
+/// tokens `valid` marks (`[m]`, 1: counts), without a read.
+pub fn expert_loads<B: Backend>(
+    indices: &Tensor<B, 2, Int>,
+    valid: Option<Tensor<B, 1, Int>>,
+    experts: usize,
+) -> Tensor<B, 1, Int> {
+    let [m, k] = indices.dims();
+    let device = indices.device();
+    let ones = match valid {
+        Some(v) => v.unsqueeze_dim::<2>(1).expand([m, k]),
+        None => Tensor::ones([m, k], &device),
+    };
+    Tensor::zeros([experts], &device).scatter(
+        0,
+        indices.clone().reshape([m * k]),
+        ones.reshape([m * k]),
+        IndexingUpdateOp::Add,
+    )
 }
 
 /// Per-step load statistics of one MoE layer (design §2).
@@ -743,6 +1011,82 @@ impl MoeStats {
             max_violation,
             cv,
             median_margin: None,
+        }
+    }
+}
+
+/// The expert loads of one MoE forward, kept where they were counted: on the host (where the
+/// selection was made there) or on the device (the kernel path), read only when asked
+/// ([`stats`](Self::stats), [`tokens_per_expert`](Self::tokens_per_expert)).
+#[derive(Debug, Clone)]
+pub struct MoeLoads<B: Backend> {
+    loads: LoadsAt<B>,
+    median_margin: Option<f32>,
+}
+
+#[derive(Debug, Clone)]
+enum LoadsAt<B: Backend> {
+    Host(Vec<u64>),
+    Device(Tensor<B, 1, Int>),
+}
+
+impl<B: Backend> MoeLoads<B> {
+    /// Loads counted on the host, with the batch's median selection margin if known.
+    pub fn from_host(loads: Vec<u64>, median_margin: Option<f32>) -> Self {
+        Self {
+            loads: LoadsAt::Host(loads),
+            median_margin,
+        }
+    }
+
+    /// Loads `[n]` counted on the device ([`expert_loads`]).
+    pub fn from_device(loads: Tensor<B, 1, Int>) -> Self {
+        Self {
+            loads: LoadsAt::Device(loads),
+            median_margin: None,
+        }
+    }
+
+    /// Whether the loads are on the device (reading them is a device read).
+    pub fn on_device(&self) -> bool {
+        matches!(self.loads, LoadsAt::Device(_))
+    }
+
+    /// The loads `[n]` on `device` (uploaded if they were counted on the host), for summing
+    /// several batches' loads before one read.
+    pub fn to_device(&self, device: &B::Device) -> Tensor<B, 1, Int> {
+        match &self.loads {
+            LoadsAt::Device(t) => t.clone().to_device(device),
+            LoadsAt::Host(v) => {
+                let v: Vec<i64> = v.iter().map(|&c| c as i64).collect();
+                let n = v.len();
+                Tensor::from_data(TensorData::new(v, [n]), device)
+            }
+        }
+    }
+
+    /// Tokens routed to each expert (valid tokens only); one device read on the kernel path.
+    pub fn tokens_per_expert(&self) -> Vec<u64> {
+        match &self.loads {
+            LoadsAt::Host(v) => v.clone(),
+            LoadsAt::Device(t) => crate::sync::read(t.clone())
+                .iter::<i64>()
+                .map(|c| c.max(0) as u64)
+                .collect(),
+        }
+    }
+
+    /// The median selection margin ([`MoeStats::median_margin`]), known where the selection was
+    /// made on the host.
+    pub fn median_margin(&self) -> Option<f32> {
+        self.median_margin
+    }
+
+    /// The load statistics; one device read on the kernel path.
+    pub fn stats(&self) -> MoeStats {
+        MoeStats {
+            median_margin: self.median_margin,
+            ..MoeStats::from_loads(self.tokens_per_expert())
         }
     }
 }

@@ -8,7 +8,7 @@ use burn::nn::Linear;
 use burn::tensor::{backend::Backend, Bool, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::balance::{BalanceState, BalancerKind, MoeStats, RoutedBatch};
+use super::balance::{expert_loads, BalanceState, BalancerKind, MoeLoads, MoeStats, RoutedBatch};
 use super::experts::RoutedExperts;
 use super::norm::{RmsNorm, RmsNormConfig};
 use super::router::{Router, RouterConfig, RouterOptions};
@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::ops::moe::dispatch::routed_experts;
 use crate::ops::quant::QatConfig;
 
-use crate::ops::moe::route::to_host_f32;
+use crate::ops::moe::route::TokenMask;
 
 /// Where the routed experts run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -189,8 +189,16 @@ impl LatentMoeConfig {
 pub struct MoeOutput<B: Backend> {
     /// `[batch, seq, d_model]`.
     pub output: Tensor<B, 3>,
-    /// Load statistics of this call (valid tokens only).
-    pub stats: MoeStats,
+    /// The expert loads of this call (valid tokens only), where they were counted: on the
+    /// device on the kernel path, read only when asked.
+    pub loads: MoeLoads<B>,
+}
+
+impl<B: Backend> MoeOutput<B> {
+    /// The load statistics of this call (one device read on the kernel path).
+    pub fn stats(&self) -> MoeStats {
+        self.loads.stats()
+    }
 }
 
 /// Stable LatentMoE (design §2):
@@ -231,6 +239,9 @@ impl<B: Backend> LatentMoe<B> {
 
     /// `x: [batch, seq, d_model]`, `padding: [batch, seq]` (`true` marks padding tokens, which are
     /// neither dispatched nor counted; their routed output is zero).
+    ///
+    /// On the kernel path (the CubeCL backends) nothing is read back to the host: the routing,
+    /// the balancer's counts, the expert loads and the padding mask stay on the device.
     pub fn try_forward(
         &self,
         x: Tensor<B, 3>,
@@ -239,52 +250,51 @@ impl<B: Backend> LatentMoe<B> {
         let [batch, seq, d] = x.dims();
         let m = batch * seq;
         let valid = padding
-            .map(|mask| valid_tokens(mask, [batch, seq]))
+            .map(|mask| token_mask(mask, [batch, seq]))
             .transpose()?;
         let flat = x.reshape([m, d]);
+        let device = flat.device();
         let bias = self.balance.bias_host();
-        let training = B::ad_enabled(&flat.device());
+        let n = bias.len();
+        let training = B::ad_enabled(&device);
         // On the kernel path the QB histogram is counted by the routing kernel itself.
         let spec = training
             .then(|| self.balance.histogram_spec(&bias))
             .flatten();
         let routing = self
             .router
-            .route_with(flat.clone(), &bias, spec, valid.as_deref())?;
-        if training {
-            match (&routing.histogram, &routing.scores_host) {
-                (Some(counts), _) => {
-                    self.balance
-                        .observe_histogram(counts, &bias, routing.selection.k)?
+            .route_with(flat.clone(), &bias, spec, valid.as_ref())?;
+        let k = routing.indices.dims()[1];
+        let host_valid = || valid.as_ref().map(TokenMask::host);
+        let loads = match &routing.scores_host {
+            Some(scores) => {
+                let batch = RoutedBatch {
+                    scores,
+                    bias: &bias,
+                    selection: routing.selection(),
+                    valid: host_valid(),
+                };
+                if training {
+                    self.balance.observe(&batch)?;
                 }
-                (None, host) => {
-                    let fetched;
-                    let scores = match host {
-                        Some(s) => s,
-                        None => {
-                            fetched = to_host_f32(routing.scores.clone());
-                            &fetched
-                        }
-                    };
-                    self.balance.observe(&RoutedBatch {
-                        scores,
-                        bias: &bias,
-                        selection: &routing.selection,
-                        valid: valid.as_deref(),
-                    })?
+                let stats = MoeStats::from_selection(routing.selection(), host_valid());
+                MoeLoads::from_host(stats.tokens_per_expert, batch.median_margin()?)
+            }
+            None => {
+                let loads = expert_loads(
+                    &routing.indices,
+                    valid.as_ref().map(|v| v.device(&device)),
+                    n,
+                );
+                if training {
+                    match &routing.histogram {
+                        Some(counts) => self.balance.observe_device(counts.clone(), &bias, k)?,
+                        None => self.balance.observe_device(loads.clone(), &bias, k)?,
+                    }
                 }
+                MoeLoads::from_device(loads)
             }
-        }
-        let mut stats = MoeStats::from_selection(&routing.selection, valid.as_deref());
-        if let Some(scores) = &routing.scores_host {
-            stats.median_margin = RoutedBatch {
-                scores,
-                bias: &bias,
-                selection: &routing.selection,
-                valid: valid.as_deref(),
-            }
-            .median_margin()?;
-        }
+        };
         let h = match &self.down {
             Some(down) => linear(down, flat.clone()),
             None => flat.clone(),
@@ -296,9 +306,9 @@ impl<B: Backend> LatentMoe<B> {
         let mut u = routed_experts(
             h,
             &routing.indices,
-            routing.weights,
-            &routing.selection,
-            valid.as_deref(),
+            routing.weights.clone(),
+            || routing.selection(),
+            valid.as_ref(),
             &self.experts.stacked(),
         );
         if let Some(norm) = &self.norm {
@@ -313,7 +323,7 @@ impl<B: Backend> LatentMoe<B> {
         }
         Ok(MoeOutput {
             output: y.reshape([batch, seq, d]),
-            stats,
+            loads,
         })
     }
 
@@ -333,11 +343,11 @@ impl<B: Backend> LatentMoe<B> {
     }
 }
 
-/// The tokens of a `[batch, seq]` padding mask (`true`: padding) that count, flattened.
-fn valid_tokens<B: Backend>(
+/// The tokens of a `[batch, seq]` padding mask (`true`: padding) that count, on the device.
+fn token_mask<B: Backend>(
     mask: Tensor<B, 2, Bool>,
     [batch, seq]: [usize; 2],
-) -> Result<Vec<bool>> {
+) -> Result<TokenMask<B>> {
     let dims = mask.dims();
     if dims != [batch, seq] {
         return Err(Error::shape(
@@ -346,5 +356,5 @@ fn valid_tokens<B: Backend>(
             dims,
         ));
     }
-    Ok(mask.into_data().iter::<bool>().map(|pad| !pad).collect())
+    Ok(TokenMask::from_padding(mask))
 }

@@ -16,7 +16,10 @@ pub mod router;
 pub mod situ_glu;
 
 pub use attn_res::{AttnResConfig, AttnResMix};
-pub use balance::{BalanceState, Balancer, BalancerKind, MoeStats, QuantileBalancer, SignBalancer};
+pub use balance::{
+    BalanceState, Balancer, BalancerKind, BiasState, MoeLoads, MoeStats, QuantileBalancer,
+    SignBalancer,
+};
 pub use experts::RoutedExperts;
 pub use kda::{KdaCache, KdaConfig, KimiDeltaAttention};
 pub use latent_moe::{LatentMoe, LatentMoeConfig, MoeLayout, MoeOutput};

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::nn::balance::HistogramSpec;
 use crate::ops::moe::route::{
-    route_top_k_fused, select_top_k, to_host_f32, Scoring, Selection, TopKOptions,
+    route_top_k_fused, select_top_k, to_host_f32, Scoring, Selection, TokenMask, TopKOptions,
 };
 use crate::ops::precision::{sigmoid, widen};
 
@@ -113,14 +113,30 @@ pub struct Routing<B: Backend> {
     pub indices: Tensor<B, 2, Int>,
     /// Routing weights `p` `[m, k]` in f32 (differentiable), aligned with `indices`.
     pub weights: Tensor<B, 2>,
-    /// The same selection on the host (what dispatch and the balancers use).
-    pub selection: Selection,
+    /// The same selection on the host: made there on the host path, read back from `indices`
+    /// only when asked on the kernel path ([`selection`](Self::selection)).
+    selection: std::sync::OnceLock<Selection>,
     /// The unbiased scores on the host, `[m, n]` row-major, when the selection was made on the
     /// host; `None` when a fused kernel selected on the device (the scores never left it).
     pub scores_host: Option<Vec<f32>>,
-    /// The QB histogram `[n, bins]` row-major counted by the fused kernel together with the
-    /// selection, when [`Router::route_with`] asked for one and the kernel path ran.
-    pub histogram: Option<Vec<u64>>,
+    /// The QB histogram `[n, bins]` counted by the fused kernel together with the selection, on
+    /// the device, when [`Router::route_with`] asked for one and the kernel path ran.
+    pub histogram: Option<Tensor<B, 2, Int>>,
+}
+
+impl<B: Backend> Routing<B> {
+    /// The selection on the host (one device read the first time, where a kernel selected on the
+    /// device).
+    pub fn selection(&self) -> &Selection {
+        self.selection
+            .get_or_init(|| Selection::from_tensor(&self.indices, self.scores.dims()[1]))
+    }
+
+    /// Whether the selection was made on the device (the kernel path): then the scores, the
+    /// selection and the histogram stay there unless asked for.
+    pub fn on_device(&self) -> bool {
+        self.scores_host.is_none()
+    }
 }
 
 /// Sigmoid (or softmax) router with a selection-only balance bias (design §2):
@@ -177,13 +193,13 @@ impl<B: Backend> Router<B> {
     /// [`route`](Self::route), and on the kernel path also the QB histogram `histogram` of the
     /// margins over the `valid` tokens (`[m]`, `false` for padding) in the same pass, returned in
     /// [`Routing::histogram`]. On the host path `Routing::histogram` is `None` and the caller
-    /// feeds [`Routing::scores_host`] to the balancer.
+    /// feeds [`Routing::scores_host`] to the balancer. The kernel path reads nothing back.
     pub fn route_with(
         &self,
         x: Tensor<B, 2>,
         bias: &[f32],
         histogram: Option<HistogramSpec>,
-        valid: Option<&[bool]>,
+        valid: Option<&TokenMask<B>>,
     ) -> Result<Routing<B>> {
         let [m, d] = x.dims();
         let d_model = self.gate.weight.dims()[0];
@@ -202,18 +218,16 @@ impl<B: Backend> Router<B> {
             topk_group: self.topk_group,
         };
         let device = scores.device();
-        let (indices, selection, scores_host, histogram) =
+        let selection = std::sync::OnceLock::new();
+        let (indices, scores_host, histogram) =
             match route_top_k_fused(&scores, bias, opts, valid, histogram) {
-                Some(fused) => (fused.indices, fused.selection, None, fused.counts),
+                Some(fused) => (fused.indices, None, fused.counts),
                 None => {
                     let host = to_host_f32(scores.clone());
-                    let selection = select_top_k(&host, n, bias, opts)?;
-                    (
-                        selection.to_tensor::<B>(&device),
-                        selection,
-                        Some(host),
-                        None,
-                    )
+                    let chosen = select_top_k(&host, n, bias, opts)?;
+                    let indices = chosen.to_tensor::<B>(&device);
+                    let _ = selection.set(chosen);
+                    (indices, Some(host), None)
                 }
             };
         let source = if self.options.weights_from_biased_scores {

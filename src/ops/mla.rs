@@ -157,7 +157,7 @@ fn host_attention<B: Backend>(
         return None;
     }
     let key_padding = match key_padding {
-        Some(pad) => Some(pad.clone().into_data().to_vec::<bool>().ok()?),
+        Some(pad) => Some(crate::sync::read(pad.clone()).to_vec::<bool>().ok()?),
         None => None,
     };
     let op = crate::ops::attention::CausalAttention {

@@ -588,7 +588,7 @@ impl Values {
     /// The values of `tensor` (a parameter or a view of one: holding it costs nothing).
     fn from_tensor<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Self {
         Self::Model(Rc::new(move || {
-            tensor.clone().into_data().iter::<f32>().collect()
+            crate::sync::read(tensor.clone()).iter::<f32>().collect()
         }))
     }
 
@@ -733,7 +733,7 @@ impl Saver {
             let w = w.clone();
             let values = Values::Model(Rc::new(move || {
                 let m = w.clone().narrow(0, e, 1).reshape([d_in, d_out]).transpose();
-                m.into_data().iter::<f32>().collect()
+                crate::sync::read(m).iter::<f32>().collect()
             }));
             self.matrix(name, values, [d_out, d_in], pack);
         }

@@ -249,7 +249,9 @@ mod routing {
     use super::*;
     use burn::tensor::TensorData;
     use kimi_burn::nn::balance::{Balancer, QuantileBalancer, RoutedBatch};
-    use kimi_burn::ops::moe::route::{route_top_k_fused, select_top_k, TopKOptions};
+    use kimi_burn::ops::moe::route::{
+        route_top_k_fused, select_top_k, Selection, TokenMask, TopKOptions,
+    };
     use rand::Rng;
 
     /// Scores on a coarse grid (many exact ties) or continuous, with a bias.
@@ -307,13 +309,18 @@ mod routing {
             .unwrap();
             let spec = qb.histogram_spec(&bias);
             let t = Tensor::<Gpu, 2>::from_data(TensorData::new(scores.clone(), [m, n]), &device);
+            let mask = valid.clone().map(TokenMask::from_host);
             let fused = on_kernel(FusedOp::RouteTopK, 1, || {
-                route_top_k_fused(&t, &bias, opts, valid.as_deref(), Some(spec))
+                route_top_k_fused(&t, &bias, opts, mask.as_ref(), Some(spec))
             })
             .expect("kernel path on wgpu");
             assert_eq!(last_path(FusedOp::QbHistogram), Some(KernelPath::Kernel));
             let case = format!("m {m} n {n} k {k} bins {bins} masked {masked} ties {ties}");
-            assert_eq!(fused.selection, host_sel, "selection, {case}");
+            assert_eq!(
+                Selection::from_tensor(&fused.indices, n),
+                host_sel,
+                "selection, {case}"
+            );
             let device_idx: Vec<u32> = fused
                 .indices
                 .into_data()
@@ -321,7 +328,13 @@ mod routing {
                 .map(|i| i as u32)
                 .collect();
             assert_eq!(device_idx, host_sel.indices, "device indices, {case}");
-            let counts = fused.counts.expect("counts requested");
+            let counts: Vec<u64> = fused
+                .counts
+                .expect("counts requested")
+                .into_data()
+                .iter::<i64>()
+                .map(|c| c as u64)
+                .collect();
             assert_eq!(counts, qb.counts(), "QB counts, {case}");
             let counted: u64 = counts[..bins].iter().sum();
             let expect = valid
@@ -355,7 +368,7 @@ mod routing {
             moe.balance.update();
             moe.balance
                 .set_bias(&[0.1, -0.05, 0.0, 0.2, -0.1, 0.05, 0.0, -0.2]);
-            (counts, out.stats)
+            (counts, out.stats())
         };
         let (k_counts, k_stats) = run(true);
         let (r_counts, r_stats) = run(false);
@@ -458,7 +471,8 @@ mod dispatch {
                     },
                     hidden_quant: None,
                 };
-                dispatch_fused(&h, &idx, &p, c.valid.as_deref(), &experts).expect("kernel path")
+                let mask = c.valid.clone().map(kimi_burn::ops::moe::route::TokenMask::from_host);
+                dispatch_fused(&h, &idx, &p, mask.as_ref(), &experts).expect("kernel path")
             } else {
                 let plan = DispatchPlan::new(&c.sel, c.valid.as_deref());
                 dispatch(h.clone(), p.clone(), &plan, l, |e, rows| {

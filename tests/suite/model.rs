@@ -216,10 +216,10 @@ fn stats_cover_every_moe_layer_and_bad_ids_are_rejected() {
         .forward_with_stats(ids::<Cpu>(&mut r, 2, 7, config.vocab_size, &device))
         .unwrap();
     assert_eq!(
-        out.moe_stats.len(),
+        out.moe_stats().len(),
         config.num_hidden_layers - config.first_k_dense_replace
     );
-    for s in &out.moe_stats {
+    for s in &out.moe_stats() {
         assert_eq!(
             s.tokens_per_expert.iter().sum::<u64>(),
             2 * 7 * config.moe.num_experts_per_token as u64

@@ -280,7 +280,7 @@ fn check_router_weights<B: AutodiffBackend>(device: &B::Device) {
             });
             let top = &order[..k];
             assert_eq!(
-                routing.selection.indices[t * k..(t + 1) * k]
+                routing.selection().indices[t * k..(t + 1) * k]
                     .iter()
                     .map(|&j| j as usize)
                     .collect::<Vec<_>>(),
@@ -702,8 +702,8 @@ fn moe_forward_reports_the_median_margin_of_its_routing() {
     let valid: Vec<bool> = pad.iter().map(|p| !p).collect();
     let want = margin_reference(&scores, 6, &bias, 2, Some(&valid)).unwrap();
     let got = out
-        .stats
-        .median_margin
+        .loads
+        .median_margin()
         .expect("the host path reports a margin");
     assert!((f64::from(got) - want).abs() < 1e-6, "{got} vs {want}");
     assert_eq!(MoeStats::from_loads(vec![1, 2]).median_margin, None);
@@ -729,7 +729,7 @@ fn dense_loop_reference<B: Backend>(moe: &LatentMoe<B>, x: Tensor<B, 3>) -> Vec<
         .route(flat.clone(), &moe.balance.bias_host())
         .unwrap();
     let p = host(routing.weights.clone());
-    let k = routing.selection.k;
+    let k = routing.selection().k;
     let mut rows = Vec::new();
     for tok in 0..b * t {
         let xt = flat.clone().narrow(0, tok, 1);
@@ -742,7 +742,7 @@ fn dense_loop_reference<B: Backend>(moe: &LatentMoe<B>, x: Tensor<B, 3>) -> Vec<
             u = Tensor::zeros([1, up.weight.dims()[0]], &xt.device());
         }
         for s in 0..k {
-            let e = routing.selection.indices[tok * k + s] as usize;
+            let e = routing.selection().indices[tok * k + s] as usize;
             u = u.add(
                 moe.experts
                     .expert(e)
@@ -777,7 +777,7 @@ fn check_dispatch_matches_dense_loop<B: AutodiffBackend>(device: &B::Device) {
             let moe = moe_config(layout, act).init::<B::InnerBackend>(device);
             let x = randn::<B::InnerBackend, 3>(&mut r, [2, 9, 12], 1.0, device);
             let out = moe.forward(x.clone());
-            assert_eq!(out.stats.tokens_per_expert.iter().sum::<u64>(), 2 * 9 * 2);
+            assert_eq!(out.stats().tokens_per_expert.iter().sum::<u64>(), 2 * 9 * 2);
             assert_close(
                 &format!("{layout:?} {act:?}"),
                 &dense_loop_reference(&moe, x),
@@ -849,7 +849,7 @@ fn check_training_forward_feeds_the_balancer<B: AutodiffBackend>(device: &B::Dev
 
     let out = moe.try_forward(x.clone(), Some(padding.clone())).unwrap();
     assert_eq!(
-        out.stats.tokens_per_expert.iter().sum::<u64>(),
+        out.stats().tokens_per_expert.iter().sum::<u64>(),
         8 * 2,
         "padding must not be counted"
     );

@@ -118,9 +118,9 @@ fn two_peers_train_like_one_device_on_their_whole_batch() {
         let (inputs, targets) = batch.to_tensors::<B>(&device);
         let out = whole.try_forward(inputs, None, None).expect("forward");
         let loads: Vec<Vec<u64>> = out
-            .moe_stats
+            .moe_loads
             .iter()
-            .map(|s| s.tokens_per_expert.clone())
+            .map(|s| s.tokens_per_expert())
             .collect();
         let loss = masked_cross_entropy(out.logits, targets);
         whole_log.push((loss.clone().into_scalar().elem::<f64>(), loads));

@@ -137,7 +137,7 @@ fn micro_batches_train_like_their_whole_batch() {
         let lr = 1e-2;
         let (inputs, targets) = batch.to_tensors::<B>(&device);
         let out = whole.try_forward(inputs, None, None).expect("forward");
-        let whole_loads = loads_of(&out.moe_stats);
+        let whole_loads = loads_of(&out.moe_stats());
         let loss = masked_cross_entropy(out.logits, targets);
         let whole_loss = loss.clone().into_scalar().elem::<f64>();
         let grads = GradientsParams::from_grads(loss.backward(), &whole);
@@ -152,7 +152,7 @@ fn micro_batches_train_like_their_whole_batch() {
             let w = part.scored() as f64 / batch.scored() as f64;
             let (inputs, targets) = part.to_tensors::<B>(&device);
             let out = micro.try_forward(inputs, None, None).expect("forward");
-            for (pooled, layer) in micro_loads.iter_mut().zip(loads_of(&out.moe_stats)) {
+            for (pooled, layer) in micro_loads.iter_mut().zip(loads_of(&out.moe_stats())) {
                 pooled.iter_mut().zip(layer).for_each(|(p, l)| *p += l);
             }
             let loss = masked_cross_entropy(out.logits, targets).mul_scalar(w);

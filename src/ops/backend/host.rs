@@ -362,8 +362,7 @@ fn to_host<X: Backend>(x: FloatTensor<X>) -> HostArray {
         }
         Err(x) => x,
     };
-    let data = Tensor::<X, 1>::from_primitive(TensorPrimitive::Float(x))
-        .into_data()
+    let data = crate::sync::read(Tensor::<X, 1>::from_primitive(TensorPrimitive::Float(x)))
         .convert_dtype(DType::F32);
     let shape = data.shape.to_vec();
     HostArray {

@@ -41,7 +41,7 @@ pub(crate) use kernels::tracked_on_kernels;
 pub use kernels::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
 
 use burn::tensor::{
-    backend::Backend, DType, ElementConversion, Int, Tensor, TensorData, TensorPrimitive,
+    backend::Backend, DType, Int, Tensor, TensorData, TensorPrimitive,
 };
 
 use crate::error::{Error, Result};
@@ -278,7 +278,10 @@ fn validate<B: Backend>(
     if check_gates {
         let gmax: f64 = match crate::ops::backend::host::max(g) {
             Some(m) => m.into(),
-            None => g.clone().max().into_scalar().elem(),
+            None => crate::sync::read(g.clone().max())
+                .iter::<f64>()
+                .next()
+                .unwrap_or(f64::NAN),
         };
         if gmax.is_nan() {
             return Err(Error::NonFinite {

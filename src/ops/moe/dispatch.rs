@@ -12,7 +12,7 @@
 
 use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor, TensorData};
 
-use super::route::Selection;
+use super::route::{Selection, TokenMask};
 use super::situ::GluActivation;
 use crate::ops::backend::{self, FusedOp, KernelPath};
 use crate::ops::precision::restore;
@@ -160,13 +160,15 @@ pub fn fused_available<B: Backend>() -> bool {
 /// `weights` and the stacked weights on autodiff backends (fused backward kernels).
 ///
 /// `h: [m, ℓ]`, `indices: [m, k]`, `weights: [m, k]`, `valid: [m]` (`false`: padding; zero
-/// output). Returns `None` (nothing consumed but clones) where the kernels do not apply: another
-/// backend, kernels off, an unsupported dtype or inconsistent shapes.
+/// output). Reads nothing back, and no shape depends on the routing: buffers are sized by
+/// `m·k` and the segments are device-side offsets. Returns `None` (nothing consumed but clones)
+/// where the kernels do not apply: another backend, kernels off, an unsupported dtype or
+/// inconsistent shapes.
 pub fn dispatch_fused<B: Backend>(
     h: &Tensor<B, 2>,
     indices: &Tensor<B, 2, Int>,
     weights: &Tensor<B, 2>,
-    valid: Option<&[bool]>,
+    valid: Option<&TokenMask<B>>,
     experts: &StackedExperts<B>,
 ) -> Option<Tensor<B, 2>> {
     let [m, l] = h.dims();
@@ -187,10 +189,7 @@ pub fn dispatch_fused<B: Backend>(
         input: h.clone(),
         indices: indices.clone(),
         weights: weights.clone(),
-        valid: valid.map(|v| {
-            let v: Vec<i32> = v.iter().map(|&b| b as i32).collect();
-            Tensor::<B, 1, Int>::from_data(TensorData::new(v, [m]), &device)
-        }),
+        valid: valid.map(|v| v.device(&device)),
         w1: experts.w1.clone(),
         w3: experts.w3.clone(),
         w2: experts.w2.clone(),
@@ -212,20 +211,20 @@ pub fn dispatch_fused<B: Backend>(
 ///
 /// `experts`: the stacked weights (already quantised for QAT, see
 /// [`RoutedExperts::stacked`](crate::nn::RoutedExperts::stacked)); `indices` and `weights`:
-/// `[m, k]`, `selection`: the host copy of `indices` (the reference path plans on the host),
-/// `valid`: `false` for padding. Returns `[m, ℓ]`.
-pub fn routed_experts<B: Backend>(
+/// `[m, k]`, `selection`: gives the host copy of `indices`, called only on the reference path
+/// (which plans on the host), `valid`: `false` for padding. Returns `[m, ℓ]`.
+pub fn routed_experts<'s, B: Backend>(
     h: Tensor<B, 2>,
     indices: &Tensor<B, 2, Int>,
     weights: Tensor<B, 2>,
-    selection: &Selection,
-    valid: Option<&[bool]>,
+    selection: impl FnOnce() -> &'s Selection,
+    valid: Option<&TokenMask<B>>,
     experts: &StackedExperts<B>,
 ) -> Tensor<B, 2> {
     if let Some(u) = dispatch_fused(&h, indices, &weights, valid, experts) {
         return u;
     }
-    let plan = DispatchPlan::new(selection, valid);
+    let plan = DispatchPlan::new(selection(), valid.map(TokenMask::host));
     if host_applies(&h, &weights, experts) {
         return dispatch_host(h, weights, plan, experts);
     }

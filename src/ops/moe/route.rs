@@ -181,7 +181,7 @@ pub fn to_host_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     if let Some(v) = crate::ops::backend::host::read_in_place(&t, <[f32]>::to_vec) {
         return v;
     }
-    let data = t.into_data();
+    let data = crate::sync::read(t);
     match data.dtype {
         burn::tensor::DType::F32 => data
             .into_vec::<f32>()
@@ -190,32 +190,105 @@ pub fn to_host_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     }
 }
 
-/// The result of [`route_top_k_fused`].
+/// Which of `m` tokens count (`false`: padding), kept on the host, on the device or both: each
+/// side is made from the other the first time it is asked for. A mask made from a device tensor
+/// ([`from_padding`](Self::from_padding)) is read back only if a host path asks
+/// ([`host`](Self::host)); the kernel path never does.
+#[derive(Debug, Clone)]
+pub struct TokenMask<B: Backend> {
+    len: usize,
+    host: std::sync::OnceLock<Vec<bool>>,
+    device: std::sync::OnceLock<Tensor<B, 1, Int>>,
+}
+
+impl<B: Backend> TokenMask<B> {
+    /// A mask from host flags (`true`: the token counts).
+    pub fn from_host(valid: Vec<bool>) -> Self {
+        Self {
+            len: valid.len(),
+            host: valid.into(),
+            device: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The tokens of a `[batch, seq]` padding mask (`true`: padding) that count, flattened, on
+    /// the device (no read).
+    pub fn from_padding(padding: Tensor<B, 2, burn::tensor::Bool>) -> Self {
+        let [batch, seq] = padding.dims();
+        Self {
+            len: batch * seq,
+            host: std::sync::OnceLock::new(),
+            device: padding.bool_not().int().reshape([batch * seq]).into(),
+        }
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a mask of no tokens.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The flags on the host (one device read the first time, for a mask made on the device).
+    pub fn host(&self) -> &[bool] {
+        self.host.get_or_init(|| {
+            let device = self
+                .device
+                .get()
+                .unwrap_or_else(|| unreachable!("a mask is made on one side or the other"));
+            crate::sync::read(device.clone())
+                .iter::<i64>()
+                .map(|v| v != 0)
+                .collect()
+        })
+    }
+
+    /// The flags on `device` as `[m]` integers (1: the token counts), uploaded the first time
+    /// for a mask made on the host.
+    pub fn device(&self, device: &B::Device) -> Tensor<B, 1, Int> {
+        self.device
+            .get_or_init(|| {
+                let v: Vec<i32> = self
+                    .host
+                    .get()
+                    .unwrap_or_else(|| unreachable!("a mask is made on one side or the other"))
+                    .iter()
+                    .map(|&b| b as i32)
+                    .collect();
+                Tensor::from_data(TensorData::new(v, [self.len]), device)
+            })
+            .clone()
+    }
+}
+
+/// The result of [`route_top_k_fused`], on the device.
 #[derive(Debug, Clone)]
 pub struct FusedRouting<B: Backend> {
-    /// Selected experts `[m, k]` on the device, best first (ties: lower index).
+    /// Selected experts `[m, k]`, best first (ties: lower index).
     pub indices: Tensor<B, 2, Int>,
-    /// The same selection on the host.
-    pub selection: Selection,
-    /// The QB histogram counts `[n, bins]` row-major, when requested.
-    pub counts: Option<Vec<u64>>,
+    /// The QB histogram counts `[n, bins]`, when requested.
+    pub counts: Option<Tensor<B, 2, Int>>,
 }
 
 /// Top-k selection, and optionally the QB histogram (design §3), by one fused kernel on the CubeCL
-/// backends; `None` elsewhere (or with the kernels switched off), where the caller runs the host
-/// path ([`select_top_k`], `QuantileBalancer::observe`).
+/// backends, without a read: the results stay on the device. `None` elsewhere (or with the
+/// kernels switched off), where the caller runs the host path ([`select_top_k`],
+/// `QuantileBalancer::observe`).
 ///
 /// `scores: [m, n]` unbiased f32 scores, `bias: [n]`; `valid: [m]` (`false`: padding, not counted
 /// in the histogram; still selected). The selection equals [`select_top_k`] without grouping and
 /// the counts equal the host balancer's on the same input, exactly. Returns `None` as well for
-/// grouped top-k options (the host handles those) and, in debug builds, for NaN scores (so the
-/// host path reports them with the token and expert; release builds skip that read, and NaN
-/// scores propagate to the output).
+/// grouped top-k options (the host handles those) and, with [`eager_checks`](crate::sync::eager_checks)
+/// on, for NaN scores (so the host path reports them with the token and expert); without them
+/// NaN scores propagate to the routing weights, the output and the loss.
 pub fn route_top_k_fused<B: Backend>(
     scores: &Tensor<B, 2>,
     bias: &[f32],
     opts: TopKOptions,
-    valid: Option<&[bool]>,
+    valid: Option<&TokenMask<B>>,
     histogram: Option<crate::nn::balance::HistogramSpec>,
 ) -> Option<FusedRouting<B>> {
     use crate::ops::backend::{self, FusedOp, KernelPath};
@@ -232,14 +305,8 @@ pub fn route_top_k_fused<B: Backend>(
         backend::record(FusedOp::RouteTopK, KernelPath::Reference);
         return None;
     }
-    // A read drains the device's stream: release builds skip it, and NaN scores then propagate
-    // to the routing weights, the output and the loss instead of becoming an error here.
-    let has_nan = cfg!(debug_assertions)
-        && scores
-            .clone()
-            .is_nan()
-            .any()
-            .into_data()
+    let has_nan = crate::sync::eager_checks()
+        && crate::sync::read(scores.clone().is_nan().any())
             .iter::<bool>()
             .next()
             .unwrap_or(false);
@@ -251,10 +318,7 @@ pub fn route_top_k_fused<B: Backend>(
     let op = crate::ops::moe::kernels::RouteOp {
         scores: scores.clone(),
         bias: Tensor::<B, 1>::from_data(TensorData::new(bias.to_vec(), [n]), &device),
-        valid: valid.map(|v| {
-            let v: Vec<i32> = v.iter().map(|&b| b as i32).collect();
-            Tensor::<B, 1, Int>::from_data(TensorData::new(v, [m]), &device)
-        }),
+        valid: valid.map(|v| v.device(&device)),
         k: opts.k,
         histogram,
     };
@@ -263,21 +327,21 @@ pub fn route_top_k_fused<B: Backend>(
     if histogram.is_some() {
         backend::record(FusedOp::QbHistogram, KernelPath::Kernel);
     }
-    let selection = Selection {
-        tokens: m,
-        experts: n,
-        k: opts.k,
-        indices: indices
-            .clone()
-            .into_data()
-            .iter::<i64>()
-            .map(|i| i as u32)
-            .collect(),
-    };
-    let counts = counts.map(|c| c.into_data().iter::<i64>().map(|v| v as u64).collect());
-    Some(FusedRouting {
-        indices,
-        selection,
-        counts,
-    })
+    Some(FusedRouting { indices, counts })
+}
+
+impl Selection {
+    /// Reads a device selection `[tokens, k]` over `experts` experts back to the host (one read).
+    pub fn from_tensor<B: Backend>(indices: &Tensor<B, 2, Int>, experts: usize) -> Self {
+        let [tokens, k] = indices.dims();
+        Self {
+            tokens,
+            experts,
+            k,
+            indices: crate::sync::read(indices.clone())
+                .iter::<i64>()
+                .map(|i| i as u32)
+                .collect(),
+        }
+    }
 }

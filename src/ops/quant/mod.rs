@@ -101,11 +101,7 @@ pub fn try_mx_fake_quant<B: Backend, const D: usize>(
     axis: usize,
 ) -> Result<Tensor<B, D>> {
     check_axis::<D>(axis)?;
-    let finite = x
-        .clone()
-        .is_finite()
-        .all()
-        .into_data()
+    let finite = crate::sync::read(x.clone().is_finite().all())
         .iter::<bool>()
         .all(|b| b);
     if !finite {
