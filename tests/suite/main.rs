@@ -28,6 +28,8 @@ mod optim;
 #[cfg(feature = "collective")]
 mod parallel;
 mod quant;
+#[cfg(feature = "wgpu")]
+mod reads;
 mod scale;
 #[cfg(feature = "tokenizer")]
 mod tokenizer;

@@ -1,0 +1,71 @@
+//! Device-to-host reads of a training step on the kernel path (wgpu): none in the forward and
+//! the backward, none in the optimiser step, one per MoE layer in the balance update. The
+//! crate's counter ([`kimi_burn::sync`]) sees every read it makes (its lint configuration
+//! forbids the tensor read methods anywhere else).
+
+use crate::common::*;
+use crate::train::{kimi_optim, small_mqar};
+use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::{Bool, Tensor, TensorData};
+use kimi_burn::data::{masked_cross_entropy, SeededRng, Task};
+use kimi_burn::model::{Ffn, KimiForCausalLM};
+use kimi_burn::ops::FusedOp;
+use kimi_burn::sync::{count_reads, set_eager_checks};
+
+#[test]
+fn a_training_step_on_the_kernel_path_reads_only_the_balance_counts() {
+    type B = GpuAd;
+    let device = Default::default();
+    set_eager_checks(false);
+    let (task, config) = small_mqar();
+    let mut model: KimiForCausalLM<B> = config.try_init(&device).expect("tiny preset");
+    let moe_layers = model
+        .layers
+        .iter()
+        .filter(|l| matches!(l.ffn, Ffn::Moe(_)))
+        .count() as u64;
+    assert!(moe_layers >= 2, "the tiny preset has MoE layers");
+    let mut optim = kimi_optim(&model);
+    let mut rng = SeededRng::new(5);
+    for step in 0..3 {
+        let batch = task.sample_batch(6, &mut rng);
+        let (inputs, targets) = batch.to_tensors::<B>(&device);
+        let [b, t] = inputs.dims();
+        // The last tokens of the last row are padding from step 1 on: the mask stays on the
+        // device too.
+        let padding = (step > 0).then(|| {
+            let pad: Vec<bool> = (0..b * t).map(|i| i >= b * t - 3).collect();
+            Tensor::<B, 2, Bool>::from_data(TensorData::new(pad, [b, t]), &device)
+        });
+        let (grads, reads) = on_kernel(FusedOp::MoeExperts, moe_layers, || {
+            count_reads(|| {
+                let out = model
+                    .try_forward(inputs.clone(), padding.clone(), None)
+                    .expect("forward");
+                let loss = masked_cross_entropy(out.logits, targets.clone());
+                GradientsParams::from_grads(loss.backward(), &model)
+            })
+        });
+        assert_eq!(reads, 0, "step {step}: reads in the forward and the backward");
+        let (next, reads) = count_reads(|| optim.step(1e-3, model.clone(), grads));
+        model = next;
+        assert_eq!(reads, 0, "step {step}: reads in the optimiser step");
+        let (_, reads) = count_reads(|| model.update_balance());
+        assert_eq!(
+            reads, moe_layers,
+            "step {step}: one read per MoE layer in the balance update"
+        );
+    }
+    // The balance update found the counts: QB moved the biases off zero.
+    assert!(crate::train::moe_biases(&model)
+        .iter()
+        .all(|b| b.iter().any(|&v| v != 0.0)));
+
+    // With the eager checks on, the counter sees the reads they make: the token-id range once,
+    // and each MoE layer's NaN check of the router scores.
+    set_eager_checks(true);
+    let batch = task.sample_batch(6, &mut rng);
+    let (inputs, _) = batch.to_tensors::<B>(&device);
+    let (_, reads) = count_reads(|| model.try_forward(inputs, None, None).expect("forward"));
+    assert_eq!(reads, 1 + moe_layers, "eager checks: ids once, scores per MoE layer");
+}
