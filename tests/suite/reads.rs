@@ -69,3 +69,30 @@ fn a_training_step_on_the_kernel_path_reads_only_the_balance_counts() {
     let (_, reads) = count_reads(|| model.try_forward(inputs, None, None).expect("forward"));
     assert_eq!(reads, 1 + moe_layers, "eager checks: ids once, scores per MoE layer");
 }
+
+#[test]
+fn a_decode_step_with_a_cache_reads_nothing_back() {
+    type B = Gpu;
+    let device = Default::default();
+    set_eager_checks(false);
+    let (task, config) = small_mqar();
+    let model: KimiForCausalLM<B> = config.try_init(&device).expect("tiny preset");
+    let batch = task.sample_batch(2, &mut SeededRng::new(9));
+    let (inputs, _) = batch.to_tensors::<B>(&device);
+    let [b, t] = inputs.dims();
+    let mut cache = model.new_cache();
+    let ((), reads) = count_reads(|| {
+        let prompt = inputs.clone().narrow(1, 0, t - 4);
+        model
+            .try_forward(prompt, None, Some(&mut cache))
+            .expect("prefill");
+        for i in t - 4..t {
+            let token = inputs.clone().narrow(1, i, 1);
+            let out = model
+                .try_forward(token, None, Some(&mut cache))
+                .expect("decode step");
+            assert_eq!(out.logits.dims()[..2], [b, 1]);
+        }
+    });
+    assert_eq!(reads, 0, "reads in the prefill and four decode steps");
+}
