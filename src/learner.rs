@@ -172,7 +172,9 @@ fn forward<B: Backend>(
     model: &KimiForCausalLM<B>,
     batch: LmBatch<B>,
 ) -> (Tensor<B, 1>, LmOutput<B>) {
-    let targets: Vec<i64> = crate::sync::read(batch.targets.clone()).iter::<i64>().collect();
+    let targets: Vec<i64> = crate::sync::read(batch.targets.clone())
+        .iter::<i64>()
+        .collect();
     let out = model
         .try_forward(batch.inputs, None, None)
         .unwrap_or_else(|e| panic!("kimi-burn learner step: {e}"));

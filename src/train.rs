@@ -9,7 +9,7 @@
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
 
-use crate::data::{accuracy_from_logits, masked_cross_entropy, Accuracy, Batch};
+use crate::data::{masked_cross_entropy, Accuracy, Batch};
 use crate::error::{Error, Result};
 use crate::model::KimiForCausalLM;
 #[cfg(doc)]
@@ -60,33 +60,48 @@ pub fn accumulate_gradients<B: AutodiffBackend>(
     }
     let denominator = scored_total.max(1) as f64;
     let mut grads = GradientsAccumulator::new();
+    // What the step reports is read after every micro-batch's backward is queued, so the
+    // device never waits on the host between micro-batches.
+    let mut reports = Vec::with_capacity(parts);
+    for part in batch.split(parts)? {
+        let (inputs, targets) = part.to_tensors::<B>(device);
+        let out = model.try_forward(inputs, None, None)?;
+        let predictions = out.logits.clone().detach().inner().argmax(2);
+        let loss = masked_cross_entropy(out.logits, targets)
+            .mul_scalar(part.scored() as f64 / denominator);
+        reports.push((
+            part,
+            predictions,
+            loss.clone().detach().inner(),
+            out.moe_loads,
+        ));
+        grads.accumulate(model, GradientsParams::from_grads(loss.backward(), model));
+    }
     let mut accuracy = Accuracy::default();
     let mut loss_value = 0.0;
     let mut loads: Vec<Vec<u64>> = Vec::new();
     let mut median_margins = Vec::new();
-    for part in batch.split(parts)? {
-        let (inputs, targets) = part.to_tensors::<B>(device);
-        let out = model.try_forward(inputs, None, None)?;
-        let a = accuracy_from_logits(out.logits.clone().detach(), &part.targets)?;
+    for (part, predictions, loss, moe_loads) in reports {
+        let predicted: Vec<i64> = crate::sync::read(predictions).iter::<i64>().collect();
+        let a = crate::data::accuracy(&predicted, &part.targets)?;
         accuracy.correct += a.correct;
         accuracy.total += a.total;
-        let loss = masked_cross_entropy(out.logits, targets)
-            .mul_scalar(part.scored() as f64 / denominator);
-        loss_value += crate::sync::read(loss.clone()).iter::<f64>().next().unwrap_or(f64::NAN);
-        median_margins = out
-            .moe_loads
+        loss_value += crate::sync::read(loss)
+            .iter::<f64>()
+            .next()
+            .unwrap_or(f64::NAN);
+        median_margins = moe_loads
             .iter()
             .map(|s| s.median_margin().filter(|_| parts == 1))
             .collect();
-        loads.resize(out.moe_loads.len(), Vec::new());
-        for (pooled, s) in loads.iter_mut().zip(&out.moe_loads) {
+        loads.resize(moe_loads.len(), Vec::new());
+        for (pooled, s) in loads.iter_mut().zip(&moe_loads) {
             let counted = s.tokens_per_expert();
             pooled.resize(counted.len(), 0);
             for (p, t) in pooled.iter_mut().zip(&counted) {
                 *p += t;
             }
         }
-        grads.accumulate(model, GradientsParams::from_grads(loss.backward(), model));
     }
     Ok(StepGradients {
         grads: grads.grads(),

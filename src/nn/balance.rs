@@ -706,8 +706,18 @@ impl<B: Backend> Module<B> for BiasState<B> {
         devices
     }
 
+    /// A copy of its own on `device` (the replicas and devices of data parallelism must not
+    /// share one bias state), counts pending on the device included.
     fn fork(self, device: &B::Device) -> Self {
-        self.to_device(device)
+        let inner = self.lock().clone();
+        Self {
+            id: self.id,
+            inner: Arc::new(Mutex::new(BiasInner {
+                device: inner.device.to_device(device),
+                host: inner.host,
+                pending: inner.pending.map(|p| p.to_device(device)),
+            })),
+        }
     }
 
     fn to_device(self, device: &B::Device) -> Self {
@@ -852,7 +862,11 @@ impl<B: Backend> BalanceState<B> {
         let expected = balancer.inner().counts().len();
         let dims = counts.dims();
         if counts.shape().num_elements() != expected {
-            return Err(Error::shape("device counts", format!("{expected} counts"), dims));
+            return Err(Error::shape(
+                "device counts",
+                format!("{expected} counts"),
+                dims,
+            ));
         }
         if let AnyBalancer::Quantile(q) = balancer {
             q.begin(bias, k)?;

@@ -471,7 +471,10 @@ mod dispatch {
                     },
                     hidden_quant: None,
                 };
-                let mask = c.valid.clone().map(kimi_burn::ops::moe::route::TokenMask::from_host);
+                let mask = c
+                    .valid
+                    .clone()
+                    .map(kimi_burn::ops::moe::route::TokenMask::from_host);
                 dispatch_fused(&h, &idx, &p, mask.as_ref(), &experts).expect("kernel path")
             } else {
                 let plan = DispatchPlan::new(&c.sel, c.valid.as_deref());

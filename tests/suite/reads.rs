@@ -46,7 +46,10 @@ fn a_training_step_on_the_kernel_path_reads_only_the_balance_counts() {
                 GradientsParams::from_grads(loss.backward(), &model)
             })
         });
-        assert_eq!(reads, 0, "step {step}: reads in the forward and the backward");
+        assert_eq!(
+            reads, 0,
+            "step {step}: reads in the forward and the backward"
+        );
         let (next, reads) = count_reads(|| optim.step(1e-3, model.clone(), grads));
         model = next;
         assert_eq!(reads, 0, "step {step}: reads in the optimiser step");
@@ -67,7 +70,11 @@ fn a_training_step_on_the_kernel_path_reads_only_the_balance_counts() {
     let batch = task.sample_batch(6, &mut rng);
     let (inputs, _) = batch.to_tensors::<B>(&device);
     let (_, reads) = count_reads(|| model.try_forward(inputs, None, None).expect("forward"));
-    assert_eq!(reads, 1 + moe_layers, "eager checks: ids once, scores per MoE layer");
+    assert_eq!(
+        reads,
+        1 + moe_layers,
+        "eager checks: ids once, scores per MoE layer"
+    );
 }
 
 #[test]

@@ -40,9 +40,7 @@ pub(crate) use fused_recurrent::fused_recurrent_kda_inner;
 pub(crate) use kernels::tracked_on_kernels;
 pub use kernels::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
 
-use burn::tensor::{
-    backend::Backend, DType, Int, Tensor, TensorData, TensorPrimitive,
-};
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData, TensorPrimitive};
 
 use crate::error::{Error, Result};
 use crate::ops::backend;

@@ -314,9 +314,8 @@ mod tests {
                 k,
                 indices: indices.clone(),
             };
-            let valid = crate::ops::moe::route::TokenMask::from_host(
-                (0..m).map(|t| t % 7 != 3).collect(),
-            );
+            let valid =
+                crate::ops::moe::route::TokenMask::from_host((0..m).map(|t| t % 7 != 3).collect());
             let ids: Vec<i64> = indices.iter().map(|&e| e as i64).collect();
             let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [m, k]), &device);
             let normal =

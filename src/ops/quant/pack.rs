@@ -60,7 +60,9 @@ pub fn quantize_mx<B: Backend, const D: usize>(
         ));
     }
     let shape = x.dims().to_vec();
-    let values: Vec<f32> = crate::sync::read(x.swap_dims(axis, D - 1)).iter::<f32>().collect();
+    let values: Vec<f32> = crate::sync::read(x.swap_dims(axis, D - 1))
+        .iter::<f32>()
+        .collect();
     if let Some(bad) = values.iter().find(|v| !v.is_finite()) {
         return Err(Error::NonFinite {
             what: "quantize_mx input".into(),
