@@ -18,6 +18,8 @@
 
 use cubecl::prelude::*;
 
+use crate::situ::{glu_a, glu_b};
+
 /// Pairs per block of the plan's counting sort (= the cube size of [`moe_block_ranks`](fn@moe_block_ranks)).
 pub const PLAN_BLOCK: u32 = 256;
 /// Rows (and columns) of one grouped-matmul output tile.
@@ -246,6 +248,15 @@ fn lanes_below(start: usize, end: usize) -> usize {
 /// exit; launches past the grid limit continue at `tile_base`), `y` = `ceil(cols / TILE)`; cube
 /// `GMM_CUBE × GMM_CUBE`.
 ///
+/// With `glu` the kernel computes the experts' whole first layer (design §1, §2) in one pass:
+/// the gate `g = a·w` and the up projection `u = a·w3` (same layout as `w`) from the same `a`
+/// tile, and in the epilogue `out = p·A(g)·B(u)` with `p = weight[pos]` and the SiTU-GLU (or
+/// SwiGLU) `mode` of [`crate::situ`]; `gate` and `up` receive `g` and `u` when `save` (for the
+/// backward), else they are not written. `g` and `u` are rounded to `F` before the activation,
+/// as the unfused path stores them, so both paths give the same bits in every storage type. No
+/// `[pairs, cols]` intermediate goes through memory. Without `glu`, `w3`, `weight`, `gate` and
+/// `up` are not read (pass any arrays).
+///
 /// Long on purpose: one kernel body (a cube function cannot hand shared-memory tiles to a helper
 /// cheaply), laid out as load tile, multiply, store.
 #[allow(clippy::too_many_arguments)]
@@ -253,17 +264,26 @@ fn lanes_below(start: usize, end: usize) -> usize {
 pub fn grouped_matmul<F: Float>(
     a: &Array<F>,
     w: &Array<F>,
+    w3: &Array<F>,
     rows: &Array<u32>,
     offsets: &Array<u32>,
     tile_offsets: &Array<u32>,
+    weight: &Array<f32>,
     out: &mut Array<F>,
+    gate: &mut Array<F>,
+    up: &mut Array<F>,
     tile_base: u32,
     n: usize,
     kdim: usize,
     cols: usize,
+    beta1: f32,
+    beta2: f32,
     #[comptime] gather: bool,
     #[comptime] transposed: bool,
     #[comptime] accumulate: bool,
+    #[comptime] glu: bool,
+    #[comptime] mode: u32,
+    #[comptime] save: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let tile = CUBE_POS_X + tile_base;
@@ -294,7 +314,14 @@ pub fn grouped_matmul<F: Float>(
     // sa[kk·q + r4]: rows 4·r4..4·r4+4 at depth kk; sb[kk·q + c4]: columns 4·c4..4·c4+4.
     let mut sa = SharedMemory::<V4>::new(TILE_K as usize * (TILE / 4) as usize);
     let mut sb = SharedMemory::<V4>::new(TILE_K as usize * (TILE / 4) as usize);
+    // The up projection's slice and accumulator (one element when not `glu`).
+    let mut sb3 = SharedMemory::<V4>::new(comptime!(if glu {
+        TILE_K as usize * (TILE / 4) as usize
+    } else {
+        1usize
+    }));
     let mut acc = zero_4x4();
+    let mut acc3 = zero_4x4();
 
     // This unit's loads: the four rows 4·ty.. at depth tx, the four columns 4·tx.. at depth ty.
     let mut arows = Array::<usize>::new(4usize);
@@ -335,10 +362,17 @@ pub fn grouped_matmul<F: Float>(
                 stride = kdim;
             }
             sb[(s * GMM_CUBE as usize + ty) * q + tx] = load_v4::<F>(w, base, stride, count);
+            if comptime!(glu) {
+                sb3[(s * GMM_CUBE as usize + ty) * q + tx] = load_v4::<F>(w3, base, stride, count);
+            }
         }
         sync_cube();
         for kk in 0..tk {
-            fma_4x4(&mut acc, sa[kk * q + ty], sb[kk * q + tx]);
+            let av = sa[kk * q + ty];
+            fma_4x4(&mut acc, av, sb[kk * q + tx]);
+            if comptime!(glu) {
+                fma_4x4(&mut acc3, av, sb3[kk * q + tx]);
+            }
         }
         sync_cube();
         k0 += tk;
@@ -348,15 +382,35 @@ pub fn grouped_matmul<F: Float>(
     for i in 0..4usize {
         let pos = row0 + 4 * ty + i;
         let v = acc[i];
+        let v3 = acc3[i];
+        let mut p = 1.0f32;
+        if comptime!(glu) {
+            if i < a_lanes {
+                p = weight[pos];
+            }
+        }
         #[unroll]
         for j in 0..4usize {
             if i < a_lanes && j < c_lanes {
                 let o = pos * cols + col0 + 4 * tx + j;
-                let mut x = v[j];
-                if comptime!(accumulate) {
-                    x += f32::cast_from(out[o]);
+                if comptime!(glu) {
+                    let g = F::cast_from(v[j]);
+                    let u = F::cast_from(v3[j]);
+                    if comptime!(save) {
+                        gate[o] = g;
+                        up[o] = u;
+                    }
+                    let y = p
+                        * glu_a(f32::cast_from(g), beta1, mode)
+                        * glu_b(f32::cast_from(u), beta2, mode);
+                    out[o] = F::cast_from(y);
+                } else {
+                    let mut x = v[j];
+                    if comptime!(accumulate) {
+                        x += f32::cast_from(out[o]);
+                    }
+                    out[o] = F::cast_from(x);
                 }
-                out[o] = F::cast_from(x);
             }
         }
     }

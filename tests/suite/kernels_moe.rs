@@ -428,6 +428,7 @@ mod dispatch {
         w2: Tensor<GpuAd, 3>,
         sel: Selection,
         valid: Option<Vec<bool>>,
+        act: GluActivation,
     }
 
     fn case(m: usize, n: usize, k: usize, l: usize, me: usize, masked: bool, seed: u64) -> Case {
@@ -442,6 +443,10 @@ mod dispatch {
             w2: randn(&mut r, [n, me, l], 0.3, &device),
             sel: skewed(m, n, k, seed + 2),
             valid: masked.then(|| (0..m).map(|_| rr.random_range(0..6) > 0).collect()),
+            act: GluActivation::Situ {
+                beta1: 4.0,
+                beta2: Some(25.0),
+            },
         }
     }
 
@@ -465,10 +470,7 @@ mod dispatch {
                     w1: w1.clone(),
                     w3: w3.clone(),
                     w2: w2.clone(),
-                    activation: GluActivation::Situ {
-                        beta1: 4.0,
-                        beta2: Some(25.0),
-                    },
+                    activation: c.act,
                     hidden_quant: None,
                 };
                 let mask = c
@@ -484,7 +486,7 @@ mod dispatch {
                     };
                     let g = rows.clone().matmul(pick(&w1, l, me));
                     let u = rows.matmul(pick(&w3, l, me));
-                    situ_glu(g, u, 4.0, Some(25.0)).matmul(pick(&w2, me, l))
+                    c.act.apply(g, u).matmul(pick(&w2, me, l))
                 })
             };
             let grads = out.clone().mul(probe.clone()).sum().backward();
@@ -514,13 +516,30 @@ mod dispatch {
             (41, 6, 3, 9, 20, true, 2),
             (7, 3, 1, 5, 3, false, 3),
         ] {
-            let c = case(m, n, k, l, me, masked, seed);
-            let (kr, rf) = (run(&c, true), run(&c, false));
-            let what = format!("m {m} n {n} k {k} ℓ {l} m_e {me} masked {masked}");
-            for (i, name) in ["out", "dh", "dp", "dW1", "dW3", "dW2"].iter().enumerate() {
-                assert_close(&format!("{name} ({what})"), &rf[i], &kr[i], 1e-5);
+            let mut c = case(m, n, k, l, me, masked, seed);
+            // Every activation the fused epilogue computes, on the first shape.
+            let acts: &[GluActivation] = if seed == 1 {
+                &[
+                    GluActivation::SwiGlu,
+                    GluActivation::Situ {
+                        beta1: 2.0,
+                        beta2: None,
+                    },
+                    c.act,
+                ]
+            } else {
+                &[c.act]
+            };
+            for &act in acts {
+                c.act = act;
+                let (kr, rf) = (run(&c, true), run(&c, false));
+                let what = format!("m {m} n {n} k {k} ℓ {l} m_e {me} masked {masked} {act:?}");
+                for (i, name) in ["out", "dh", "dp", "dW1", "dW3", "dW2"].iter().enumerate() {
+                    assert_close(&format!("{name} ({what})"), &rf[i], &kr[i], 1e-5);
+                }
             }
             if masked {
+                let kr = run(&c, true);
                 let valid = c.valid.as_ref().unwrap();
                 for (t, &v) in valid.iter().enumerate() {
                     if !v {

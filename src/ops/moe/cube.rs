@@ -358,14 +358,112 @@ fn grouped_matmul<R: CubeRuntime>(
         Some(o) => o.clone(),
         None => empty(a, [plan.pairs.max(1), cols], a.dtype),
     };
+    let mode = Gmm {
+        gather,
+        transposed,
+        accumulate: accumulate.is_some(),
+        glu: None,
+    };
+    launch_grouped(a, w, plan, &out, mode, kdim, cols);
+    out
+}
+
+/// The gate and up projections of the sorted pairs, `[pairs, m_e]` each.
+type Projections<R> = (T<R>, T<R>);
+
+/// The experts' first layer fused (see `kmoe::grouped_matmul` with `glu`): the activated hidden
+/// rows `p·act(h[row]·W1[e], h[row]·W3[e])`, `[pairs, m_e]`, rows gathered from `h` by the plan,
+/// and with `save` also the gate and up projections (else `None`).
+fn grouped_glu<R: CubeRuntime>(
+    ex: &Experts<R>,
+    plan: &Plan<R>,
+    activation: GluActivation,
+    save: bool,
+) -> (T<R>, Option<Projections<R>>) {
+    let a = &ex.h;
+    let rows = plan.pairs.max(1);
+    let out = empty(a, [rows, ex.hidden], a.dtype);
+    let saved = save.then(|| {
+        (
+            empty(a, [rows, ex.hidden], a.dtype),
+            empty(a, [rows, ex.hidden], a.dtype),
+        )
+    });
+    let (gate, up) = match &saved {
+        Some((g, u)) => (g.clone(), u.clone()),
+        None => (out.clone(), out.clone()),
+    };
+    let mode = Gmm {
+        gather: true,
+        transposed: false,
+        accumulate: false,
+        glu: Some(GluLaunch {
+            w3: ex.w3.clone(),
+            activation,
+            gate,
+            up,
+            save,
+        }),
+    };
+    launch_grouped(a, &ex.w1, plan, &out, mode, ex.width, ex.hidden);
+    (out, saved)
+}
+
+/// The fused first layer's extra inputs and outputs.
+struct GluLaunch<R: CubeRuntime> {
+    w3: T<R>,
+    activation: GluActivation,
+    gate: T<R>,
+    up: T<R>,
+    save: bool,
+}
+
+/// How `kmoe::grouped_matmul` runs.
+struct Gmm<R: CubeRuntime> {
+    gather: bool,
+    transposed: bool,
+    accumulate: bool,
+    glu: Option<GluLaunch<R>>,
+}
+
+/// Launches `kmoe::grouped_matmul` over all of the plan's tiles, in as many launches as the
+/// device's grid limit needs.
+fn launch_grouped<R: CubeRuntime>(
+    a: &T<R>,
+    w: &T<R>,
+    plan: &Plan<R>,
+    out: &T<R>,
+    mode: Gmm<R>,
+    kdim: usize,
+    cols: usize,
+) {
     if plan.pairs == 0 || cols == 0 {
-        return out;
+        return;
     }
     let tile = kmoe::TILE as usize;
     // Σ_e ceil(len_e / TILE) ≤ pairs / TILE + n; spare cubes exit after one read.
     let tiles = (plan.pairs.div_ceil(tile) + plan.n) as u32;
     let col_tiles = cols.div_ceil(tile) as u32;
     let max_x = a.client.properties().hardware.max_cube_count.0.max(1);
+    let (w3, weight, gate, up, (act_mode, b1, b2), save) = match &mode.glu {
+        Some(g) => (
+            g.w3.clone(),
+            plan.sorted_weight.clone(),
+            g.gate.clone(),
+            g.up.clone(),
+            activation_params(g.activation),
+            g.save,
+        ),
+        // Not read without `glu`.
+        None => (
+            w.clone(),
+            dummy_f32(a),
+            out.clone(),
+            out.clone(),
+            (ksitu::MODE_SWIGLU, 1.0, 1.0),
+            false,
+        ),
+    };
     let mut base = 0u32;
     while base < tiles {
         let x = (tiles - base).min(max_x);
@@ -375,22 +473,30 @@ fn grouped_matmul<R: CubeRuntime>(
             CubeDim::new_2d(kmoe::GMM_CUBE, kmoe::GMM_CUBE),
             a.clone().into_array_arg(),
             w.clone().into_array_arg(),
+            w3.clone().into_array_arg(),
             plan.sorted_token.clone().into_array_arg(),
             plan.offsets.clone().into_array_arg(),
             plan.tile_offsets.clone().into_array_arg(),
+            weight.clone().into_array_arg(),
             out.clone().into_array_arg(),
+            gate.clone().into_array_arg(),
+            up.clone().into_array_arg(),
             base,
             plan.n,
             kdim,
             cols,
-            gather,
-            transposed,
-            accumulate.is_some(),
+            b1,
+            b2,
+            mode.gather,
+            mode.transposed,
+            mode.accumulate,
+            mode.glu.is_some(),
+            act_mode,
+            save,
             a.dtype.into(),
         );
         base += x;
     }
-    out
 }
 
 /// `out[e] = Σ_{pos ∈ segment e} a[arow(pos)]ᵀ · b[brow(pos)]`: `[n, adim, bdim]`.
@@ -528,23 +634,29 @@ fn quantised_hidden<R: CubeRuntime>(
     (act, q)
 }
 
-/// The routed experts' forward; also returns the gate and up projections (sorted pairs).
-fn moe_forward<R: CubeRuntime>(input: MoeExpertsInput<CubeBackendOf<R>>) -> (T<R>, T<R>, T<R>) {
+/// The routed experts' forward; with `save` also returns the gate and up projections (sorted
+/// pairs) for the backward.
+///
+/// Without QAT the first layer is one fused launch (gate, up and the weighted activation in its
+/// epilogue); QAT's hidden quantisation needs whole rows of the activation, so there the gate
+/// and up projections are written and activated by separate launches.
+fn moe_forward<R: CubeRuntime>(
+    input: MoeExpertsInput<CubeBackendOf<R>>,
+    save: bool,
+) -> (T<R>, Option<Projections<R>>) {
     let ex = experts(&input);
     let plan = plan(input.indices, input.valid, input.weights, ex.n);
-    let g = grouped_matmul(&ex.h, &ex.w1, &plan, true, false, None, ex.width, ex.hidden);
-    let u = grouped_matmul(&ex.h, &ex.w3, &plan, true, false, None, ex.width, ex.hidden);
-    let act = match input.hidden_quant {
-        None => situ_forward(
-            g.clone(),
-            u.clone(),
-            Some(plan.sorted_weight.clone()),
-            input.activation,
-        ),
-        Some(spec) => quantised_hidden(&g, &u, &plan, input.activation, spec, ex.h.dtype).0,
+    let (act, saved) = match input.hidden_quant {
+        None => grouped_glu(&ex, &plan, input.activation, save),
+        Some(spec) => {
+            let g = grouped_matmul(&ex.h, &ex.w1, &plan, true, false, None, ex.width, ex.hidden);
+            let u = grouped_matmul(&ex.h, &ex.w3, &plan, true, false, None, ex.width, ex.hidden);
+            let act = quantised_hidden(&g, &u, &plan, input.activation, spec, ex.h.dtype).0;
+            (act, save.then_some((g, u)))
+        }
     };
     let y = grouped_matmul(&act, &ex.w2, &plan, false, false, None, ex.hidden, ex.width);
-    (combine(&y, &plan, ex.width), g, u)
+    (combine(&y, &plan, ex.width), saved)
 }
 
 fn moe_backward<R: CubeRuntime>(
@@ -560,23 +672,35 @@ fn moe_backward<R: CubeRuntime>(
     // forward when it kept them (autodiff does), and are recomputed otherwise.
     let plan = plan(input.indices, input.valid, input.weights, ex.n);
     let (n, l, me) = (ex.n, ex.width, ex.hidden);
-    let (g, u) = match saved {
-        Some((g, u)) => (contiguous_as(g, ex.h.dtype), contiguous_as(u, ex.h.dtype)),
+    let (g, u, fused_act) = match saved {
+        Some((g, u)) => (
+            contiguous_as(g, ex.h.dtype),
+            contiguous_as(u, ex.h.dtype),
+            None,
+        ),
+        None if input.hidden_quant.is_none() => {
+            let (act, saved) = grouped_glu(&ex, &plan, input.activation, true);
+            let (g, u) = saved.unwrap_or_else(|| unreachable!("saved on request"));
+            (g, u, Some(act))
+        }
         None => (
             grouped_matmul(&ex.h, &ex.w1, &plan, true, false, None, l, me),
             grouped_matmul(&ex.h, &ex.w3, &plan, true, false, None, l, me),
+            None,
         ),
     };
     // dAct = dY·W2[e]ᵀ, with the rows of dY gathered from the token gradients.
     let d_act = grouped_matmul(&grad, &ex.w2, &plan, true, true, None, l, me);
     let (act, dg, du, dp) = match input.hidden_quant {
         None => {
-            let act = situ_forward(
-                g.clone(),
-                u.clone(),
-                Some(plan.sorted_weight.clone()),
-                input.activation,
-            );
+            let act = fused_act.unwrap_or_else(|| {
+                situ_forward(
+                    g.clone(),
+                    u.clone(),
+                    Some(plan.sorted_weight.clone()),
+                    input.activation,
+                )
+            });
             let (dg, du, dp) = situ_backward(
                 g,
                 u,
@@ -662,12 +786,12 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> MoeKernels
     }
 
     fn moe_experts(input: MoeExpertsInput<Self>) -> T<R> {
-        moe_forward(moe_input_cast(&input)).0
+        moe_forward(moe_input_cast(&input), false).0
     }
 
     fn moe_experts_saving(input: MoeExpertsInput<Self>) -> (T<R>, Option<MoeSaved<Self>>) {
-        let (out, gate, up) = moe_forward(moe_input_cast(&input));
-        (out, Some(MoeSaved { gate, up }))
+        let (out, saved) = moe_forward(moe_input_cast(&input), true);
+        (out, saved.map(|(gate, up)| MoeSaved { gate, up }))
     }
 
     fn moe_experts_backward(
