@@ -84,6 +84,8 @@ impl<B: Backend> BalancedModule<B> for LatentMoe<B> {
 /// The packet of `layers` (`(model layer index, state)`) on the host, laid out as the module docs
 /// say: `[replicas = 1, then per layer: h, h², then each count as (low, high) digits]`.
 pub(crate) fn pack<B: Backend>(layers: &[(usize, &BalanceState<B>)]) -> Result<Vec<f32>> {
+    let states: Vec<&BalanceState<B>> = layers.iter().map(|(_, s)| *s).collect();
+    crate::nn::balance::flush_all(&states)?;
     let mut packet: Vec<f32> = vec![1.0];
     for (i, state) in layers {
         let h = bias_hash(&state.bias_host());

@@ -345,12 +345,21 @@ impl<B: Backend> KimiForCausalLM<B> {
         KimiCache::new(&self.config)
     }
 
-    /// Applies every MoE layer's balancer (once per optimiser step).
+    /// Applies every MoE layer's balancer (once per optimiser step). Counts gathered on the
+    /// device (the kernel path) are read for all layers at once: one read per call.
     pub fn update_balance(&self) {
-        for layer in &self.layers {
-            if let Ffn::Moe(moe) = &layer.ffn {
-                moe.update_balance();
-            }
+        let states: Vec<_> = self
+            .layers
+            .iter()
+            .filter_map(|layer| match &layer.ffn {
+                Ffn::Moe(moe) => Some(&moe.balance),
+                Ffn::Dense(_) => None,
+            })
+            .collect();
+        crate::nn::balance::flush_all(&states)
+            .unwrap_or_else(|e| unreachable!("device counts have their balancer's size: {e}"));
+        for state in states {
+            state.update();
         }
     }
 }

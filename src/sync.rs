@@ -3,8 +3,8 @@
 //! On a GPU a read drains the device's queue: the host waits until every kernel launched before
 //! it has finished, and nothing new is queued meanwhile. A training step on the kernel path makes
 //! none in its forward and backward (the routing, the QB histogram, the expert loads and the
-//! padding mask stay on the device); the balance update reads each MoE layer's accumulated
-//! counts once per optimiser step.
+//! padding mask stay on the device); the model's balance update reads the accumulated counts of
+//! all its MoE layers in one read per optimiser step.
 //!
 //! Every read the crate makes goes through one function that counts it, per thread
 //! ([`device_reads`], [`count_reads`]); the crate's lint configuration forbids the tensor read

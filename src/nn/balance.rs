@@ -951,6 +951,41 @@ impl<B: Backend> BalanceState<B> {
     }
 }
 
+/// Moves the counts pending on the device of every state in `states` to their balancers with
+/// **one** read for all of them (their pending tensors joined on the first one's device), so that
+/// the [`update`](BalanceState::update)s and [`counts`](BalanceState::counts) that follow read
+/// nothing. States without pending counts are skipped; none at all reads nothing.
+pub fn flush_all<B: Backend>(states: &[&BalanceState<B>]) -> Result<()> {
+    let pending: Vec<(&BalanceState<B>, Tensor<B, 1, Int>)> = states
+        .iter()
+        .filter_map(|s| Some((*s, s.bias.lock().pending.take()?)))
+        .collect();
+    let Some((_, first)) = pending.first() else {
+        return Ok(());
+    };
+    let device = first.device();
+    let lens: Vec<usize> = pending.iter().map(|(_, t)| t.dims()[0]).collect();
+    let joined = Tensor::cat(
+        pending
+            .iter()
+            .map(|(_, t)| t.clone().to_device(&device))
+            .collect(),
+        0,
+    );
+    let counts: Vec<u64> = crate::sync::read(joined)
+        .iter::<i64>()
+        .map(|c| c.max(0) as u64)
+        .collect();
+    let mut at = 0;
+    for ((state, _), len) in pending.iter().zip(lens) {
+        if let Some(b) = state.lock().as_mut() {
+            b.inner().merge(&counts[at..at + len])?;
+        }
+        at += len;
+    }
+    Ok(())
+}
+
 /// Tokens per expert `[n]` of a selection `indices: [m, k]` on its device, counting only the
 /// tokens `valid` marks (`[m]`, 1: counts), without a read.
 pub fn expert_loads<B: Backend>(
