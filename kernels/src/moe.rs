@@ -18,7 +18,7 @@
 
 use cubecl::prelude::*;
 
-use crate::situ::{glu_a, glu_b};
+use crate::situ::{glu_a, glu_b, glu_da, glu_db};
 
 /// Pairs per block of the plan's counting sort (= the cube size of [`moe_block_ranks`](fn@moe_block_ranks)).
 pub const PLAN_BLOCK: u32 = 256;
@@ -28,6 +28,12 @@ pub const TILE: u32 = 64;
 pub const TILE_K: u32 = 16;
 /// The grouped matmuls run on a `GMM_CUBE × GMM_CUBE` cube, each unit owning a 4×4 micro-tile.
 pub const GMM_CUBE: u32 = 16;
+/// [`grouped_matmul`](fn@grouped_matmul)'s epilogue: the product itself.
+pub const EPILOGUE_PLAIN: u32 = 0;
+/// [`grouped_matmul`](fn@grouped_matmul)'s epilogue: the experts' fused first layer.
+pub const EPILOGUE_GLU: u32 = 1;
+/// [`grouped_matmul`](fn@grouped_matmul)'s epilogue: the fused first layer's backward.
+pub const EPILOGUE_GLU_BACKWARD: u32 = 2;
 /// Marks a pair that is not dispatched (its token is masked) in `inv`.
 pub const NONE: u32 = u32::MAX;
 
@@ -248,14 +254,24 @@ fn lanes_below(start: usize, end: usize) -> usize {
 /// exit; launches past the grid limit continue at `tile_base`), `y` = `ceil(cols / TILE)`; cube
 /// `GMM_CUBE × GMM_CUBE`.
 ///
-/// With `glu` the kernel computes the experts' whole first layer (design §1, §2) in one pass:
-/// the gate `g = a·w` and the up projection `u = a·w3` (same layout as `w`) from the same `a`
-/// tile, and in the epilogue `out = p·A(g)·B(u)` with `p = weight[pos]` and the SiTU-GLU (or
-/// SwiGLU) `mode` of [`crate::situ`]; `gate` and `up` receive `g` and `u` when `save` (for the
-/// backward), else they are not written. `g` and `u` are rounded to `F` before the activation,
-/// as the unfused path stores them, so both paths give the same bits in every storage type. No
-/// `[pairs, cols]` intermediate goes through memory. Without `glu`, `w3`, `weight`, `gate` and
-/// `up` are not read (pass any arrays).
+/// The `epilogue` decides what is done with the product:
+///
+/// - [`EPILOGUE_PLAIN`]: it is stored (or added, with `accumulate`) to `out`.
+/// - [`EPILOGUE_GLU`]: the experts' whole first layer (design §1, §2) in one pass: the gate
+///   `g = a·w` and the up projection `u = a·w3` (same layout as `w`) from the same `a` tile, and
+///   `out = p·A(g)·B(u)` with `p = weight[pos]` and the SiTU-GLU (or SwiGLU) `mode` of
+///   [`crate::situ`]; `gate` and `up` receive `g` and `u` when `save` (for the backward), else
+///   they are not written.
+/// - [`EPILOGUE_GLU_BACKWARD`]: the product is the gradient `d` of the first layer's output
+///   (`dY·W2ᵀ`); with `g = gate[o]`, `u = up[o]` the epilogue writes `out = dg = p·d·B·A'`,
+///   `hidden = du = p·d·A·B'`, and per row the partial `Σ d·A·B` over this tile's columns to
+///   `dp[pos · col_tiles + tile_y]` (a fixed-order sum across the cube's units, so the result
+///   is reproducible; the caller sums the column tiles).
+///
+/// Products are rounded to `F` before the activation math, as the unfused path stores them, so
+/// the forward gives the same bits as separate launches in every storage type. No
+/// `[pairs, cols]` intermediate goes through memory. Arrays an epilogue does not use are not
+/// read or written (pass any).
 ///
 /// Long on purpose: one kernel body (a cube function cannot hand shared-memory tiles to a helper
 /// cheaply), laid out as load tile, multiply, store.
@@ -272,6 +288,8 @@ pub fn grouped_matmul<F: Float>(
     out: &mut Array<F>,
     gate: &mut Array<F>,
     up: &mut Array<F>,
+    hidden: &mut Array<F>,
+    dp: &mut Array<f32>,
     tile_base: u32,
     n: usize,
     kdim: usize,
@@ -281,7 +299,7 @@ pub fn grouped_matmul<F: Float>(
     #[comptime] gather: bool,
     #[comptime] transposed: bool,
     #[comptime] accumulate: bool,
-    #[comptime] glu: bool,
+    #[comptime] epilogue: u32,
     #[comptime] mode: u32,
     #[comptime] save: bool,
     #[define(F)] _dtype: StorageType,
@@ -315,6 +333,7 @@ pub fn grouped_matmul<F: Float>(
     let mut sa = SharedMemory::<V4>::new(TILE_K as usize * (TILE / 4) as usize);
     let mut sb = SharedMemory::<V4>::new(TILE_K as usize * (TILE / 4) as usize);
     // The up projection's slice and accumulator (one element when not `glu`).
+    let glu = comptime!(epilogue == EPILOGUE_GLU);
     let mut sb3 = SharedMemory::<V4>::new(comptime!(if glu {
         TILE_K as usize * (TILE / 4) as usize
     } else {
@@ -378,38 +397,82 @@ pub fn grouped_matmul<F: Float>(
         k0 += tk;
     }
 
-    #[unroll]
-    for i in 0..4usize {
-        let pos = row0 + 4 * ty + i;
-        let v = acc[i];
-        let v3 = acc3[i];
-        let mut p = 1.0f32;
-        if comptime!(glu) {
+    if comptime!(epilogue == EPILOGUE_GLU_BACKWARD) {
+        // Per row, this unit's partial Σ d·A·B; then unit tx = 0 sums the row's 16 partials.
+        let mut rowsum = SharedMemory::<f32>::new((TILE * GMM_CUBE) as usize);
+        #[unroll]
+        for i in 0..4usize {
+            let pos = row0 + 4 * ty + i;
+            let v = acc[i];
+            let mut p = 0.0f32;
             if i < a_lanes {
                 p = weight[pos];
             }
+            let mut part = 0.0f32;
+            #[unroll]
+            for j in 0..4usize {
+                if i < a_lanes && j < c_lanes {
+                    let o = pos * cols + col0 + 4 * tx + j;
+                    let d = f32::cast_from(F::cast_from(v[j]));
+                    let g = f32::cast_from(gate[o]);
+                    let u = f32::cast_from(up[o]);
+                    let av = glu_a(g, beta1, mode);
+                    let bv = glu_b(u, beta2, mode);
+                    part += d * av * bv;
+                    out[o] = F::cast_from(p * d * bv * glu_da(g, beta1, mode));
+                    hidden[o] = F::cast_from(p * d * av * glu_db(u, beta2, mode));
+                }
+            }
+            rowsum[(4 * ty + i) * GMM_CUBE as usize + tx] = part;
         }
+        sync_cube();
+        if tx == 0 {
+            #[unroll]
+            for i in 0..4usize {
+                if i < a_lanes {
+                    let r = 4 * ty + i;
+                    let mut total = 0.0f32;
+                    for t in 0..GMM_CUBE as usize {
+                        total += rowsum[r * GMM_CUBE as usize + t];
+                    }
+                    dp[(row0 + r) * CUBE_COUNT_Y as usize + CUBE_POS_Y as usize] = total;
+                }
+            }
+        }
+    } else {
         #[unroll]
-        for j in 0..4usize {
-            if i < a_lanes && j < c_lanes {
-                let o = pos * cols + col0 + 4 * tx + j;
-                if comptime!(glu) {
-                    let g = F::cast_from(v[j]);
-                    let u = F::cast_from(v3[j]);
-                    if comptime!(save) {
-                        gate[o] = g;
-                        up[o] = u;
+        for i in 0..4usize {
+            let pos = row0 + 4 * ty + i;
+            let v = acc[i];
+            let v3 = acc3[i];
+            let mut p = 1.0f32;
+            if comptime!(glu) {
+                if i < a_lanes {
+                    p = weight[pos];
+                }
+            }
+            #[unroll]
+            for j in 0..4usize {
+                if i < a_lanes && j < c_lanes {
+                    let o = pos * cols + col0 + 4 * tx + j;
+                    if comptime!(glu) {
+                        let g = F::cast_from(v[j]);
+                        let u = F::cast_from(v3[j]);
+                        if comptime!(save) {
+                            gate[o] = g;
+                            up[o] = u;
+                        }
+                        let y = p
+                            * glu_a(f32::cast_from(g), beta1, mode)
+                            * glu_b(f32::cast_from(u), beta2, mode);
+                        out[o] = F::cast_from(y);
+                    } else {
+                        let mut x = v[j];
+                        if comptime!(accumulate) {
+                            x += f32::cast_from(out[o]);
+                        }
+                        out[o] = F::cast_from(x);
                     }
-                    let y = p
-                        * glu_a(f32::cast_from(g), beta1, mode)
-                        * glu_b(f32::cast_from(u), beta2, mode);
-                    out[o] = F::cast_from(y);
-                } else {
-                    let mut x = v[j];
-                    if comptime!(accumulate) {
-                        x += f32::cast_from(out[o]);
-                    }
-                    out[o] = F::cast_from(x);
                 }
             }
         }

@@ -403,19 +403,59 @@ fn grouped_glu<R: CubeRuntime>(
             gate,
             up,
             save,
+            backward: None,
         }),
     };
     launch_grouped(a, &ex.w1, plan, &out, mode, ex.width, ex.hidden);
     (out, saved)
 }
 
-/// The fused first layer's extra inputs and outputs.
+/// The fused first layer's backward from `grad: [tokens, ℓ]` (see `kmoe::grouped_matmul` with
+/// `EPILOGUE_GLU_BACKWARD`): `dAct = grad[row]·W2[e]ᵀ` stays in registers, and the epilogue turns
+/// it into `(dg, du, dp)` with the gate and up projections `g`, `u`: `[pairs, m_e]` twice and
+/// `[pairs]` f32.
+fn grouped_glu_backward<R: CubeRuntime>(
+    grad: &T<R>,
+    ex: &Experts<R>,
+    plan: &Plan<R>,
+    (g, u): &Projections<R>,
+    activation: GluActivation,
+) -> (T<R>, T<R>, T<R>) {
+    let rows = plan.pairs.max(1);
+    let col_tiles = ex.hidden.div_ceil(kmoe::TILE as usize).max(1);
+    let dg = empty(g, [rows, ex.hidden], g.dtype);
+    let du = empty(g, [rows, ex.hidden], g.dtype);
+    // Rows past the last segment (masked pairs) are not written; their dp is never gathered.
+    let partial = empty(g, [rows * col_tiles], DType::F32);
+    let mode = Gmm {
+        gather: true,
+        transposed: true,
+        accumulate: false,
+        glu: Some(GluLaunch {
+            w3: ex.w2.clone(),
+            activation,
+            gate: g.clone(),
+            up: u.clone(),
+            save: false,
+            backward: Some((du.clone(), partial.clone())),
+        }),
+    };
+    launch_grouped(grad, &ex.w2, plan, &dg, mode, ex.width, ex.hidden);
+    let partial = CubeBackendOf::<R>::float_reshape(partial, Shape::new([rows, col_tiles]));
+    let dp = CubeBackendOf::<R>::float_sum_dim(partial, 1);
+    let dp = CubeBackendOf::<R>::float_reshape(dp, Shape::new([rows]));
+    (dg, du, dp)
+}
+
+/// The fused first layer's extra inputs and outputs: forward (`backward: None`) or backward
+/// (`gate`, `up` read; `dg` to the launch's `out`, `du` and the `dp` partials here).
 struct GluLaunch<R: CubeRuntime> {
     w3: T<R>,
     activation: GluActivation,
     gate: T<R>,
     up: T<R>,
     save: bool,
+    backward: Option<(T<R>, T<R>)>,
 }
 
 /// How `kmoe::grouped_matmul` runs.
@@ -464,6 +504,11 @@ fn launch_grouped<R: CubeRuntime>(
             false,
         ),
     };
+    let (epilogue, hidden, dp) = match mode.glu.as_ref().and_then(|g| g.backward.as_ref()) {
+        Some((du, dp)) => (kmoe::EPILOGUE_GLU_BACKWARD, du.clone(), dp.clone()),
+        None if mode.glu.is_some() => (kmoe::EPILOGUE_GLU, out.clone(), dummy_f32(a)),
+        None => (kmoe::EPILOGUE_PLAIN, out.clone(), dummy_f32(a)),
+    };
     let mut base = 0u32;
     while base < tiles {
         let x = (tiles - base).min(max_x);
@@ -481,6 +526,8 @@ fn launch_grouped<R: CubeRuntime>(
             out.clone().into_array_arg(),
             gate.clone().into_array_arg(),
             up.clone().into_array_arg(),
+            hidden.clone().into_array_arg(),
+            dp.clone().into_array_arg(),
             base,
             plan.n,
             kdim,
@@ -490,7 +537,7 @@ fn launch_grouped<R: CubeRuntime>(
             mode.gather,
             mode.transposed,
             mode.accumulate,
-            mode.glu.is_some(),
+            epilogue,
             act_mode,
             save,
             a.dtype.into(),
@@ -689,8 +736,6 @@ fn moe_backward<R: CubeRuntime>(
             None,
         ),
     };
-    // dAct = dY·W2[e]ᵀ, with the rows of dY gathered from the token gradients.
-    let d_act = grouped_matmul(&grad, &ex.w2, &plan, true, true, None, l, me);
     let (act, dg, du, dp) = match input.hidden_quant {
         None => {
             let act = fused_act.unwrap_or_else(|| {
@@ -701,16 +746,14 @@ fn moe_backward<R: CubeRuntime>(
                     input.activation,
                 )
             });
-            let (dg, du, dp) = situ_backward(
-                g,
-                u,
-                Some(plan.sorted_weight.clone()),
-                d_act,
-                input.activation,
-            );
-            (act, dg, du, dp.expect("weighted backward returns dp"))
+            // dAct = dY·W2[e]ᵀ (rows of dY gathered from the token gradients) and the
+            // activation's backward in one launch.
+            let (dg, du, dp) = grouped_glu_backward(&grad, &ex, &plan, &(g, u), input.activation);
+            (act, dg, du, dp)
         }
         Some(spec) => {
+            // dAct = dY·W2[e]ᵀ, with the rows of dY gathered from the token gradients.
+            let d_act = grouped_matmul(&grad, &ex.w2, &plan, true, true, None, l, me);
             // Straight through Q: dp = Σ Q(a)·dAct, da = p·dAct.
             let (act, q) = quantised_hidden(&g, &u, &plan, input.activation, spec, ex.h.dtype);
             let d_act = cast(d_act, DType::F32);
