@@ -18,7 +18,7 @@
 
 use cubecl::prelude::*;
 
-use crate::situ::{glu_a, glu_b, glu_da, glu_db};
+use crate::situ::{glu_a, glu_b, glu_backward};
 
 /// Pairs per block of the plan's counting sort (= the cube size of [`moe_block_ranks`](fn@moe_block_ranks)).
 pub const PLAN_BLOCK: u32 = 256;
@@ -416,11 +416,10 @@ pub fn grouped_matmul<F: Float>(
                     let d = f32::cast_from(F::cast_from(v[j]));
                     let g = f32::cast_from(gate[o]);
                     let u = f32::cast_from(up[o]);
-                    let av = glu_a(g, beta1, mode);
-                    let bv = glu_b(u, beta2, mode);
-                    part += d * av * bv;
-                    out[o] = F::cast_from(p * d * bv * glu_da(g, beta1, mode));
-                    hidden[o] = F::cast_from(p * d * av * glu_db(u, beta2, mode));
+                    let (dg, du, dab) = glu_backward(g, u, d, p, beta1, beta2, mode);
+                    part += dab;
+                    out[o] = F::cast_from(dg);
+                    hidden[o] = F::cast_from(du);
                 }
             }
             rowsum[(4 * ty + i) * GMM_CUBE as usize + tx] = part;

@@ -76,7 +76,7 @@ pub fn glu_a(g: f32, beta1: f32, #[comptime] mode: u32) -> f32 {
 }
 
 /// `dA/dg`: `σ·(1 + g·(1 − σ))` for SwiGLU, `(1 − t²)·σ + β1·t·σ·(1 − σ)` with `t = tanh(g/β1)`
-/// for SiTU, with `1 − σ` and `1 − t²` from [`sigmoid_pair`] and [`tanh_sech2`].
+/// for SiTU, with `1 − σ` and `1 − t²` from [`sigmoid_pair()`] and [`tanh_sech2()`].
 #[cube]
 pub fn glu_da(g: f32, beta1: f32, #[comptime] mode: u32) -> f32 {
     let (s, c) = sigmoid_pair(g);
@@ -97,6 +97,27 @@ pub fn glu_b(v: f32, beta2: f32, #[comptime] mode: u32) -> f32 {
         b = beta2 * t;
     }
     b
+}
+
+/// The weighted GLU backward of one element: `(dg, dv, d·A·B)` for gate `g`, up `v`, output
+/// gradient `d` and routing weight `p`; the last term, summed over a row, is the gradient of `p`.
+#[cube]
+pub fn glu_backward(
+    g: f32,
+    v: f32,
+    d: f32,
+    p: f32,
+    beta1: f32,
+    beta2: f32,
+    #[comptime] mode: u32,
+) -> (f32, f32, f32) {
+    let a = glu_a(g, beta1, mode);
+    let b = glu_b(v, beta2, mode);
+    (
+        p * d * b * glu_da(g, beta1, mode),
+        p * d * a * glu_db(v, beta2, mode),
+        d * a * b,
+    )
 }
 
 /// `dB/dv`.
@@ -232,11 +253,10 @@ pub fn situ_glu_backward_weighted<F: Float, N: Size>(
             let g = f32::cast_from(gv[j]);
             let v = f32::cast_from(uv[j]);
             let d = f32::cast_from(dv[j]);
-            let a = glu_a(g, beta1, mode);
-            let b = glu_b(v, beta2, mode);
-            acc += d * a * b;
-            dg_out[j] = F::cast_from(p * d * b * glu_da(g, beta1, mode));
-            du_out[j] = F::cast_from(p * d * a * glu_db(v, beta2, mode));
+            let (dg, du, dab) = glu_backward(g, v, d, p, beta1, beta2, mode);
+            acc += dab;
+            dg_out[j] = F::cast_from(dg);
+            du_out[j] = F::cast_from(du);
         }
         dgate[i] = dg_out;
         dup[i] = du_out;

@@ -77,7 +77,7 @@ pub fn rms_norm_gated_forward<F: Float>(
 /// do = r·(a − n·mean(a·n)),   dz = dy·n·w·s·(1 − s),   dw_partial[row] = dy·n·s
 /// ```
 ///
-/// `dw_partial: [rows, cols]` f32 is summed over rows by [`column_sum`](fn@column_sum) (no
+/// `dw_partial: [rows, cols]` f32 is summed over rows by [`column_sum`](fn@super::column_sum) (no
 /// atomics). Launch as [`rms_norm_gated_forward`](fn@rms_norm_gated_forward).
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]

@@ -18,7 +18,7 @@ pub fn recurrent_columns(k: usize) -> usize {
 /// Mesa's software rasteriser (llvmpipe, and lavapipe, its Vulkan driver) stops every loop of a
 /// shader invocation once the invocation has run 65 535 loop iterations in total, silently: the
 /// kernel carries on with wrong values. The sequential kernels
-/// ([`kda_recurrent`](fn@kda_recurrent), [`kda_chunk_state`](fn@kda_chunk_state)) keep their state
+/// ([`kda_recurrent`](fn@kda_recurrent), [`kda_chunk_state`](fn@super::chunk::kda_chunk_state)) keep their state
 /// in global memory between launches, so the host splits long inputs into windows of tokens or
 /// chunks that stay well under that limit (half of it). On GPUs this only adds a launch per window
 /// (a few per 10⁴ tokens for the chunked kernel).
