@@ -344,43 +344,57 @@ mod routing {
         }
     }
 
-    /// Through `LatentMoe`: one training forward on each path leaves identical QB counts and the
-    /// same load statistics; only the host path, which holds the scores, reports a margin.
+    /// Through `LatentMoe`: one training forward on each path leaves identical balancer counts
+    /// (QB's histogram, the sign rule's loads: counted on the device on the kernel path), the
+    /// same load statistics and the same next bias, with and without padding; only the host path,
+    /// which holds the scores, reports a margin.
     #[test]
     fn latent_moe_balancer_counts_match_the_host_path() {
+        use burn::tensor::Bool;
         use kimi_burn::nn::{BalancerKind, LatentMoeConfig, MoeLayout, MoeStats};
         let device = Default::default();
-        let cfg = LatentMoeConfig::new(16, 8, 2, 12)
-            .with_layout(MoeLayout::StableLatent { dim: 8 })
-            .with_balancer(BalancerKind::Quantile { bins: 64 });
-        let moe = cfg.init::<GpuAd>(&device);
-        moe.balance
-            .set_bias(&[0.1, -0.05, 0.0, 0.2, -0.1, 0.05, 0.0, -0.2]);
+        let bias = [0.1, -0.05, 0.0, 0.2, -0.1, 0.05, 0.0, -0.2];
         let mut r = rng(7);
         let x = randn::<GpuAd, 3>(&mut r, [3, 11, 16], 1.0, &device);
-        let run = |kernel: bool| {
-            let out = if kernel {
-                on_kernel(FusedOp::RouteTopK, 1, || moe.forward(x.clone()))
-            } else {
-                on_reference(FusedOp::RouteTopK, || moe.forward(x.clone()))
-            };
-            let counts = moe.balance.counts();
-            moe.balance.update();
-            moe.balance
-                .set_bias(&[0.1, -0.05, 0.0, 0.2, -0.1, 0.05, 0.0, -0.2]);
-            (counts, out.stats())
-        };
-        let (k_counts, k_stats) = run(true);
-        let (r_counts, r_stats) = run(false);
-        assert!(k_counts.iter().sum::<u64>() > 0);
-        assert_eq!(k_counts, r_counts);
-        assert_eq!(k_stats.median_margin, None);
-        assert!(r_stats.median_margin.is_some_and(|m| m >= 0.0));
-        let loads_only = |s: MoeStats| MoeStats {
-            median_margin: None,
-            ..s
-        };
-        assert_eq!(loads_only(k_stats), loads_only(r_stats));
+        let pad: Vec<bool> = (0..33).map(|i| i % 11 >= 8 || i == 4).collect();
+        let padding = Tensor::<GpuAd, 2, Bool>::from_data(TensorData::new(pad, [3, 11]), &device);
+        for balancer in [
+            BalancerKind::Quantile { bins: 64 },
+            BalancerKind::Sign { gamma: 1e-3 },
+        ] {
+            for padding in [None, Some(padding.clone())] {
+                let cfg = LatentMoeConfig::new(16, 8, 2, 12)
+                    .with_layout(MoeLayout::StableLatent { dim: 8 })
+                    .with_balancer(balancer);
+                let moe = cfg.init::<GpuAd>(&device);
+                let run = |kernel: bool| {
+                    moe.balance.set_bias(&bias);
+                    let forward = || moe.try_forward(x.clone(), padding.clone()).unwrap();
+                    let out = if kernel {
+                        on_kernel(FusedOp::RouteTopK, 1, forward)
+                    } else {
+                        on_reference(FusedOp::RouteTopK, forward)
+                    };
+                    let counts = moe.balance.counts();
+                    let next = moe.balance.update();
+                    (counts, out.stats(), next)
+                };
+                let case = format!("{balancer:?}, padded {}", padding.is_some());
+                let (k_counts, k_stats, k_next) = run(true);
+                let (r_counts, r_stats, r_next) = run(false);
+                assert!(k_counts.iter().sum::<u64>() > 0, "{case}");
+                assert_eq!(k_counts, r_counts, "counts, {case}");
+                assert_eq!(k_next, r_next, "next bias, {case}");
+                assert_ne!(k_next, bias.to_vec(), "the update moved the bias, {case}");
+                assert_eq!(k_stats.median_margin, None);
+                assert!(r_stats.median_margin.is_some_and(|m| m >= 0.0));
+                let loads_only = |s: MoeStats| MoeStats {
+                    median_margin: None,
+                    ..s
+                };
+                assert_eq!(loads_only(k_stats), loads_only(r_stats), "loads, {case}");
+            }
+        }
     }
 }
 
