@@ -264,7 +264,8 @@ fn lanes_below(start: usize, end: usize) -> usize {
 ///   they are not written.
 /// - [`EPILOGUE_GLU_BACKWARD`]: the product is the gradient `d` of the first layer's output
 ///   (`dY·W2ᵀ`); with `g = gate[o]`, `u = up[o]` the epilogue writes `out = dg = p·d·B·A'`,
-///   `hidden = du = p·d·A·B'`, and per row the partial `Σ d·A·B` over this tile's columns to
+///   `hidden = du = p·d·A·B'`, `act = p·A·B` (the forward's activation, for the weight
+///   gradient of the second layer), and per row the partial `Σ d·A·B` over this tile's columns to
 ///   `dp[pos · col_tiles + tile_y]` (a fixed-order sum across the cube's units, so the result
 ///   is reproducible; the caller sums the column tiles).
 ///
@@ -289,6 +290,7 @@ pub fn grouped_matmul<F: Float>(
     gate: &mut Array<F>,
     up: &mut Array<F>,
     hidden: &mut Array<F>,
+    act: &mut Array<F>,
     dp: &mut Array<f32>,
     tile_base: u32,
     n: usize,
@@ -416,10 +418,12 @@ pub fn grouped_matmul<F: Float>(
                     let d = f32::cast_from(F::cast_from(v[j]));
                     let g = f32::cast_from(gate[o]);
                     let u = f32::cast_from(up[o]);
-                    let (dg, du, dab) = glu_backward(g, u, d, p, beta1, beta2, mode);
-                    part += dab;
+                    let (dg, du, av, bv) = glu_backward(g, u, d, p, beta1, beta2, mode);
+                    part += d * av * bv;
                     out[o] = F::cast_from(dg);
                     hidden[o] = F::cast_from(du);
+                    // The forward's activation, same bits (`p·A·B` from the same `F` values).
+                    act[o] = F::cast_from(p * av * bv);
                 }
             }
             rowsum[(4 * ty + i) * GMM_CUBE as usize + tx] = part;

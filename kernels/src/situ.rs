@@ -99,8 +99,9 @@ pub fn glu_b(v: f32, beta2: f32, #[comptime] mode: u32) -> f32 {
     b
 }
 
-/// The weighted GLU backward of one element: `(dg, dv, d·A·B)` for gate `g`, up `v`, output
-/// gradient `d` and routing weight `p`; the last term, summed over a row, is the gradient of `p`.
+/// The weighted GLU backward of one element: `(dg, dv, A, B)` for gate `g`, up `v`, output
+/// gradient `d` and routing weight `p`; `Σ_row d·A·B` is the gradient of `p`, and `p·A·B` the
+/// forward's value.
 #[cube]
 pub fn glu_backward(
     g: f32,
@@ -110,13 +111,14 @@ pub fn glu_backward(
     beta1: f32,
     beta2: f32,
     #[comptime] mode: u32,
-) -> (f32, f32, f32) {
+) -> (f32, f32, f32, f32) {
     let a = glu_a(g, beta1, mode);
     let b = glu_b(v, beta2, mode);
     (
         p * d * b * glu_da(g, beta1, mode),
         p * d * a * glu_db(v, beta2, mode),
-        d * a * b,
+        a,
+        b,
     )
 }
 
@@ -253,8 +255,8 @@ pub fn situ_glu_backward_weighted<F: Float, N: Size>(
             let g = f32::cast_from(gv[j]);
             let v = f32::cast_from(uv[j]);
             let d = f32::cast_from(dv[j]);
-            let (dg, du, dab) = glu_backward(g, v, d, p, beta1, beta2, mode);
-            acc += dab;
+            let (dg, du, a, b) = glu_backward(g, v, d, p, beta1, beta2, mode);
+            acc += d * a * b;
             dg_out[j] = F::cast_from(dg);
             du_out[j] = F::cast_from(du);
         }

@@ -412,19 +412,18 @@ fn grouped_glu<R: CubeRuntime>(
 
 /// The fused first layer's backward from `grad: [tokens, ℓ]` (see `kmoe::grouped_matmul` with
 /// `EPILOGUE_GLU_BACKWARD`): `dAct = grad[row]·W2[e]ᵀ` stays in registers, and the epilogue turns
-/// it into `(dg, du, dp)` with the gate and up projections `g`, `u`: `[pairs, m_e]` twice and
-/// `[pairs]` f32.
+/// it into `(act, dg, du, dp)` with the gate and up projections `g`, `u`: the forward's
+/// activation (for `dW2`), `[pairs, m_e]` three times, and `[pairs]` f32.
 fn grouped_glu_backward<R: CubeRuntime>(
     grad: &T<R>,
     ex: &Experts<R>,
     plan: &Plan<R>,
     (g, u): &Projections<R>,
     activation: GluActivation,
-) -> (T<R>, T<R>, T<R>) {
+) -> [T<R>; 4] {
     let rows = plan.pairs.max(1);
     let col_tiles = ex.hidden.div_ceil(kmoe::TILE as usize).max(1);
-    let dg = empty(g, [rows, ex.hidden], g.dtype);
-    let du = empty(g, [rows, ex.hidden], g.dtype);
+    let [act, dg, du] = [(); 3].map(|_| empty(g, [rows, ex.hidden], g.dtype));
     // Rows past the last segment (masked pairs) are not written; their dp is never gathered.
     let partial = empty(g, [rows * col_tiles], DType::F32);
     let mode = Gmm {
@@ -437,25 +436,37 @@ fn grouped_glu_backward<R: CubeRuntime>(
             gate: g.clone(),
             up: u.clone(),
             save: false,
-            backward: Some((du.clone(), partial.clone())),
+            backward: Some(GluBackward {
+                du: du.clone(),
+                act: act.clone(),
+                dp: partial.clone(),
+            }),
         }),
     };
     launch_grouped(grad, &ex.w2, plan, &dg, mode, ex.width, ex.hidden);
     let partial = CubeBackendOf::<R>::float_reshape(partial, Shape::new([rows, col_tiles]));
     let dp = CubeBackendOf::<R>::float_sum_dim(partial, 1);
     let dp = CubeBackendOf::<R>::float_reshape(dp, Shape::new([rows]));
-    (dg, du, dp)
+    [act, dg, du, dp]
+}
+
+/// The fused backward's outputs besides `dg` (the launch's `out`).
+struct GluBackward<R: CubeRuntime> {
+    du: T<R>,
+    act: T<R>,
+    /// Per-row partials of `dp`, `[pairs · col_tiles]` f32.
+    dp: T<R>,
 }
 
 /// The fused first layer's extra inputs and outputs: forward (`backward: None`) or backward
-/// (`gate`, `up` read; `dg` to the launch's `out`, `du` and the `dp` partials here).
+/// (`gate`, `up` read; `dg` to the launch's `out`, the rest in [`GluBackward`]).
 struct GluLaunch<R: CubeRuntime> {
     w3: T<R>,
     activation: GluActivation,
     gate: T<R>,
     up: T<R>,
     save: bool,
-    backward: Option<(T<R>, T<R>)>,
+    backward: Option<GluBackward<R>>,
 }
 
 /// How `kmoe::grouped_matmul` runs.
@@ -504,10 +515,16 @@ fn launch_grouped<R: CubeRuntime>(
             false,
         ),
     };
-    let (epilogue, hidden, dp) = match mode.glu.as_ref().and_then(|g| g.backward.as_ref()) {
-        Some((du, dp)) => (kmoe::EPILOGUE_GLU_BACKWARD, du.clone(), dp.clone()),
-        None if mode.glu.is_some() => (kmoe::EPILOGUE_GLU, out.clone(), dummy_f32(a)),
-        None => (kmoe::EPILOGUE_PLAIN, out.clone(), dummy_f32(a)),
+    // Arrays an epilogue does not use are stand-ins (`out`, a one-element f32).
+    let (epilogue, hidden, act, dp) = match mode.glu.as_ref().and_then(|g| g.backward.as_ref()) {
+        Some(b) => (
+            kmoe::EPILOGUE_GLU_BACKWARD,
+            b.du.clone(),
+            b.act.clone(),
+            b.dp.clone(),
+        ),
+        None if mode.glu.is_some() => (kmoe::EPILOGUE_GLU, out.clone(), out.clone(), dummy_f32(a)),
+        None => (kmoe::EPILOGUE_PLAIN, out.clone(), out.clone(), dummy_f32(a)),
     };
     let mut base = 0u32;
     while base < tiles {
@@ -527,6 +544,7 @@ fn launch_grouped<R: CubeRuntime>(
             gate.clone().into_array_arg(),
             up.clone().into_array_arg(),
             hidden.clone().into_array_arg(),
+            act.clone().into_array_arg(),
             dp.clone().into_array_arg(),
             base,
             plan.n,
@@ -719,36 +737,19 @@ fn moe_backward<R: CubeRuntime>(
     // forward when it kept them (autodiff does), and are recomputed otherwise.
     let plan = plan(input.indices, input.valid, input.weights, ex.n);
     let (n, l, me) = (ex.n, ex.width, ex.hidden);
-    let (g, u, fused_act) = match saved {
-        Some((g, u)) => (
-            contiguous_as(g, ex.h.dtype),
-            contiguous_as(u, ex.h.dtype),
-            None,
-        ),
-        None if input.hidden_quant.is_none() => {
-            let (act, saved) = grouped_glu(&ex, &plan, input.activation, true);
-            let (g, u) = saved.unwrap_or_else(|| unreachable!("saved on request"));
-            (g, u, Some(act))
-        }
+    let (g, u) = match saved {
+        Some((g, u)) => (contiguous_as(g, ex.h.dtype), contiguous_as(u, ex.h.dtype)),
         None => (
             grouped_matmul(&ex.h, &ex.w1, &plan, true, false, None, l, me),
             grouped_matmul(&ex.h, &ex.w3, &plan, true, false, None, l, me),
-            None,
         ),
     };
     let (act, dg, du, dp) = match input.hidden_quant {
         None => {
-            let act = fused_act.unwrap_or_else(|| {
-                situ_forward(
-                    g.clone(),
-                    u.clone(),
-                    Some(plan.sorted_weight.clone()),
-                    input.activation,
-                )
-            });
-            // dAct = dY·W2[e]ᵀ (rows of dY gathered from the token gradients) and the
-            // activation's backward in one launch.
-            let (dg, du, dp) = grouped_glu_backward(&grad, &ex, &plan, &(g, u), input.activation);
+            // dAct = dY·W2[e]ᵀ (rows of dY gathered from the token gradients), the activation
+            // and its backward in one launch.
+            let [act, dg, du, dp] =
+                grouped_glu_backward(&grad, &ex, &plan, &(g, u), input.activation);
             (act, dg, du, dp)
         }
         Some(spec) => {
