@@ -60,6 +60,11 @@ pub(crate) fn read<B: Backend, const D: usize, K: BasicOps<B>>(t: Tensor<B, D, K
     t.into_data()
 }
 
+/// Reads a one-element tensor back as `f64` (NaN for an empty one), counting the read.
+pub(crate) fn read_scalar<B: Backend, K: BasicOps<B>>(t: Tensor<B, 1, K>) -> f64 {
+    read(t).iter::<f64>().next().unwrap_or(f64::NAN)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

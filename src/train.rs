@@ -86,10 +86,7 @@ pub fn accumulate_gradients<B: AutodiffBackend>(
         let a = crate::data::accuracy(&predicted, &part.targets)?;
         accuracy.correct += a.correct;
         accuracy.total += a.total;
-        loss_value += crate::sync::read(loss)
-            .iter::<f64>()
-            .next()
-            .unwrap_or(f64::NAN);
+        loss_value += crate::sync::read_scalar(loss);
         median_margins = moe_loads
             .iter()
             .map(|s| s.median_margin().filter(|_| parts == 1))

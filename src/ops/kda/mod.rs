@@ -276,10 +276,7 @@ fn validate<B: Backend>(
     if check_gates {
         let gmax: f64 = match crate::ops::backend::host::max(g) {
             Some(m) => m.into(),
-            None => crate::sync::read(g.clone().max())
-                .iter::<f64>()
-                .next()
-                .unwrap_or(f64::NAN),
+            None => crate::sync::read_scalar(g.clone().max()),
         };
         if gmax.is_nan() {
             return Err(Error::NonFinite {
