@@ -29,7 +29,9 @@ use std::ops::Range;
 use crate::ops::backend::host::{
     parallel_map_sized, scratch, DisjointWrites, HostArray, HostData, HostOp, Scratch,
 };
-use crate::ops::backend::simd::{dispatch, dot, exp_in_place, load, store, Scalar, Simd, WithSimd};
+use crate::ops::backend::simd::{
+    dispatch, dot, exp_in_place, load, prefetch, store, Scalar, Simd, WithSimd,
+};
 
 /// Tokens between two saved states: the backward pass recomputes `CHECKPOINT + 1` states of
 /// `K × V` floats at a time, which at `K = V = 64` is 132 KiB and stays in the L2 cache.
@@ -159,7 +161,25 @@ impl Inputs<'_> {
             self.beta[self.geo.at_scalar(job.b, tk, job.h)],
         )
     }
+
+    /// Prefetches the input rows of token `tk` of the job (see [`prefetch`]) if `tk < end`.
+    #[inline(always)]
+    fn prefetch(&self, job: &Job, tk: usize, end: usize) {
+        if tk >= end {
+            return;
+        }
+        let Geometry { kd, vd, .. } = self.geo;
+        let at = self.geo.at(job.b, tk, job.h, kd);
+        let av = self.geo.at(job.b, tk, job.h, vd);
+        prefetch(&self.q[at..at + kd]);
+        prefetch(&self.k[at..at + kd]);
+        prefetch(&self.g[at..at + kd]);
+        prefetch(&self.v[av..av + vd]);
+    }
 }
+
+/// Tokens ahead of the one in work whose rows [`Inputs::prefetch`] requests.
+const PREFETCH_AHEAD: usize = 4;
 
 /// `out = scale · x / |x|` with `l2norm` (`|x| = sqrt(Σx² + 1e-6)`, returned), `scale · x`
 /// otherwise (returns 1).
@@ -456,6 +476,7 @@ impl WithSimd for ForwardJob<'_> {
                 states[at..at + s.len()].copy_from_slice(s);
             }
             let tk = job.start + i;
+            x.prefetch(job, tk + PREFETCH_AHEAD, job.start + job.len);
             let (v, beta) = x.token(job, tk, &mut t);
             // SAFETY: token `tk` of row `job.b`, head `job.h` belongs to this job alone.
             let o = unsafe { out.slice(x.geo.at(job.b, tk, job.h, vd), vd) };
@@ -649,7 +670,15 @@ impl WithSimd for BackwardJob<'_> {
             let first = c * CHECKPOINT;
             let len = CHECKPOINT.min(n - first);
             span[..kv].copy_from_slice(&states[c * kv..(c + 1) * kv]);
+            let end = job.start + first + len;
             for (i, t) in tokens.iter_mut().enumerate().take(len) {
+                // The span's output gradient rows too: the walk back below reads them.
+                let ahead = job.start + first + i + PREFETCH_AHEAD;
+                x.prefetch(job, ahead, end);
+                if ahead < end {
+                    let av = x.geo.at(job.b, ahead, job.h, vd);
+                    prefetch(&grad[av..av + vd]);
+                }
                 let (v, beta) = x.token(job, job.start + first + i, t);
                 let (done, rest) = span.split_at_mut((i + 1) * kv);
                 let (e, u) = (&mut es[i * vd..(i + 1) * vd], &mut us[i * vd..(i + 1) * vd]);
@@ -659,6 +688,13 @@ impl WithSimd for BackwardJob<'_> {
             for i in (0..len).rev() {
                 let tk = job.start + first + i;
                 let geo = x.geo;
+                // The first rows of the span before, which the loop above reads next.
+                if first > 0 && i < PREFETCH_AHEAD {
+                    let ahead = job.start + first - CHECKPOINT + i;
+                    x.prefetch(job, ahead, job.start + first);
+                    let av = geo.at(job.b, ahead, job.h, vd);
+                    prefetch(&grad[av..av + vd]);
+                }
                 let (at, av) = (geo.at(job.b, tk, job.h, kd), geo.at(job.b, tk, job.h, vd));
                 let t = &tokens[i];
                 let rows = Rows {
