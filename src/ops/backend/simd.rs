@@ -31,7 +31,8 @@ pub(crate) fn store<S: Simd>(x: &mut [f32], v: S::f32s) {
     x[..S::F32_LANES].copy_from_slice(bytemuck::cast_slice(std::slice::from_ref(&v)));
 }
 
-/// Asks the CPU to bring `x` into its caches ahead of use, one request per 64-byte line; a hint
+/// Asks the CPU to bring `x` into its caches ahead of use: a request every 64 bytes and one for
+/// the last element (a row that does not start on a line boundary ends on one line more); a hint
 /// that never faults and changes no result (a no-op off x86-64).
 ///
 /// The host kernels walk `[B, T, H, X]` tensors one head at a time, so each token's row sits
@@ -41,11 +42,11 @@ pub(crate) fn store<S: Simd>(x: &mut [f32], v: S::f32s) {
 #[inline(always)]
 pub(crate) fn prefetch(x: &[f32]) {
     #[cfg(target_arch = "x86_64")]
-    for line in x.chunks(16) {
+    for at in (0..x.len()).step_by(16).chain(x.len().checked_sub(1)) {
         // SAFETY: a prefetch is a hint with no architectural effect; the address is in bounds.
         unsafe {
             std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                line.as_ptr().cast(),
+                x[at..].as_ptr().cast(),
             )
         };
     }

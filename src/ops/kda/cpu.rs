@@ -162,12 +162,10 @@ impl Inputs<'_> {
         )
     }
 
-    /// Prefetches the input rows of token `tk` of the job (see [`prefetch`]) if `tk < end`.
+    /// Prefetches the job's input rows of token `tk` (see [`prefetch`]) and, when given, its row
+    /// of the `[B, T, H, V]` output gradient.
     #[inline(always)]
-    fn prefetch(&self, job: &Job, tk: usize, end: usize) {
-        if tk >= end {
-            return;
-        }
+    fn prefetch(&self, job: &Job, tk: usize, grad: Option<&[f32]>) {
         let Geometry { kd, vd, .. } = self.geo;
         let at = self.geo.at(job.b, tk, job.h, kd);
         let av = self.geo.at(job.b, tk, job.h, vd);
@@ -175,6 +173,9 @@ impl Inputs<'_> {
         prefetch(&self.k[at..at + kd]);
         prefetch(&self.g[at..at + kd]);
         prefetch(&self.v[av..av + vd]);
+        if let Some(grad) = grad {
+            prefetch(&grad[av..av + vd]);
+        }
     }
 }
 
@@ -476,7 +477,9 @@ impl WithSimd for ForwardJob<'_> {
                 states[at..at + s.len()].copy_from_slice(s);
             }
             let tk = job.start + i;
-            x.prefetch(job, tk + PREFETCH_AHEAD, job.start + job.len);
+            if i + PREFETCH_AHEAD < job.len {
+                x.prefetch(job, tk + PREFETCH_AHEAD, None);
+            }
             let (v, beta) = x.token(job, tk, &mut t);
             // SAFETY: token `tk` of row `job.b`, head `job.h` belongs to this job alone.
             let o = unsafe { out.slice(x.geo.at(job.b, tk, job.h, vd), vd) };
@@ -670,14 +673,10 @@ impl WithSimd for BackwardJob<'_> {
             let first = c * CHECKPOINT;
             let len = CHECKPOINT.min(n - first);
             span[..kv].copy_from_slice(&states[c * kv..(c + 1) * kv]);
-            let end = job.start + first + len;
             for (i, t) in tokens.iter_mut().enumerate().take(len) {
-                // The span's output gradient rows too: the walk back below reads them.
-                let ahead = job.start + first + i + PREFETCH_AHEAD;
-                x.prefetch(job, ahead, end);
-                if ahead < end {
-                    let av = x.geo.at(job.b, ahead, job.h, vd);
-                    prefetch(&grad[av..av + vd]);
+                // The output gradient rows too: the walk back below reads them.
+                if i + PREFETCH_AHEAD < len {
+                    x.prefetch(job, job.start + first + i + PREFETCH_AHEAD, Some(grad));
                 }
                 let (v, beta) = x.token(job, job.start + first + i, t);
                 let (done, rest) = span.split_at_mut((i + 1) * kv);
@@ -690,10 +689,7 @@ impl WithSimd for BackwardJob<'_> {
                 let geo = x.geo;
                 // The first rows of the span before, which the loop above reads next.
                 if first > 0 && i < PREFETCH_AHEAD {
-                    let ahead = job.start + first - CHECKPOINT + i;
-                    x.prefetch(job, ahead, job.start + first);
-                    let av = geo.at(job.b, ahead, job.h, vd);
-                    prefetch(&grad[av..av + vd]);
+                    x.prefetch(job, job.start + first - CHECKPOINT + i, Some(grad));
                 }
                 let (at, av) = (geo.at(job.b, tk, job.h, kd), geo.at(job.b, tk, job.h, vd));
                 let t = &tokens[i];
