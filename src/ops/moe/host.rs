@@ -17,7 +17,7 @@ use super::dispatch::DispatchPlan;
 use super::situ::GluActivation;
 use crate::ops::backend::host::{scratch, HostArray, HostOp, Scratch};
 use crate::ops::backend::matmul::{matmul_serial, Layout};
-use crate::ops::backend::simd::{map_into, map_many_into};
+use crate::ops::backend::simd::{dispatch, map_into, map_many_into, prefetch, Simd, WithSimd};
 use crate::ops::precision::host::{SituGlu, SwiGlu, Value, ValueAndGradient};
 
 /// The routed experts of one dispatch: inputs `h: [m, ℓ]`, `weights: [m, k]`, `W1, W3: [n, ℓ, m_e]`,
@@ -82,9 +82,16 @@ impl RoutedExperts {
     }
 
     /// The rows of `h` of an expert's segment, gathered: `[len, ℓ]`.
+    /// The rows of a segment sit anywhere in `h`, so the row a few ahead is requested before it
+    /// is copied (the hardware prefetchers do not follow an index).
     fn gather(&self, h: &[f32], l: usize, range: std::ops::Range<usize>) -> Scratch {
         let mut x = scratch(range.len() * l);
-        for (row, &t) in x.chunks_exact_mut(l).zip(&self.plan.tokens[range]) {
+        let tokens = &self.plan.tokens[range];
+        for (i, (row, &t)) in x.chunks_exact_mut(l).zip(tokens).enumerate() {
+            if let Some(&ahead) = tokens.get(i + GATHER_AHEAD) {
+                let ahead = ahead as usize;
+                prefetch(&h[ahead * l..(ahead + 1) * l]);
+            }
             let t = t as usize;
             row.copy_from_slice(&h[t * l..(t + 1) * l]);
         }
@@ -113,6 +120,68 @@ fn segments_mut<'a>(plan: &DispatchPlan, buf: &'a mut [f32], width: usize) -> Ve
     out
 }
 
+/// Rows of `h` requested ahead of their copy in [`RoutedExperts::gather`].
+const GATHER_AHEAD: usize = 4;
+
+/// Tokens per task of the forward's weighted sum.
+const COMBINE_TOKENS: usize = 64;
+
+/// The forward's weighted sum over a chunk of tokens: `out[t] = Σ_slot p[t, slot] · Y[pos]`, in
+/// slot order (a gather, so the result does not depend on the number of threads). The `Y` rows of
+/// a token sit anywhere in the pair-ordered buffer, so the next token's rows are requested while
+/// this one's are summed.
+struct Combine<'a> {
+    /// The chunk's output rows, zeros on entry.
+    out: &'a mut [f32],
+    /// The chunk's first token.
+    first: usize,
+    /// The pair position of every `(token, slot)` (`usize::MAX`: not dispatched).
+    at: &'a [usize],
+    /// The routing weights `[m, k]`.
+    weights: &'a [f32],
+    /// The unweighted expert outputs, in pair order.
+    y: &'a [f32],
+    /// Experts per token.
+    k: usize,
+    /// Output width.
+    width: usize,
+}
+
+impl WithSimd for Combine<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, _: S) {
+        let Self {
+            out,
+            first,
+            at,
+            weights,
+            y,
+            k,
+            width,
+        } = self;
+        let row_of = |pos: usize| &y[pos * width..(pos + 1) * width];
+        for (i, row) in out.chunks_exact_mut(width).enumerate() {
+            let t = first + i;
+            for &pos in at.get((t + 1) * k..(t + 2) * k).unwrap_or_default() {
+                if pos != usize::MAX {
+                    prefetch(row_of(pos));
+                }
+            }
+            for slot in 0..k {
+                let pos = at[t * k + slot];
+                if pos != usize::MAX {
+                    let w = weights[t * k + slot];
+                    for (o, v) in row.iter_mut().zip(row_of(pos)) {
+                        *o += w * v;
+                    }
+                }
+            }
+        }
+    }
+}
+
 impl HostOp<5> for RoutedExperts {
     type Saved = Saved;
 
@@ -120,20 +189,40 @@ impl HostOp<5> for RoutedExperts {
         let [h, weights, w1, w3, w2] = inputs;
         let Dims { l, me, lo } = Self::dims(inputs);
         let (m, p) = (self.plan.m, self.plan.len());
-        let (mut g, mut u, mut y) = (scratch(p * me), scratch(p * me), scratch(p * lo));
-        let jobs: Vec<_> = segments_mut(&self.plan, &mut g, me)
+        let experts = self.plan.offsets.len().saturating_sub(1);
+        // `G` and `U` of every pair when the backward needs them; otherwise each expert keeps its
+        // own in a pooled buffer that stays in its core's cache (two fewer `[P, m_e]` round trips
+        // to memory).
+        let mut kept = save.then(|| (scratch(p * me), scratch(p * me)));
+        let kept_segments: Vec<Option<(&mut [f32], &mut [f32])>> = match kept.as_mut() {
+            Some((g, u)) => segments_mut(&self.plan, g, me)
+                .into_iter()
+                .zip(segments_mut(&self.plan, u, me))
+                .map(Some)
+                .collect(),
+            None => (0..experts).map(|_| None).collect(),
+        };
+        let mut y = scratch(p * lo);
+        let jobs: Vec<_> = kept_segments
             .into_iter()
-            .zip(segments_mut(&self.plan, &mut u, me))
             .zip(segments_mut(&self.plan, &mut y, lo))
             .enumerate()
             .collect();
-        jobs.into_par_iter().for_each(|(e, ((g, u), y))| {
+        jobs.into_par_iter().for_each(|(e, (kept, y))| {
             let range = self.plan.offsets[e]..self.plan.offsets[e + 1];
             let c = range.len();
             if c == 0 {
                 return;
             }
             let x = self.gather(&h.data, l, range);
+            let mut own = None;
+            let (g, u) = match kept {
+                Some(gu) => gu,
+                None => {
+                    let (g, u) = own.insert((scratch(c * me), scratch(c * me)));
+                    (&mut g[..], &mut u[..])
+                }
+            };
             let (w1, w3) = (&w1.data[e * l * me..], &w3.data[e * l * me..]);
             matmul_serial(g, &x, Layout::Plain, w1, Layout::Plain, [c, l, me], false);
             matmul_serial(u, &x, Layout::Plain, w3, Layout::Plain, [c, l, me], false);
@@ -145,20 +234,20 @@ impl HostOp<5> for RoutedExperts {
         let at = self.positions();
         let mut out = HostArray::zeros(&[m, lo]);
         out.data
-            .par_chunks_mut(lo)
+            .par_chunks_mut(lo * COMBINE_TOKENS)
             .enumerate()
-            .for_each(|(t, row)| {
-                for slot in 0..self.k {
-                    let pos = at[t * self.k + slot];
-                    if pos != usize::MAX {
-                        let w = weights.data[t * self.k + slot];
-                        for (o, v) in row.iter_mut().zip(&y[pos * lo..(pos + 1) * lo]) {
-                            *o += w * v;
-                        }
-                    }
-                }
+            .for_each(|(chunk, rows)| {
+                dispatch(Combine {
+                    out: rows,
+                    first: chunk * COMBINE_TOKENS,
+                    at: &at,
+                    weights: &weights.data,
+                    y: &y,
+                    k: self.k,
+                    width: lo,
+                })
             });
-        let saved = save.then_some(Saved { g, u, y });
+        let saved = kept.map(|(g, u)| Saved { g, u, y });
         (out, saved)
     }
 
@@ -363,6 +452,31 @@ mod tests {
             for (w, g) in want.iter().zip(&got) {
                 g.assert_approx_eq::<f32>(w, Tolerance::rel_abs(1e-4, 1e-5));
             }
+            // Untracked (no autodiff: the forward keeps no `G`, `U`, each expert its own).
+            let inner = |t: Tensor<B, 3>| t.inner();
+            let experts = StackedExperts {
+                w1: inner(w1.clone()),
+                w3: inner(w3.clone()),
+                w2: inner(w2.clone()),
+                activation,
+                hidden_quant: None,
+            };
+            let valid = crate::ops::moe::route::TokenMask::<NdArray<f32>>::from_host(
+                (0..m).map(|t| t % 7 != 3).collect(),
+            );
+            let untracked = with_kernels(true, || {
+                routed_experts(
+                    h.clone().inner(),
+                    &ids.clone().inner(),
+                    weights.clone().inner(),
+                    || &selection,
+                    Some(&valid),
+                    &experts,
+                )
+            });
+            untracked
+                .into_data()
+                .assert_approx_eq::<f32>(&want[0], Tolerance::rel_abs(1e-4, 1e-5));
         }
     }
 }
