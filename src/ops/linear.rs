@@ -9,7 +9,7 @@ use burn::nn::Linear;
 use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::ops::backend::host::{self, HostArray, HostOp};
-use crate::ops::backend::matmul::{matmul as gemm, Layout};
+use crate::ops::backend::matmul::{matmul_new, Layout};
 
 /// `y = x · W` for `x: [.., d_in]` (any rank: its leading dims are the rows), `W: [d_in, d_out]`;
 /// `y: [.., d_out]`. Taking and giving the full shapes spares two reshapes, each a copy on
@@ -35,43 +35,47 @@ impl HostOp<2> for Matmul {
         *shape
             .last_mut()
             .unwrap_or_else(|| unreachable!("x has a last dim")) = d_out;
-        let mut y = HostArray::zeros(&shape);
-        gemm(
-            &mut y.data,
+        let y = matmul_new(
             &x.data,
             Layout::Plain,
             &w.data,
             Layout::Plain,
             [rows, d_in, d_out],
-            false,
         );
+        let y = HostArray {
+            data: y.into(),
+            shape,
+        };
         (y, save.then_some(()))
     }
 
     fn backward(&self, inputs: &[HostArray; 2], _: &(), grad: &HostArray) -> [HostArray; 2] {
         let [x, w] = inputs;
         let (rows, d_in, d_out) = Self::sizes(x, w);
-        let mut dx = HostArray::zeros(&x.shape);
-        let mut dw = HostArray::zeros(&w.shape);
-        gemm(
-            &mut dx.data,
+        let dx = matmul_new(
             &grad.data,
             Layout::Plain,
             &w.data,
             Layout::Transposed,
             [rows, d_out, d_in],
-            false,
         );
-        gemm(
-            &mut dw.data,
+        let dw = matmul_new(
             &x.data,
             Layout::Transposed,
             &grad.data,
             Layout::Plain,
             [d_in, rows, d_out],
-            false,
         );
-        [dx, dw]
+        [
+            HostArray {
+                data: dx.into(),
+                shape: x.shape.clone(),
+            },
+            HostArray {
+                data: dw.into(),
+                shape: w.shape.clone(),
+            },
+        ]
     }
 }
 

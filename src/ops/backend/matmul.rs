@@ -49,9 +49,73 @@ pub(crate) fn matmul_serial(
     product(c, a, a_layout, b, b_layout, dims, accumulate, false);
 }
 
+/// `a · b` into a new `[m, n]` buffer, by [`matmul`]: the product writes every element, so the
+/// buffer is not zeroed first (a pass over memory as long as the output, for nothing).
+pub(crate) fn matmul_new(
+    a: &[f32],
+    a_layout: Layout,
+    b: &[f32],
+    b_layout: Layout,
+    [m, k, n]: [usize; 3],
+) -> Vec<f32> {
+    let mut c = Vec::with_capacity(m * n);
+    let parallel = m * n * k >= MIN_PARALLEL_FLOPS;
+    let out = c.spare_capacity_mut();
+    // SAFETY: `out` holds `m · n` floats; without accumulation the product only writes `c`.
+    unsafe {
+        product_raw(
+            out.as_mut_ptr().cast(),
+            out.len(),
+            a,
+            a_layout,
+            b,
+            b_layout,
+            [m, k, n],
+            false,
+            parallel,
+        );
+        c.set_len(m * n);
+    }
+    c
+}
+
 #[allow(clippy::too_many_arguments)]
 fn product(
     c: &mut [f32],
+    a: &[f32],
+    a_layout: Layout,
+    b: &[f32],
+    b_layout: Layout,
+    dims: [usize; 3],
+    accumulate: bool,
+    parallel: bool,
+) {
+    // SAFETY: `c` is `c.len()` initialised floats, borrowed mutably.
+    unsafe {
+        product_raw(
+            c.as_mut_ptr(),
+            c.len(),
+            a,
+            a_layout,
+            b,
+            b_layout,
+            dims,
+            accumulate,
+            parallel,
+        )
+    }
+}
+
+/// [`product`] into `c_len` floats at `c`, which may be uninitialised when `accumulate` is false
+/// (every element of `[m, n]` is then written and none read).
+///
+/// # Safety
+/// `c` must be valid for writes of `c_len` floats (and for reads when `accumulate`) and overlap
+/// neither `a` nor `b`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product_raw(
+    c: *mut f32,
+    c_len: usize,
     a: &[f32],
     a_layout: Layout,
     b: &[f32],
@@ -61,18 +125,18 @@ fn product(
     parallel: bool,
 ) {
     assert!(
-        a.len() >= m * k && b.len() >= k * n && c.len() >= m * n,
-        "matmul [{m}, {k}] x [{k}, {n}]: buffers of {}, {}, {}",
+        a.len() >= m * k && b.len() >= k * n && c_len >= m * n,
+        "matmul [{m}, {k}] x [{k}, {n}]: buffers of {}, {}, {c_len}",
         a.len(),
         b.len(),
-        c.len()
     );
     if m == 0 || n == 0 {
         return;
     }
     if k == 0 {
         if !accumulate {
-            c[..m * n].fill(0.0);
+            // SAFETY: `c` is valid for `m · n ≤ c_len` writes (the caller's contract).
+            unsafe { std::ptr::write_bytes(c, 0, m * n) };
         }
         return;
     }
@@ -93,13 +157,14 @@ fn product(
     // The kernels want a column-major destination: compute Cᵀ = Bᵀ·Aᵀ, whose column-major
     // layout is C's row-major one (what the `gemm` facade does before calling them).
     // SAFETY: the strides address `[m, k]`, `[k, n]` and `[m, n]` elements within the lengths
-    // checked above; `c` is borrowed mutably and so overlaps neither input.
+    // checked above; `c` overlaps neither input (the caller's contract). Without accumulation
+    // (`read_dst` false) the kernels write `c` and never read it.
     unsafe {
         gemm_f32::gemm::f32::get_gemm_fn()(
             n,
             m,
             k,
-            c.as_mut_ptr(),
+            c,
             n as isize,
             1,
             accumulate,
@@ -138,7 +203,7 @@ mod tests {
 
     #[test]
     fn every_layout_matches_the_naive_product() {
-        for dims in [[3, 5, 7], [64, 33, 17], [1, 1, 1], [130, 70, 90]] {
+        for dims in [[3, 5, 7], [64, 33, 17], [1, 1, 1], [130, 70, 90], [4, 0, 3]] {
             let [m, k, n] = dims;
             let a: Vec<f32> = (0..m * k)
                 .map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1)
@@ -161,6 +226,8 @@ mod tests {
                 for (got, want) in c.iter().zip(&want) {
                     assert!((*got as f64 - want).abs() < 1e-4, "{dims:?} {ta} {tb}");
                 }
+                let fresh = matmul_new(&a, layout(ta), &b, layout(tb), dims);
+                assert_eq!(fresh, c, "{dims:?} {ta} {tb}");
             }
         }
     }

@@ -86,18 +86,18 @@ pub(crate) fn exp_lane(x: f32) -> f32 {
     const LOW: f32 = -87.3;
     const HIGH: f32 = 88.0;
     let xc = x.clamp(LOW, HIGH);
-    let t = xc * LOG2_E + ROUND;
+    let t = xc.mul_add(LOG2_E, ROUND);
     let n = t - ROUND;
     let bits = t.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
-    let r = (xc - n * LN2_HI) - n * LN2_LO;
-    let mut p = 1.0 / 5040.0;
-    p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
-    p = p * r + 1.0 / 24.0;
-    p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
-    p = p * r + 1.0;
-    p = p * r + 1.0;
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, xc));
+    let mut p = 1.0f32 / 5040.0;
+    p = p.mul_add(r, 1.0 / 720.0);
+    p = p.mul_add(r, 1.0 / 120.0);
+    p = p.mul_add(r, 1.0 / 24.0);
+    p = p.mul_add(r, 1.0 / 6.0);
+    p = p.mul_add(r, 0.5);
+    p = p.mul_add(r, 1.0);
+    p = p.mul_add(r, 1.0);
     let scale = f32::from_bits(((bits + 127) as u32) << 23);
     let y = p * scale;
     // Outside [LOW, HIGH] the clamped value is wrong on purpose and replaced here.
@@ -110,24 +110,39 @@ pub(crate) fn exp_lane(x: f32) -> f32 {
     }
 }
 
-/// `expm1(a)` for `a ≤ 0` (the gates' and activations' arguments), branch-free: the Taylor
-/// polynomial to degree 8 where `|a| < ln 2 / 2` (no cancellation near 0; truncation below 3e-10
-/// relative), `exp(a) − 1` elsewhere (`e^a ≤ 0.71` there, so the subtraction loses nothing).
+/// `(exp(a), expm1(a))` for `a ≤ 0` (the gates' and activations' arguments) from one range
+/// reduction, branch-free: with `a = n·ln 2 + r` as in [`exp_lane`] and `e^r − 1 = r·P(r)` (Taylor
+/// to degree 7, as there), `expm1(a) = 2ⁿ·r·P(r) + (2ⁿ − 1)` and `exp(a) = 2ⁿ·r·P(r) + 2ⁿ`. For
+/// `|a| < ln 2 / 2` (`n = 0`, `r = a`) the first is `r·P(r)` itself: no cancellation near 0. Below
+/// −87.3 the results are 0 and −1; NaN stays NaN.
 #[inline(always)]
-pub(crate) fn expm1_nonpositive_lane(a: f32, exp_a: f32) -> f32 {
-    let mut p = 1.0 / 40320.0;
-    p = p * a + 1.0 / 5040.0;
-    p = p * a + 1.0 / 720.0;
-    p = p * a + 1.0 / 120.0;
-    p = p * a + 1.0 / 24.0;
-    p = p * a + 1.0 / 6.0;
-    p = p * a + 0.5;
-    p = p * a + 1.0;
-    let small = p * a;
-    if a > -0.346_573_6 {
-        small
+pub(crate) fn exp_expm1_nonpositive_lane(a: f32) -> (f32, f32) {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23
+    const LOW: f32 = -87.3;
+    let ac = a.clamp(LOW, 0.0);
+    let t = ac.mul_add(LOG2_E, ROUND);
+    let n = t - ROUND;
+    let bits = t.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, ac));
+    let mut p = 1.0f32 / 5040.0;
+    p = p.mul_add(r, 1.0 / 720.0);
+    p = p.mul_add(r, 1.0 / 120.0);
+    p = p.mul_add(r, 1.0 / 24.0);
+    p = p.mul_add(r, 1.0 / 6.0);
+    p = p.mul_add(r, 0.5);
+    p = p.mul_add(r, 1.0);
+    let pm1 = p * r;
+    let scale = f32::from_bits(((bits + 127) as u32) << 23);
+    let e = pm1.mul_add(scale, scale);
+    let m = pm1.mul_add(scale, scale - 1.0);
+    let (e, m) = if a < LOW { (0.0, -1.0) } else { (e, m) };
+    if a.is_nan() {
+        (a, a)
     } else {
-        exp_a - 1.0
+        (e, m)
     }
 }
 
@@ -406,6 +421,37 @@ mod tests {
         exp_in_place(&mut special);
         assert!(special[0].is_nan());
         assert_eq!(special[1..], [0.0, f32::INFINITY, f32::INFINITY]);
+    }
+
+    #[test]
+    fn exp_and_expm1_match_f64() {
+        let xs = (0..200_000)
+            .map(|i| -100.0 + i as f32 * 0.0005)
+            .filter(|x| *x <= 0.0)
+            .chain((0..2000).map(|i| -(i as f32) * 1e-4))
+            .chain([0.0, -0.0, -1e-30, -1e-10, -0.346, -0.347, -87.29, -87.31]);
+        for x in xs {
+            let (e, m) = exp_expm1_nonpositive_lane(x);
+            let (want_e, want_m) = ((x as f64).exp(), (x as f64).exp_m1());
+            if x < -87.3 {
+                assert_eq!((e, m), (0.0, -1.0), "x = {x}");
+                continue;
+            }
+            // Relative to the f64 values, down to f32's smallest normal number.
+            let tol = |w: f64| 3.0 * f32::EPSILON as f64 * w.abs().max(1.2e-38);
+            assert!(
+                (e as f64 - want_e).abs() <= tol(want_e),
+                "exp({x}) = {e} vs {want_e}"
+            );
+            assert!(
+                (m as f64 - want_m).abs() <= tol(want_m),
+                "expm1({x}) = {m} vs {want_m}"
+            );
+        }
+        assert_eq!(exp_expm1_nonpositive_lane(-1e-30).1, -1e-30);
+        let (e, m) = exp_expm1_nonpositive_lane(f32::NAN);
+        assert!(e.is_nan() && m.is_nan());
+        assert_eq!(exp_expm1_nonpositive_lane(f32::NEG_INFINITY), (0.0, -1.0));
     }
 
     #[test]

@@ -17,7 +17,7 @@
 
 use crate::ops::backend::host::{HostArray, HostOp};
 use crate::ops::backend::simd::{
-    exp_lane, expm1_nonpositive_lane, map, map_many_into, Elementwise, ElementwiseMany,
+    exp_expm1_nonpositive_lane, exp_lane, map, map_many_into, Elementwise, ElementwiseMany,
 };
 
 /// `(σ(x), 1 − σ(x))` in `f32`, each accurate to a few ulp for every `x`.
@@ -53,9 +53,7 @@ pub(crate) fn tanh_sech2(x: f32) -> (f32, f32) {
 /// `e₂ = e^{−2|x|}`; the division left to the caller, who may fold several into one.
 #[inline(always)]
 fn tanh_parts(x: f32) -> (f32, f32, f32) {
-    let a = -2.0 * x.abs();
-    let e2 = exp_lane(a);
-    let m = expm1_nonpositive_lane(a, e2);
+    let (e2, m) = exp_expm1_nonpositive_lane(-2.0 * x.abs());
     ((-m).copysign(x), 1.0 + e2, e2)
 }
 
