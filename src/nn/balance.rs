@@ -74,22 +74,37 @@ impl RoutedBatch<'_> {
                 format!("a margin needs 1 <= k < experts, got k = {k} of {n} experts"),
             ));
         }
-        let mut row = Vec::with_capacity(n);
-        let mut gaps: Vec<f32> = self
-            .scores
-            .chunks_exact(n)
-            .enumerate()
-            .filter(|&(t, _)| self.is_valid(t))
-            .map(|(_, scores)| {
-                row.clear();
-                row.extend(scores.iter().zip(self.bias).map(|(s, b)| s + b));
-                // Descending; the k-th largest lands at k - 1, everything after it is smaller.
-                row.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
-                let kth = row[k - 1];
-                let next = row[k..].iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                kth - next
-            })
-            .collect();
+        let gap = |row: &mut Vec<f32>, scores: &[f32]| {
+            row.clear();
+            row.extend(scores.iter().zip(self.bias).map(|(s, b)| s + b));
+            // Descending; the k-th largest lands at k - 1, everything after it is smaller.
+            row.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+            let kth = row[k - 1];
+            let next = row[k..].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            kth - next
+        };
+        // The order of the gaps does not matter (a median follows): rayon's pool for large
+        // batches, where this loop would otherwise run alone while the other cores wait.
+        let mut gaps: Vec<f32> = if self.scores.len() >= MARGIN_PARALLEL {
+            use rayon::prelude::*;
+            self.scores
+                .par_chunks_exact(n)
+                .enumerate()
+                .filter(|&(t, _)| self.is_valid(t))
+                .map_init(
+                    || Vec::with_capacity(n),
+                    |row, (_, scores)| gap(row, scores),
+                )
+                .collect()
+        } else {
+            let mut row = Vec::with_capacity(n);
+            self.scores
+                .chunks_exact(n)
+                .enumerate()
+                .filter(|&(t, _)| self.is_valid(t))
+                .map(|(_, scores)| gap(&mut row, scores))
+                .collect()
+        };
         if gaps.is_empty() {
             return Ok(None);
         }
@@ -106,6 +121,9 @@ impl RoutedBatch<'_> {
         }))
     }
 }
+
+/// Scores (`tokens · experts`) from which [`RoutedBatch::median_margin`] runs on rayon's pool.
+const MARGIN_PARALLEL: usize = 1 << 16;
 
 /// A load balancer for a sigmoid router: accumulate, then update the bias once per step.
 pub trait Balancer {

@@ -1,7 +1,8 @@
 //! Stable LatentMoE (design §2): routed experts in a narrower latent space, an RMSNorm on their
 //! aggregate, full-width shared experts, and a balanced sigmoid router.
 
-use crate::ops::linear::linear;
+use crate::ops::layout;
+use crate::ops::linear::{linear, linear_add};
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::Linear;
@@ -252,7 +253,7 @@ impl<B: Backend> LatentMoe<B> {
         let valid = padding
             .map(|mask| token_mask(mask, [batch, seq]))
             .transpose()?;
-        let flat = x.reshape([m, d]);
+        let flat = layout::reshape(x, [m, d]);
         let device = flat.device();
         let bias = self.balance.bias_host();
         let n = bias.len();
@@ -314,15 +315,15 @@ impl<B: Backend> LatentMoe<B> {
         if let Some(norm) = &self.norm {
             u = norm.forward(u);
         }
-        let mut y = match &self.up {
-            Some(up) => linear(up, u),
-            None => u,
+        let shared = self.shared.as_ref().map(|shared| shared.forward(flat));
+        let y = match (&self.up, shared) {
+            (Some(up), Some(shared)) => linear_add(up, u, shared),
+            (Some(up), None) => linear(up, u),
+            (None, Some(shared)) => u.add(shared),
+            (None, None) => u,
         };
-        if let Some(shared) = &self.shared {
-            y = y.add(shared.forward(flat));
-        }
         Ok(MoeOutput {
-            output: y.reshape([batch, seq, d]),
+            output: layout::reshape(y, [batch, seq, d]),
             loads,
         })
     }

@@ -234,6 +234,37 @@ fn grouped_top_k_matches_brute_force() {
     }
 }
 
+/// Enough tokens that the selection runs in several chunks on the thread pool (the last one
+/// partial): every row as the brute force has it, and a NaN reported at its own token.
+#[test]
+fn top_k_of_many_tokens_matches_brute_force_and_finds_the_nan() {
+    let mut r = rng(23);
+    let (m, n, k) = (3000, 64, 8);
+    let mut scores: Vec<f32> = (0..m * n).map(|_| r.random::<f32>()).collect();
+    let bias: Vec<f32> = (0..n).map(|_| r.random_range(-0.2..0.2)).collect();
+    let opts = TopKOptions {
+        k,
+        n_group: 1,
+        topk_group: 1,
+    };
+    let sel = select_top_k(&scores, n, &bias, opts).unwrap();
+    assert_eq!(sel.indices.len(), m * k);
+    for t in 0..m {
+        let expected = grouped_reference(&scores[t * n..(t + 1) * n], &bias, k, 1, 1);
+        assert_eq!(
+            &sel.indices[t * k..(t + 1) * k],
+            expected.as_slice(),
+            "token {t}"
+        );
+    }
+    scores[2900 * n + 5] = f32::NAN;
+    scores[2950 * n] = f32::NAN;
+    let err = select_top_k(&scores, n, &bias, opts)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("token 2900, expert 5"), "{err}");
+}
+
 fn check_router_weights<B: AutodiffBackend>(device: &B::Device) {
     let mut r = rng(22);
     let (m, d, n, k) = (10, 12, 7, 3);
@@ -601,7 +632,8 @@ fn margin_reference(
 fn median_margin_matches_full_sorts_and_skips_masked_tokens() {
     let mut r = rng(45);
     let n = 8;
-    for (m, k) in [(257, 2), (200, 3), (1, 1)] {
+    // 8193 tokens: enough scores for the thread pool's path.
+    for (m, k) in [(257, 2), (200, 3), (1, 1), (8193, 3)] {
         let scores: Vec<f32> = (0..m * n).map(|_| r.random::<f32>()).collect();
         let bias: Vec<f32> = (0..n).map(|_| r.random::<f32>() - 0.5).collect();
         let valid: Vec<bool> = (0..m).map(|t| t == 0 || r.random::<f32>() > 0.2).collect();

@@ -383,15 +383,81 @@ fn from_host<X: Backend>(x: HostArray, device: &X::Device) -> FloatTensor<X> {
     let HostArray { data, shape } = x;
     #[cfg(feature = "ndarray")]
     let data = match data {
-        HostData::NdArray(nd) if ndarray_shape(&nd).as_deref() == Some(&shape[..]) => {
-            match try_cast::<_, FloatTensor<X>>(nd) {
+        HostData::NdArray(nd) => match ndarray_with_shape(nd, &shape) {
+            Ok(nd) => match try_cast::<_, FloatTensor<X>>(nd) {
                 Ok(tensor) => return tensor,
                 Err(nd) => HostData::NdArray(nd),
-            }
-        }
+            },
+            Err(nd) => HostData::NdArray(nd),
+        },
         data => data,
     };
     X::float_from_data(TensorData::new(data.into_vec(), shape), device)
+}
+
+/// An ndarray `f32` tensor read in place ([`HostData::NdArray`]) as a tensor of `shape`: itself
+/// when the shape is its own, the same buffer with the new shape when the element counts agree
+/// (its buffer is in standard layout, so the row-major order is kept), `Err` otherwise (the
+/// caller copies). Burn 0.21's ndarray `reshape` copies even a contiguous tensor.
+#[cfg(feature = "ndarray")]
+fn ndarray_with_shape(
+    nd: burn::backend::ndarray::NdArrayTensor,
+    shape: &[usize],
+) -> std::result::Result<burn::backend::ndarray::NdArrayTensor, burn::backend::ndarray::NdArrayTensor>
+{
+    use burn::backend::ndarray::NdArrayTensor;
+    let Some(own) = ndarray_shape(&nd) else {
+        return Err(nd);
+    };
+    if own == shape {
+        return Ok(nd);
+    }
+    if own.iter().product::<usize>() != shape.iter().product::<usize>() {
+        return Err(nd);
+    }
+    match nd {
+        NdArrayTensor::F32(storage) if storage.is_owned() => {
+            let array = storage.into_shared();
+            debug_assert!(
+                array.is_standard_layout(),
+                "ndarray_shape checked the layout"
+            );
+            let array = array
+                .into_shape_with_order(shape.to_vec())
+                .unwrap_or_else(|e| {
+                    unreachable!("a standard-layout array of as many elements: {e}")
+                });
+            Ok(NdArrayTensor::from(array))
+        }
+        nd => Err(nd),
+    }
+}
+
+/// `x` with another shape of as many elements, row-major order kept: on ndarray the input's
+/// own buffer, without a copy (see [`ndarray_with_shape`]); the gradient is reshaped back.
+#[derive(Debug, Clone)]
+pub(crate) struct Reshape {
+    /// The output shape.
+    pub shape: Vec<usize>,
+}
+
+impl HostOp<1> for Reshape {
+    type Saved = ();
+
+    fn forward(&self, [x]: &[HostArray; 1], save: bool) -> (HostArray, Option<()>) {
+        let out = HostArray {
+            data: x.data.clone(),
+            shape: self.shape.clone(),
+        };
+        (out, save.then_some(()))
+    }
+
+    fn backward(&self, [x]: &[HostArray; 1], _: &(), grad: &HostArray) -> [HostArray; 1] {
+        [HostArray {
+            data: grad.data.clone(),
+            shape: x.shape.clone(),
+        }]
+    }
 }
 
 /// The forward pass on a plain (non-autodiff) backend `X`, when `B` is `X`.

@@ -8,6 +8,7 @@ use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::ops::backend::host::parallel_map_sized;
 
 /// How router logits become scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -114,9 +115,45 @@ pub fn select_top_k(
         });
     }
     let m = scores.len() / n;
+    // Rows in chunks, on rayon's pool when there are several: each row is independent, and on a
+    // CPU backend this loop otherwise runs alone while the other cores wait for the experts.
+    let chunks: Vec<Result<Vec<u32>>> =
+        parallel_map_sized(m.div_ceil(TOP_K_CHUNK), scores.len() * opts.k.max(1), |c| {
+            let rows = c * TOP_K_CHUNK..((c + 1) * TOP_K_CHUNK).min(m);
+            select_rows(
+                &scores[rows.start * n..rows.end * n],
+                rows.start,
+                n,
+                bias,
+                opts,
+            )
+        });
+    let mut indices = Vec::with_capacity(m * opts.k);
+    for chunk in chunks {
+        indices.extend(chunk?);
+    }
+    Ok(Selection {
+        tokens: m,
+        experts: n,
+        k: opts.k,
+        indices,
+    })
+}
+
+/// Tokens per task of [`select_top_k`].
+const TOP_K_CHUNK: usize = 256;
+
+/// [`select_top_k`] of the rows `scores: [rows, n]`, the first of which is token `first`.
+fn select_rows(
+    scores: &[f32],
+    first: usize,
+    n: usize,
+    bias: &[f32],
+    opts: TopKOptions,
+) -> Result<Vec<u32>> {
     let k = opts.k;
     let per_group = n / opts.n_group;
-    let mut indices = Vec::with_capacity(m * k);
+    let mut indices = Vec::with_capacity(scores.len() / n * k);
     let mut biased: Vec<(f32, usize)> = Vec::with_capacity(n);
     let mut groups: Vec<(f32, usize)> = Vec::with_capacity(opts.n_group);
     for (t, row) in scores.chunks_exact(n).enumerate() {
@@ -125,7 +162,7 @@ pub fn select_top_k(
             if s.is_nan() {
                 return Err(Error::NonFinite {
                     what: "router scores".into(),
-                    detail: format!("token {t}, expert {j} is NaN"),
+                    detail: format!("token {}, expert {j} is NaN", first + t),
                 });
             }
             biased.push((s + b, j));
@@ -160,12 +197,7 @@ pub fn select_top_k(
         top.sort_by(|&a, &b| better(a, b));
         indices.extend(top.iter().map(|&(_, j)| j as u32));
     }
-    Ok(Selection {
-        tokens: m,
-        experts: n,
-        k,
-        indices,
-    })
+    Ok(indices)
 }
 
 impl Selection {
