@@ -1,6 +1,7 @@
 //! Stable LatentMoE (design §2): routed experts in a narrower latent space, an RMSNorm on their
 //! aggregate, full-width shared experts, and a balanced sigmoid router.
 
+use crate::ops::backend::host;
 use crate::ops::layout;
 use crate::ops::linear::{linear, linear_add};
 use burn::config::Config;
@@ -249,6 +250,16 @@ impl<B: Backend> LatentMoe<B> {
         padding: Option<Tensor<B, 2, Bool>>,
     ) -> Result<MoeOutput<B>> {
         let [batch, seq, d] = x.dims();
+        // Checked before anything runs: the shared expert may run beside the router, which
+        // would otherwise be the first to see a wrong width.
+        let d_model = self.router.gate.weight.dims()[0];
+        if d != d_model {
+            return Err(Error::shape(
+                "moe input",
+                format!("[batch, seq, {d_model}]"),
+                [batch, seq, d],
+            ));
+        }
         let m = batch * seq;
         let valid = padding
             .map(|mask| token_mask(mask, [batch, seq]))
@@ -262,60 +273,80 @@ impl<B: Backend> LatentMoe<B> {
         let spec = training
             .then(|| self.balance.histogram_spec(&bias))
             .flatten();
-        let routing = self
-            .router
-            .route_with(flat.clone(), &bias, spec, valid.as_ref())?;
-        let k = routing.indices.dims()[1];
-        let host_valid = || valid.as_ref().map(TokenMask::host);
-        let loads = match &routing.scores_host {
-            Some(scores) => {
-                let batch = RoutedBatch {
-                    scores,
-                    bias: &bias,
-                    selection: routing.selection(),
-                    valid: host_valid(),
-                };
-                if training {
-                    self.balance.observe(&batch)?;
-                }
-                let stats = MoeStats::from_selection(routing.selection(), host_valid());
-                MoeLoads::from_host(stats.tokens_per_expert, batch.median_margin()?)
-            }
-            None => {
-                let loads = expert_loads(
-                    &routing.indices,
-                    valid.as_ref().map(|v| v.device(&device)),
-                    n,
-                );
-                if training {
-                    match &routing.histogram {
-                        Some(counts) => self.balance.observe_device(counts.clone(), &bias, k)?,
-                        None => self.balance.observe_device(loads.clone(), &bias, k)?,
+        let routed = || -> Result<(MoeLoads<B>, Tensor<B, 2>)> {
+            let routing = self
+                .router
+                .route_with(flat.clone(), &bias, spec, valid.as_ref())?;
+            let k = routing.indices.dims()[1];
+            let host_valid = || valid.as_ref().map(TokenMask::host);
+            let loads = match &routing.scores_host {
+                Some(scores) => {
+                    let batch = RoutedBatch {
+                        scores,
+                        bias: &bias,
+                        selection: routing.selection(),
+                        valid: host_valid(),
+                    };
+                    if training {
+                        self.balance.observe(&batch)?;
                     }
+                    let stats = MoeStats::from_selection(routing.selection(), host_valid());
+                    MoeLoads::from_host(stats.tokens_per_expert, batch.median_margin()?)
                 }
-                MoeLoads::from_device(loads)
+                None => {
+                    let loads = expert_loads(
+                        &routing.indices,
+                        valid.as_ref().map(|v| v.device(&device)),
+                        n,
+                    );
+                    if training {
+                        match &routing.histogram {
+                            Some(counts) => {
+                                self.balance.observe_device(counts.clone(), &bias, k)?
+                            }
+                            None => self.balance.observe_device(loads.clone(), &bias, k)?,
+                        }
+                    }
+                    MoeLoads::from_device(loads)
+                }
+            };
+            let h = match &self.down {
+                Some(down) => linear(down, flat.clone()),
+                None => flat.clone(),
+            };
+            let h = match &self.experts.qat {
+                Some(q) => q.activation(h),
+                None => h,
+            };
+            let mut u = routed_experts(
+                h,
+                &routing.indices,
+                routing.weights.clone(),
+                || routing.selection(),
+                valid.as_ref(),
+                &self.experts.stacked(),
+            );
+            if let Some(norm) = &self.norm {
+                u = norm.forward(u);
             }
+            Ok((loads, u))
         };
-        let h = match &self.down {
-            Some(down) => linear(down, flat.clone()),
-            None => flat.clone(),
+        let shared = || {
+            self.shared
+                .as_ref()
+                .map(|shared| shared.forward(flat.clone()))
         };
-        let h = match &self.experts.qat {
-            Some(q) => q.activation(h),
-            None => h,
+        // An untracked forward on the CPU host kernels runs the shared expert beside the routed
+        // path: both are split over rayon's pool, and the pool fills the waits of one (a
+        // product's synchronisation, the last expert) with the work of the other. Tracked
+        // forwards stay in one order, so that the autodiff graph (and with it the summation
+        // order of the gradients) is the same on every run.
+        let ((loads, u), shared) = if !training && host::is_cpu_backend::<B>() {
+            let (routed, shared) = rayon::join(routed, shared);
+            (routed?, shared)
+        } else {
+            (routed()?, shared())
         };
-        let mut u = routed_experts(
-            h,
-            &routing.indices,
-            routing.weights.clone(),
-            || routing.selection(),
-            valid.as_ref(),
-            &self.experts.stacked(),
-        );
-        if let Some(norm) = &self.norm {
-            u = norm.forward(u);
-        }
-        let shared = self.shared.as_ref().map(|shared| shared.forward(flat));
         let y = match (&self.up, shared) {
             (Some(up), Some(shared)) => linear_add(up, u, shared),
             (Some(up), None) => linear(up, u),
