@@ -60,9 +60,7 @@ pub(crate) const LANES: usize = 16;
 /// `exp(x)` for every element, in place, to within 2 ulp of `f32::exp` for `x ≥ −87.3`; below
 /// that (where `exp` is subnormal or zero) the result is 0, above 88 it is `+∞`. NaN stays NaN.
 ///
-/// Range reduction `x = n·ln 2 + r`, `|r| ≤ ln 2 / 2`, with `n` rounded by the `1.5·2^23` trick
-/// (no rounding instruction needed), `e^r` by its Taylor polynomial to degree 7 (truncation error
-/// below 1e-8 relative), and `2^n` built in the exponent bits.
+/// `2ⁿ·e^r` from the range reduction of [`exp_reduced`].
 #[inline(always)]
 pub(crate) fn exp_in_place(x: &mut [f32]) {
     let (blocks, tail) = x.as_chunks_mut::<LANES>();
@@ -76,20 +74,20 @@ pub(crate) fn exp_in_place(x: &mut [f32]) {
     }
 }
 
-/// One lane of [`exp_in_place`]; branch-free so that the loops around it vectorise.
+/// The range reduction of [`exp_lane`] for `x ∈ [−87.3, 88]`: `x = n·ln 2 + r`, `|r| ≤ ln 2 / 2`,
+/// with `n` rounded by the `1.5·2^23` trick (no rounding instruction needed); returns `(P(r), r,
+/// 2ⁿ)` with `e^r = 1 + r·P(r)` (Taylor to degree 7: truncation error below 1e-8 relative) and
+/// `2ⁿ` built in the exponent bits.
 #[inline(always)]
-pub(crate) fn exp_lane(x: f32) -> f32 {
+fn exp_reduced(x: f32) -> (f32, f32, f32) {
     const LOG2_E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
     const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23
-    const LOW: f32 = -87.3;
-    const HIGH: f32 = 88.0;
-    let xc = x.clamp(LOW, HIGH);
-    let t = xc.mul_add(LOG2_E, ROUND);
+    let t = x.mul_add(LOG2_E, ROUND);
     let n = t - ROUND;
     let bits = t.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
-    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, xc));
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
     let mut p = 1.0f32 / 5040.0;
     p = p.mul_add(r, 1.0 / 720.0);
     p = p.mul_add(r, 1.0 / 120.0);
@@ -97,11 +95,21 @@ pub(crate) fn exp_lane(x: f32) -> f32 {
     p = p.mul_add(r, 1.0 / 6.0);
     p = p.mul_add(r, 0.5);
     p = p.mul_add(r, 1.0);
-    p = p.mul_add(r, 1.0);
     let scale = f32::from_bits(((bits + 127) as u32) << 23);
-    let y = p * scale;
-    // Outside [LOW, HIGH] the clamped value is wrong on purpose and replaced here.
-    let y = if x < LOW { 0.0 } else { y };
+    (p, r, scale)
+}
+
+/// The lowest argument whose `exp` the lane functions compute (below it the result is 0).
+const EXP_LOW: f32 = -87.3;
+
+/// One lane of [`exp_in_place`]; branch-free so that the loops around it vectorise.
+#[inline(always)]
+pub(crate) fn exp_lane(x: f32) -> f32 {
+    const HIGH: f32 = 88.0;
+    let (p, r, scale) = exp_reduced(x.clamp(EXP_LOW, HIGH));
+    let y = p.mul_add(r, 1.0) * scale;
+    // Outside [EXP_LOW, HIGH] the clamped value is wrong on purpose and replaced here.
+    let y = if x < EXP_LOW { 0.0 } else { y };
     let y = if x > HIGH { f32::INFINITY } else { y };
     if x.is_nan() {
         x
@@ -111,34 +119,17 @@ pub(crate) fn exp_lane(x: f32) -> f32 {
 }
 
 /// `(exp(a), expm1(a))` for `a ≤ 0` (the gates' and activations' arguments) from one range
-/// reduction, branch-free: with `a = n·ln 2 + r` as in [`exp_lane`] and `e^r − 1 = r·P(r)` (Taylor
-/// to degree 7, as there), `expm1(a) = 2ⁿ·r·P(r) + (2ⁿ − 1)` and `exp(a) = 2ⁿ·r·P(r) + 2ⁿ`. For
-/// `|a| < ln 2 / 2` (`n = 0`, `r = a`) the first is `r·P(r)` itself: no cancellation near 0. Below
-/// −87.3 the results are 0 and −1; NaN stays NaN.
+/// reduction, branch-free: with `a = n·ln 2 + r` and `e^r − 1 = r·P(r)` as in [`exp_lane`],
+/// `expm1(a) = 2ⁿ·r·P(r) + (2ⁿ − 1)` and `exp(a) = 2ⁿ·r·P(r) + 2ⁿ`. For `|a| < ln 2 / 2` (`n = 0`,
+/// `r = a`) the first is `r·P(r)` itself: no cancellation near 0. Below −87.3 the results are 0
+/// and −1; NaN stays NaN.
 #[inline(always)]
 pub(crate) fn exp_expm1_nonpositive_lane(a: f32) -> (f32, f32) {
-    const LOG2_E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23
-    const LOW: f32 = -87.3;
-    let ac = a.clamp(LOW, 0.0);
-    let t = ac.mul_add(LOG2_E, ROUND);
-    let n = t - ROUND;
-    let bits = t.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
-    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, ac));
-    let mut p = 1.0f32 / 5040.0;
-    p = p.mul_add(r, 1.0 / 720.0);
-    p = p.mul_add(r, 1.0 / 120.0);
-    p = p.mul_add(r, 1.0 / 24.0);
-    p = p.mul_add(r, 1.0 / 6.0);
-    p = p.mul_add(r, 0.5);
-    p = p.mul_add(r, 1.0);
+    let (p, r, scale) = exp_reduced(a.clamp(EXP_LOW, 0.0));
     let pm1 = p * r;
-    let scale = f32::from_bits(((bits + 127) as u32) << 23);
     let e = pm1.mul_add(scale, scale);
     let m = pm1.mul_add(scale, scale - 1.0);
-    let (e, m) = if a < LOW { (0.0, -1.0) } else { (e, m) };
+    let (e, m) = if a < EXP_LOW { (0.0, -1.0) } else { (e, m) };
     if a.is_nan() {
         (a, a)
     } else {
