@@ -12,14 +12,14 @@
 //! contiguous memory, and a contiguous tensor is then reshaped by its strides alone. On a tensor
 //! that is already contiguous both steps only change metadata.
 
-use burn::tensor::{backend::Backend, DType, Tensor};
+use burn::tensor::{backend::Backend, DType, Tensor, TensorPrimitive};
 
 use crate::ops::backend::host;
 
 /// `x.reshape(shape)`, right on every backend even for a strided view (see the module docs).
 ///
-/// On the CPU host kernels' backends an `f32` tensor in standard layout keeps its buffer (Burn
-/// 0.21's ndarray backend copies on every reshape), with or without autodiff.
+/// On `NdArray<f32>` (with or without autodiff, host kernels on) an `f32` tensor in standard
+/// layout keeps its buffer: Burn 0.21's ndarray backend copies on every reshape.
 ///
 /// # Panics
 /// When `shape` holds another number of elements than `x`, as `Tensor::reshape` does.
@@ -28,7 +28,7 @@ pub fn reshape<B: Backend, const D: usize, const D2: usize>(
     shape: [usize; D2],
 ) -> Tensor<B, D2> {
     let n = x.shape().num_elements();
-    if host::is_cpu_backend::<B>() && x.dtype() == DType::F32 {
+    if host::is_ndarray_backend::<B>() && x.dtype() == DType::F32 {
         let m: usize = shape.iter().product();
         assert_eq!(
             m,
@@ -36,12 +36,13 @@ pub fn reshape<B: Backend, const D: usize, const D2: usize>(
             "reshape of {:?} ({n} elements) to {shape:?} ({m} elements)",
             x.dims()
         );
-        return host::run(
-            &host::Reshape {
-                shape: shape.to_vec(),
-            },
-            [x.into_primitive().tensor()],
-        );
+        let op = host::Reshape {
+            shape: shape.to_vec(),
+        };
+        return match host::run_parts::<B, _, 1>(&op, [x.into_primitive().tensor()]) {
+            Ok(mut parts) => Tensor::from_primitive(TensorPrimitive::Float(parts.swap_remove(0))),
+            Err(inputs) => host::run(&op, inputs),
+        };
     }
     x.reshape([n]).reshape(shape)
 }
@@ -103,6 +104,14 @@ mod tests {
         let original = read_in_place(&plain, |s| s.as_ptr() as usize);
         assert!(original.is_some());
         assert_eq!(at(&flat), original, "the reshape shares the buffer");
-        assert_eq!(flat.into_data(), plain.reshape([6, 4]).into_data());
+        assert_eq!(flat.into_data(), plain.clone().reshape([6, 4]).into_data());
+        // A strided view on the plain backend: read back in order, then moved into the output.
+        let swapped: Tensor<NdArray<f32>, 2> = with_kernels(true, || {
+            super::reshape(plain.clone().swap_dims(0, 1), [6, 4])
+        });
+        assert_eq!(
+            swapped.into_data(),
+            plain.swap_dims(0, 1).reshape([6, 4]).into_data()
+        );
     }
 }

@@ -23,6 +23,35 @@ impl Matmul {
         let d_in = w.shape[0];
         (x.data.len() / d_in.max(1), d_in, w.shape[1])
     }
+
+    /// `(dX, dW) = (dY · Wᵀ, Xᵀ · dY)`.
+    fn grads(x: &HostArray, w: &HostArray, grad: &HostArray) -> [HostArray; 2] {
+        let (rows, d_in, d_out) = Self::sizes(x, w);
+        let dx = matmul_new(
+            &grad.data,
+            Layout::Plain,
+            &w.data,
+            Layout::Transposed,
+            [rows, d_out, d_in],
+        );
+        let dw = matmul_new(
+            &x.data,
+            Layout::Transposed,
+            &grad.data,
+            Layout::Plain,
+            [d_in, rows, d_out],
+        );
+        [
+            HostArray {
+                data: dx.into(),
+                shape: x.shape.clone(),
+            },
+            HostArray {
+                data: dw.into(),
+                shape: w.shape.clone(),
+            },
+        ]
+    }
 }
 
 impl HostOp<2> for Matmul {
@@ -49,33 +78,8 @@ impl HostOp<2> for Matmul {
         (y, save.then_some(()))
     }
 
-    fn backward(&self, inputs: &[HostArray; 2], _: &(), grad: &HostArray) -> [HostArray; 2] {
-        let [x, w] = inputs;
-        let (rows, d_in, d_out) = Self::sizes(x, w);
-        let dx = matmul_new(
-            &grad.data,
-            Layout::Plain,
-            &w.data,
-            Layout::Transposed,
-            [rows, d_out, d_in],
-        );
-        let dw = matmul_new(
-            &x.data,
-            Layout::Transposed,
-            &grad.data,
-            Layout::Plain,
-            [d_in, rows, d_out],
-        );
-        [
-            HostArray {
-                data: dx.into(),
-                shape: x.shape.clone(),
-            },
-            HostArray {
-                data: dw.into(),
-                shape: w.shape.clone(),
-            },
-        ]
+    fn backward(&self, [x, w]: &[HostArray; 2], _: &(), grad: &HostArray) -> [HostArray; 2] {
+        Self::grads(x, w, grad)
     }
 }
 
@@ -126,7 +130,7 @@ impl HostOp<3> for MatmulAdd {
     }
 
     fn backward(&self, [x, w, _]: &[HostArray; 3], _: &(), grad: &HostArray) -> [HostArray; 3] {
-        let [dx, dw] = Matmul.backward(&[x.clone(), w.clone()], &(), grad);
+        let [dx, dw] = Matmul::grads(x, w, grad);
         [dx, dw, grad.clone()]
     }
 }

@@ -198,14 +198,10 @@ pub(crate) fn is_cpu_backend<B: Backend>() -> bool {
     if !super::kernels_enabled() {
         return false;
     }
-    let id = TypeId::of::<B>();
-    #[cfg(feature = "ndarray")]
-    {
-        use burn::backend::{Autodiff, NdArray};
-        if id == TypeId::of::<NdArray<f32>>() || id == TypeId::of::<Autodiff<NdArray<f32>>>() {
-            return true;
-        }
+    if is_ndarray_backend::<B>() {
+        return true;
     }
+    let id = TypeId::of::<B>();
     #[cfg(feature = "flex")]
     {
         use burn::backend::{Autodiff, Flex};
@@ -214,6 +210,22 @@ pub(crate) fn is_cpu_backend<B: Backend>() -> bool {
         }
     }
     let _ = id;
+    false
+}
+
+/// Whether `B` is `NdArray<f32>` or `Autodiff<NdArray<f32>>` with the host kernels on: the
+/// backends whose tensors the host ops read and hand back in place ([`HostData::NdArray`]).
+pub(crate) fn is_ndarray_backend<B: Backend>() -> bool {
+    #[cfg(feature = "ndarray")]
+    {
+        use burn::backend::{Autodiff, NdArray};
+        let id = TypeId::of::<B>();
+        if super::kernels_enabled()
+            && (id == TypeId::of::<NdArray<f32>>() || id == TypeId::of::<Autodiff<NdArray<f32>>>())
+        {
+            return true;
+        }
+    }
     false
 }
 
@@ -443,6 +455,15 @@ pub(crate) struct Reshape {
 
 impl HostOp<1> for Reshape {
     type Saved = ();
+
+    /// The input's values moved, not copied, when they are a buffer of the op's own (a strided
+    /// input read back in order).
+    fn forward_parts(&self, [x]: [HostArray; 1]) -> Vec<HostArray> {
+        vec![HostArray {
+            data: x.data,
+            shape: self.shape.clone(),
+        }]
+    }
 
     fn forward(&self, [x]: &[HostArray; 1], save: bool) -> (HostArray, Option<()>) {
         let out = HostArray {
