@@ -41,7 +41,7 @@ pub const NONE: u32 = u32::MAX;
 /// `masked`), `local_rank: [pairs]` out, `block_counts: [blocks, n]` out (zero it first).
 /// Launch `ceil(pairs / PLAN_BLOCK)` cubes of `PLAN_BLOCK` units.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn moe_block_ranks<I: Int>(
     indices: &Array<I>,
     valid: &Array<u32>,
@@ -92,7 +92,7 @@ pub fn moe_block_ranks<I: Int>(
 
 /// Step 2 of the plan: one unit per expert scans its column of `block_counts: [blocks, n]` into
 /// `block_base: [blocks, n]` (exclusive) and writes the expert's total to `totals: [n]`.
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn moe_block_scan(
     block_counts: &Array<u32>,
     block_base: &mut Array<u32>,
@@ -116,7 +116,7 @@ pub fn moe_block_scan(
 /// Step 3 of the plan (a single unit; `n` is at most a few thousand): segment offsets
 /// `offsets: [n + 1]` and grouped-matmul tile offsets `tile_offsets: [n + 1]` (expert `e` owns
 /// tiles `tile_offsets[e]..tile_offsets[e+1]`, [`TILE`] rows each).
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn moe_offsets(
     totals: &Array<u32>,
     offsets: &mut Array<u32>,
@@ -143,7 +143,7 @@ pub fn moe_offsets(
 /// and `inv: [pairs]` (sorted row of each pair, [`NONE`] when masked). Rows past the last segment
 /// are left untouched.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn moe_place<I: Int>(
     indices: &Array<I>,
     valid: &Array<u32>,
@@ -164,12 +164,14 @@ pub fn moe_place<I: Int>(
     if i >= pairs {
         terminate!();
     }
-    let mut keep = true;
+    // An expert index outside `0..n` is treated as masked, as `moe_block_ranks` does (it gave
+    // such a pair no rank), so no offset is read past `n`.
+    let e = u32::cast_from(indices[i]) as usize;
+    let mut keep = e < n;
     if comptime!(masked) {
-        keep = valid[i / k] != 0u32;
+        keep = keep && valid[i / k] != 0u32;
     }
     if keep {
-        let e = u32::cast_from(indices[i]) as usize;
         let block = i / PLAN_BLOCK as usize;
         let pos = offsets[e] + block_base[block * n + e] + local_rank[i];
         sorted_token[pos as usize] = (i / k) as u32;
@@ -277,7 +279,7 @@ fn lanes_below(start: usize, end: usize) -> usize {
 /// Long on purpose: one kernel body (a cube function cannot hand shared-memory tiles to a helper
 /// cheaply), laid out as load tile, multiply, store.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn grouped_matmul<F: Float>(
     a: &Array<F>,
     w: &Array<F>,
@@ -494,7 +496,7 @@ pub fn grouped_matmul<F: Float>(
 /// contiguous load from a row of `a` or `b`); each unit owns a 4×4 micro-tile. Grid:
 /// `(ceil(adim / TILE), ceil(bdim / TILE), n)`; cube `GMM_CUBE × GMM_CUBE`.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn grouped_matmul_wgrad<F: Float>(
     a: &Array<F>,
     b: &Array<F>,
@@ -575,7 +577,7 @@ pub fn grouped_matmul_wgrad<F: Float>(
 /// The un-permute: `out[t, c] = Σ_{q<k} y[inv[t·k + q], c]` over the dispatched pairs of token
 /// `t` (in slot order, so the sum is reproducible); masked tokens get zeros. `y: [pairs, width]`,
 /// `out: [tokens, width]`. One unit per output element.
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn moe_combine<F: Float>(
     y: &Array<F>,
     inv: &Array<u32>,
@@ -603,7 +605,7 @@ pub fn moe_combine<F: Float>(
 
 /// `out[pair] = src[inv[pair]]`, 0 for masked pairs: brings a per-row value of the sorted order
 /// (e.g. the routing-weight gradient) back to the `[tokens, k]` layout.
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn moe_pair_gather(src: &Array<f32>, inv: &Array<u32>, out: &mut Array<f32>, pairs: usize) {
     let i = ABSOLUTE_POS;
     if i >= pairs {

@@ -20,7 +20,7 @@ use cubecl::prelude::*;
 /// `lo` and `scale = bins / (hi − lo)` must be computed on the host exactly as the host balancer
 /// does. Launch with at least `tokens` units.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn route_top_k<I: Int>(
     scores: &Array<f32>,
     bias: &Array<f32>,
@@ -91,8 +91,13 @@ pub fn route_top_k<I: Int>(
             for j in 0..n {
                 let r = alpha - scores[row + j];
                 let x = f32::floor((r - lo) * scale);
-                let bin = f32::min(f32::max(x, 0.0), last);
-                counts[j * bins as usize + u32::cast_from(bin) as usize].fetch_add(1u32);
+                // Clamped again as an integer: a NaN score (unchecked when eager checks are
+                // off) converts to an unspecified u32 on some targets, never past the last bin.
+                let bin = u32::min(
+                    u32::cast_from(f32::min(f32::max(x, 0.0), last)),
+                    bins - 1u32,
+                );
+                counts[j * bins as usize + bin as usize].fetch_add(1u32);
             }
         }
     }

@@ -139,7 +139,7 @@ pub fn glu_db(v: f32, beta2: f32, #[comptime] mode: u32) -> f32 {
 /// `row_vecs` vectors. `weight: [rows]` f32 is read only when `weighted` (pass any non-empty array
 /// otherwise). Launch with at least `len` units; extra units exit.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn situ_glu_forward<F: Float, N: Size>(
     gate: &Array<Vector<F, N>>,
     up: &Array<Vector<F, N>>,
@@ -178,7 +178,7 @@ pub fn situ_glu_forward<F: Float, N: Size>(
 ///
 /// Same layout contract as [`situ_glu_forward`](fn@situ_glu_forward).
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn situ_glu_backward<F: Float, N: Size>(
     gate: &Array<Vector<F, N>>,
     up: &Array<Vector<F, N>>,
@@ -219,7 +219,7 @@ pub fn situ_glu_backward<F: Float, N: Size>(
 /// `cube_size` must equal the launch's `CUBE_DIM` and be a power of two. Launch at least `rows`
 /// cubes; extra cubes exit.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn situ_glu_backward_weighted<F: Float, N: Size>(
     gate: &Array<Vector<F, N>>,
     up: &Array<Vector<F, N>>,

@@ -401,7 +401,7 @@ mod routing {
 mod dispatch {
     use super::*;
     use burn::module::AutodiffModule;
-    use burn::tensor::{Bool, TensorData};
+    use burn::tensor::{Bool, Int, TensorData};
     use kimi_burn::nn::GluActivation;
     use kimi_burn::nn::{LatentMoe, LatentMoeConfig, MoeLayout};
     use kimi_burn::ops::moe::dispatch::{dispatch, dispatch_fused, DispatchPlan, StackedExperts};
@@ -561,6 +561,49 @@ mod dispatch {
                     }
                 }
             }
+        }
+    }
+
+    /// An expert index outside `0..n` drops its pair, as padding drops a token's pairs: that
+    /// token's output is the sum over its other pairs, and every row equals, bit for bit, the run
+    /// where the pair keeps a valid expert with routing weight 0. The kernels run unchecked, so
+    /// the plan must not read an offset past `n` or place the pair anywhere.
+    #[test]
+    fn out_of_range_expert_index_drops_its_pair() {
+        let (m, n, k, l, me) = (41, 6, 3, 9, 20);
+        let c = case(m, n, k, l, me, false, 4);
+        let device = Default::default();
+        let experts = StackedExperts {
+            w1: c.w1.clone(),
+            w3: c.w3.clone(),
+            w2: c.w2.clone(),
+            activation: c.act,
+            hidden_quant: None,
+        };
+        // (token, slot, index): one past the last expert, and -1 (u32::MAX once cast).
+        let bad = [(7usize, 1usize, n as i64), (20, 0, -1)];
+        let valid_idx: Vec<i64> = c.sel.indices.iter().map(|&i| i as i64).collect();
+        let mut bad_idx = valid_idx.clone();
+        let mut zero_p: Vec<f32> = c.p.clone().into_data().to_vec().unwrap();
+        for (t, q, e) in bad {
+            bad_idx[t * k + q] = e;
+            zero_p[t * k + q] = 0.0;
+        }
+        let ints =
+            |v: Vec<i64>| Tensor::<GpuAd, 2, Int>::from_data(TensorData::new(v, [m, k]), &device);
+        let run = |idx: Vec<i64>, p: Tensor<GpuAd, 2>| {
+            on_kernel(FusedOp::MoeExperts, 1, || {
+                host(dispatch_fused(&c.h, &ints(idx), &p, None, &experts).expect("kernel path"))
+            })
+        };
+        let dropped = run(bad_idx, c.p.clone());
+        let zeroed = run(
+            valid_idx,
+            Tensor::from_data(TensorData::new(zero_p, [m, k]), &device),
+        );
+        assert_eq!(dropped.len(), m * l);
+        for (i, (a, b)) in dropped.iter().zip(&zeroed).enumerate() {
+            assert!(a == b, "row {} column {}: {a} vs {b}", i / l, i % l);
         }
     }
 

@@ -55,7 +55,7 @@ pub const SOLVE_CUBE: u32 = 64;
 /// `sub_decay: [chunks, heads, chunk / SUB, kdim]`. `chunk_tok`, `chunk_len: [chunks]` give each
 /// chunk's first token and length (≤ `chunk`).
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn kda_chunk_gates(
     q: &Array<f32>,
     k: &Array<f32>,
@@ -140,7 +140,7 @@ pub fn kda_chunk_gates(
 /// directly. `a_qk`, `a_kk: [chunks, heads, chunk, chunk]`, zero above the diagonal and past the
 /// chunk's length.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn kda_chunk_intra(
     q: &Array<f32>,
     k: &Array<f32>,
@@ -221,7 +221,7 @@ pub fn kda_chunk_intra(
 /// `w: [chunks, heads, chunk, kdim]`, `u: [chunks, heads, chunk, vdim]`; rows past the chunk's
 /// length are not written.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn kda_chunk_solve(
     we: &Array<f32>,
     v: &Array<f32>,
@@ -295,7 +295,7 @@ pub const STATE_CUBE: u32 = 256;
 /// chunks `[window_lo, window_lo + window_len)` (see [`chunk_state_window`]); `state: [N, heads,
 /// kdim, vdim]` holds `S_0` on entry to the first window and `S_T` on exit from the last.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn kda_chunk_state(
     ke: &Array<f32>,
     decay: &Array<f32>,
@@ -444,7 +444,7 @@ pub(super) fn store_state_tile(
 ///
 /// `out: [tokens, heads, vdim]`; rows past a chunk's length exit.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn kda_chunk_output(
     qe: &Array<f32>,
     a_qk: &Array<f32>,

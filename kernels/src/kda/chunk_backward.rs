@@ -28,7 +28,7 @@ use super::chunk::{load_state_tile, store_state_tile, SOLVE_CUBE, STATE_CUBE, SU
 /// [`chunk_state_window`](super::chunk_state_window)); `d_state: [N, heads, kdim, vdim]` holds
 /// `dS_T` on entry to the first window and `dS_0` on exit from the last.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn kda_chunk_state_backward(
     qe: &Array<f32>,
     ke: &Array<f32>,
@@ -136,7 +136,7 @@ pub fn kda_chunk_state_backward(
 /// `dqe`, `dke: [tokens, heads, kdim]`, `dw: [chunks, heads, chunk, kdim]`, `ddecay: [chunks,
 /// heads, kdim]`.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn kda_chunk_state_products(
     d_out: &Array<f32>,
     states: &Array<f32>,
@@ -194,7 +194,7 @@ pub fn kda_chunk_state_products(
 /// `dA_qk[i,j] = Σ_v dO[i,v] Vn[j,v]` for `j ≤ i` (zero elsewhere), one unit per (chunk·head,
 /// `i`, `j`); `d_aqk: [chunks, heads, chunk, chunk]`.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn kda_chunk_aqk_backward(
     d_out: &Array<f32>,
     vn: &Array<f32>,
@@ -230,7 +230,7 @@ pub fn kda_chunk_aqk_backward(
 /// per column of `Z` (`col_blocks` cubes per chunk·head, as the forward
 /// solve). `zw: [chunks, heads, chunk, kdim]`, `zu: [chunks, heads, chunk, vdim]`.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn kda_chunk_solve_backward(
     a_kk: &Array<f32>,
     dw: &Array<f32>,
@@ -280,7 +280,7 @@ pub fn kda_chunk_solve_backward(
 /// `dA_kk[i,j] = −(Σ_d Z_w[i,d] W[j,d] + Σ_v Z_u[i,v] U[j,v])` for `j < i` (zero elsewhere),
 /// one unit per (chunk·head, `i`, `j`); `d_akk: [chunks, heads, chunk, chunk]`.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn kda_chunk_akk_backward(
     zw: &Array<f32>,
     zu: &Array<f32>,
@@ -333,7 +333,7 @@ pub fn kda_chunk_akk_backward(
 ///
 /// Long on purpose: one kernel body over shared-memory tiles, in the order of the formula above.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn kda_chunk_intra_backward(
     q: &Array<f32>,
     k: &Array<f32>,
@@ -461,7 +461,7 @@ pub fn kda_chunk_intra_backward(
 /// `dq`, `dk`, `dg: [tokens, heads, kdim]`; `zw` chunk-major as
 /// [`kda_chunk_solve_backward`](fn@kda_chunk_solve_backward) writes it.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn kda_chunk_gates_backward(
     q: &Array<f32>,
     k: &Array<f32>,
@@ -538,7 +538,7 @@ pub fn kda_chunk_gates_backward(
 /// [`kda_chunk_intra_backward`](fn@kda_chunk_intra_backward)). `dbeta: [tokens, heads]`, `dv:
 /// [tokens, heads, vdim]`.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn kda_chunk_rows_backward(
     k: &Array<f32>,
     v: &Array<f32>,

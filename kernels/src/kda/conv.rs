@@ -15,7 +15,7 @@ use super::sigmoid;
 /// inputs before a sequence's start read from `tail` (or 0 when `has_tail` is false). One unit
 /// per (token, channel).
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn short_conv_forward<F: Float>(
     x: &Array<F>,
     weight: &Array<f32>,
@@ -46,7 +46,7 @@ pub fn short_conv_forward<F: Float>(
 /// `len_n − (width − 1) + r` of sequence `n`, from `x`, or from the old `tail` when the sequence is
 /// shorter than the tail (0 without one). One unit per (sequence, channel, slot).
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn short_conv_tail<F: Float>(
     x: &Array<F>,
     tail: &Array<F>,
@@ -156,7 +156,7 @@ fn conv_grad_pre<F: Float>(
 /// `tokens · channels`, up to `(tokens + N·(width − 1)) · channels`, give the tail's gradient
 /// `dtail[n, c, r] = Σ_{j ≤ r} w[c, r − j] · da[start_n + j, c]` (written when `has_tail`).
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn short_conv_backward_input<F: Float>(
     x: &Array<F>,
     weight: &Array<f32>,
@@ -242,7 +242,7 @@ pub const CONV_BLOCK: usize = 256;
 /// `da[t, c] · input(t, m)` over its tokens for every tap `m`, into `partial: [blocks, channels ·
 /// width]`; [`column_sum`](fn@super::column_sum) over the blocks finishes `dw`.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn short_conv_backward_weight<F: Float>(
     x: &Array<F>,
     weight: &Array<f32>,

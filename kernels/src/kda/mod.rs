@@ -32,7 +32,7 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
 }
 
 /// `out[c] = Σ_row x[row, c]` in row order (deterministic), one unit per column.
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn column_sum(x: &Array<f32>, out: &mut Array<f32>, rows: usize, cols: usize) {
     let c = ABSOLUTE_POS;
     if c >= cols {

@@ -34,7 +34,7 @@ fn cube_sum(x: f32, #[comptime] cube: u32) -> f32 {
 /// `o, z, y: [rows, cols]` in `F`, `weight: [cols]` f32. One cube of [`NORM_CUBE`] units per row
 /// (`rows` cubes; extras exit).
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn rms_norm_gated_forward<F: Float>(
     o: &Array<F>,
     z: &Array<F>,
@@ -80,7 +80,7 @@ pub fn rms_norm_gated_forward<F: Float>(
 /// `dw_partial: [rows, cols]` f32 is summed over rows by [`column_sum`](fn@super::column_sum) (no
 /// atomics). Launch as [`rms_norm_gated_forward`](fn@rms_norm_gated_forward).
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn rms_norm_gated_backward<F: Float>(
     o: &Array<F>,
     z: &Array<F>,

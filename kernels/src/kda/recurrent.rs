@@ -48,7 +48,7 @@ pub fn recurrent_window(kdim: usize, vt: usize) -> usize {
 /// tokens `[window_lo, window_lo + window_len)` of every sequence (counted from its start; see
 /// [`recurrent_window`]); the host launches successive windows.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn kda_recurrent(
     q: &Array<f32>,
     k: &Array<f32>,
@@ -131,7 +131,7 @@ pub fn kda_recurrent(
 
 /// `out[i] = src[i]` when `copy`, else 0, for `i < len` (a fresh state buffer the recurrence may
 /// update in place). One unit per element.
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn init_state(src: &Array<f32>, out: &mut Array<f32>, len: usize, #[comptime] copy: bool) {
     let i = ABSOLUTE_POS;
     if i >= len {

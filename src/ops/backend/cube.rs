@@ -1,4 +1,25 @@
 //! Tensor-primitive helpers of the CubeCL launch glue, shared by the MoE and KDA kernels.
+//!
+//! # Unchecked launches
+//!
+//! Every kernel of `kimi-burn-kernels` is launched with `launch_unchecked`: CubeCL's checked
+//! mode wraps each global-array access in a bounds test (a read past the buffer gives 0, a write
+//! is dropped) and bounds every loop, which cost 10–20% of the training step on lavapipe.
+//! Each kernel bounds its indices itself instead, and the launch sites keep to its contract:
+//!
+//! - units past the logical size exit (`terminate!`) or test every access (`load_f32`-style
+//!   guards, `lanes_below` in the grouped matmuls);
+//! - indices read from device data are checked where they are made: an expert index outside
+//!   `0..n` is a masked pair in `moe_block_ranks` and `moe_place`, `inv`'s `NONE` is tested
+//!   before every gather, the QB histogram clamps its bin as an integer (a NaN score included);
+//! - the host builds the tables the KDA kernels loop over (`chunk_tok`, `chunk_len`,
+//!   `seq_start`, `tok_seq`) from validated sequence offsets, and checks every shape first;
+//! - no kernel relies on an out-of-bounds read returning 0.
+//!
+//! CubeCL's own switch turns the checks back on for every launch, to chase a suspected
+//! out-of-bounds access: `check_mode = "enforce"` in the `[compilation]` table of a
+//! `cubecl.toml` in the working directory or one of its parents (or under `[cubecl.compilation]`
+//! in a `burn.toml`).
 
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::{cast, into_contiguous};

@@ -49,27 +49,30 @@ fn recurrent<R: CubeRuntime>(input: KdaKernelInput<CubeBackend<R, f32, i32, u32>
     let window = kkda::recurrent_window(kd, vt);
     if n * h * vd > 0 {
         for lo in (0..longest).step_by(window) {
-            kkda::kda_recurrent::launch::<R>(
-                &q.client,
-                per_row(&q, vd.div_ceil(vt) * n * h),
-                CubeDim::new_1d(vt as u32),
-                q.clone().into_array_arg(),
-                k.clone().into_array_arg(),
-                v.clone().into_array_arg(),
-                g.clone().into_array_arg(),
-                beta.clone().into_array_arg(),
-                starts.clone().into_array_arg(),
-                state.clone().into_array_arg(),
-                out.clone().into_array_arg(),
-                h,
-                vd.div_ceil(vt),
-                n * h,
-                vd,
-                lo,
-                window,
-                kd,
-                vt,
-            );
+            // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+            unsafe {
+                kkda::kda_recurrent::launch_unchecked::<R>(
+                    &q.client,
+                    per_row(&q, vd.div_ceil(vt) * n * h),
+                    CubeDim::new_1d(vt as u32),
+                    q.clone().into_array_arg(),
+                    k.clone().into_array_arg(),
+                    v.clone().into_array_arg(),
+                    g.clone().into_array_arg(),
+                    beta.clone().into_array_arg(),
+                    starts.clone().into_array_arg(),
+                    state.clone().into_array_arg(),
+                    out.clone().into_array_arg(),
+                    h,
+                    vd.div_ceil(vt),
+                    n * h,
+                    vd,
+                    lo,
+                    window,
+                    kd,
+                    vt,
+                )
+            };
         }
     }
     (out, state)
@@ -83,19 +86,22 @@ fn norm_forward<R: CubeRuntime>(o: T<R>, z: T<R>, weight: T<R>, eps: f64) -> T<R
     let [rows, cols] = dims2(&o);
     let y = empty(&o, [rows, cols], dtype);
     if rows * cols > 0 {
-        kkda::rms_norm_gated_forward::launch::<R>(
-            &o.client.clone(),
-            per_row(&o, rows),
-            CubeDim::new_1d(kkda::NORM_CUBE),
-            o.into_array_arg(),
-            z.into_array_arg(),
-            weight.into_array_arg(),
-            y.clone().into_array_arg(),
-            rows,
-            cols,
-            eps as f32,
-            dtype.into(),
-        );
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kkda::rms_norm_gated_forward::launch_unchecked::<R>(
+                &o.client.clone(),
+                per_row(&o, rows),
+                CubeDim::new_1d(kkda::NORM_CUBE),
+                o.into_array_arg(),
+                z.into_array_arg(),
+                weight.into_array_arg(),
+                y.clone().into_array_arg(),
+                rows,
+                cols,
+                eps as f32,
+                dtype.into(),
+            )
+        };
     }
     y
 }
@@ -120,35 +126,41 @@ fn norm_backward<R: CubeRuntime>(
     let dw = empty(&o, [cols], DType::F32);
     let client = o.client.clone();
     if rows * cols > 0 {
-        kkda::rms_norm_gated_backward::launch::<R>(
-            &client,
-            per_row(&o, rows),
-            CubeDim::new_1d(kkda::NORM_CUBE),
-            o.into_array_arg(),
-            z.into_array_arg(),
-            weight.into_array_arg(),
-            grad.into_array_arg(),
-            d_o.clone().into_array_arg(),
-            d_z.clone().into_array_arg(),
-            partial.clone().into_array_arg(),
-            rows,
-            cols,
-            eps as f32,
-            dtype.into(),
-        );
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kkda::rms_norm_gated_backward::launch_unchecked::<R>(
+                &client,
+                per_row(&o, rows),
+                CubeDim::new_1d(kkda::NORM_CUBE),
+                o.into_array_arg(),
+                z.into_array_arg(),
+                weight.into_array_arg(),
+                grad.into_array_arg(),
+                d_o.clone().into_array_arg(),
+                d_z.clone().into_array_arg(),
+                partial.clone().into_array_arg(),
+                rows,
+                cols,
+                eps as f32,
+                dtype.into(),
+            )
+        };
     }
     if cols > 0 {
         let dim = CubeDim::new(&client, cols);
         let rows_used = if rows * cols > 0 { rows } else { 0 };
-        kkda::column_sum::launch::<R>(
-            &client,
-            calculate_cube_count_elemwise(&client, cols, dim),
-            dim,
-            partial.into_array_arg(),
-            dw.clone().into_array_arg(),
-            rows_used,
-            cols,
-        );
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kkda::column_sum::launch_unchecked::<R>(
+                &client,
+                calculate_cube_count_elemwise(&client, cols, dim),
+                dim,
+                partial.into_array_arg(),
+                dw.clone().into_array_arg(),
+                rows_used,
+                cols,
+            )
+        };
     }
     (d_o, cast(d_z, z_dtype), cast(dw, w_dtype))
 }
@@ -197,25 +209,28 @@ fn short_conv_grad<R: CubeRuntime>(
     let units = (tokens + if has_tail { n * (width - 1) } else { 0 }) * channels;
     if units > 0 {
         let dim = CubeDim::new(&client, units);
-        kkda::short_conv_backward_input::launch::<R>(
-            &client,
-            calculate_cube_count_elemwise(&client, units, dim),
-            dim,
-            x.clone().into_array_arg(),
-            weight.clone().into_array_arg(),
-            tail.clone().into_array_arg(),
-            dy.clone().into_array_arg(),
-            tok_seq.clone().into_array_arg(),
-            starts.clone().into_array_arg(),
-            dx.clone().into_array_arg(),
-            dtail.clone().into_array_arg(),
-            tokens,
-            channels,
-            n,
-            width,
-            has_tail,
-            dtype.into(),
-        );
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kkda::short_conv_backward_input::launch_unchecked::<R>(
+                &client,
+                calculate_cube_count_elemwise(&client, units, dim),
+                dim,
+                x.clone().into_array_arg(),
+                weight.clone().into_array_arg(),
+                tail.clone().into_array_arg(),
+                dy.clone().into_array_arg(),
+                tok_seq.clone().into_array_arg(),
+                starts.clone().into_array_arg(),
+                dx.clone().into_array_arg(),
+                dtail.clone().into_array_arg(),
+                tokens,
+                channels,
+                n,
+                width,
+                has_tail,
+                dtype.into(),
+            )
+        };
     }
     let blocks = tokens.div_ceil(kkda::CONV_BLOCK);
     let partial = empty(&x, [blocks.max(1), channels * width], DType::F32);
@@ -223,36 +238,42 @@ fn short_conv_grad<R: CubeRuntime>(
     if blocks * channels > 0 {
         let units = blocks * channels;
         let dim = CubeDim::new(&client, units);
-        kkda::short_conv_backward_weight::launch::<R>(
-            &client,
-            calculate_cube_count_elemwise(&client, units, dim),
-            dim,
-            x.into_array_arg(),
-            weight.into_array_arg(),
-            tail.into_array_arg(),
-            dy.into_array_arg(),
-            tok_seq.into_array_arg(),
-            starts.into_array_arg(),
-            partial.clone().into_array_arg(),
-            tokens,
-            channels,
-            width,
-            has_tail,
-            dtype.into(),
-        );
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kkda::short_conv_backward_weight::launch_unchecked::<R>(
+                &client,
+                calculate_cube_count_elemwise(&client, units, dim),
+                dim,
+                x.into_array_arg(),
+                weight.into_array_arg(),
+                tail.into_array_arg(),
+                dy.into_array_arg(),
+                tok_seq.into_array_arg(),
+                starts.into_array_arg(),
+                partial.clone().into_array_arg(),
+                tokens,
+                channels,
+                width,
+                has_tail,
+                dtype.into(),
+            )
+        };
     }
     let cols = channels * width;
     if cols > 0 {
         let dim = CubeDim::new(&client, cols);
-        kkda::column_sum::launch::<R>(
-            &client,
-            calculate_cube_count_elemwise(&client, cols, dim),
-            dim,
-            partial.into_array_arg(),
-            dw.clone().into_array_arg(),
-            if blocks * channels > 0 { blocks } else { 0 },
-            cols,
-        );
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kkda::column_sum::launch_unchecked::<R>(
+                &client,
+                calculate_cube_count_elemwise(&client, cols, dim),
+                dim,
+                partial.into_array_arg(),
+                dw.clone().into_array_arg(),
+                if blocks * channels > 0 { blocks } else { 0 },
+                cols,
+            )
+        };
     }
     (dx, cast(dw, w_dtype), tail_dtype.map(|d| cast(dtail, d)))
 }
@@ -279,40 +300,46 @@ fn short_conv<R: CubeRuntime>(
         let tok_seq = token_sequences(&x, seq_starts);
         let units = tokens * channels;
         let dim = CubeDim::new(&client, units);
-        kkda::short_conv_forward::launch::<R>(
-            &client,
-            calculate_cube_count_elemwise(&client, units, dim),
-            dim,
-            x.clone().into_array_arg(),
-            weight.into_array_arg(),
-            tail.clone().into_array_arg(),
-            tok_seq.into_array_arg(),
-            starts.clone().into_array_arg(),
-            y.clone().into_array_arg(),
-            tokens,
-            channels,
-            width,
-            has_tail,
-            dtype.into(),
-        );
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kkda::short_conv_forward::launch_unchecked::<R>(
+                &client,
+                calculate_cube_count_elemwise(&client, units, dim),
+                dim,
+                x.clone().into_array_arg(),
+                weight.into_array_arg(),
+                tail.clone().into_array_arg(),
+                tok_seq.into_array_arg(),
+                starts.clone().into_array_arg(),
+                y.clone().into_array_arg(),
+                tokens,
+                channels,
+                width,
+                has_tail,
+                dtype.into(),
+            )
+        };
     }
     let units = n * channels * (width - 1);
     if units > 0 {
         let dim = CubeDim::new(&client, units);
-        kkda::short_conv_tail::launch::<R>(
-            &client,
-            calculate_cube_count_elemwise(&client, units, dim),
-            dim,
-            x.into_array_arg(),
-            tail.into_array_arg(),
-            starts.into_array_arg(),
-            new_tail.clone().into_array_arg(),
-            n,
-            channels,
-            width,
-            has_tail,
-            dtype.into(),
-        );
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kkda::short_conv_tail::launch_unchecked::<R>(
+                &client,
+                calculate_cube_count_elemwise(&client, units, dim),
+                dim,
+                x.into_array_arg(),
+                tail.into_array_arg(),
+                starts.into_array_arg(),
+                new_tail.clone().into_array_arg(),
+                n,
+                channels,
+                width,
+                has_tail,
+                dtype.into(),
+            )
+        };
     }
     (y, new_tail)
 }

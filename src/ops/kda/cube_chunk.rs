@@ -54,15 +54,18 @@ pub(super) fn state_buffer<R: CubeRuntime>(
         None => f32_scalar(like, 0.0),
     };
     let dim = CubeDim::new(&like.client, len);
-    kkda::init_state::launch::<R>(
-        &like.client,
-        calculate_cube_count_elemwise(&like.client, len, dim),
-        dim,
-        src.into_array_arg(),
-        out.clone().into_array_arg(),
-        len,
-        copy,
-    );
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kkda::init_state::launch_unchecked::<R>(
+            &like.client,
+            calculate_cube_count_elemwise(&like.client, len, dim),
+            dim,
+            src.into_array_arg(),
+            out.clone().into_array_arg(),
+            len,
+            copy,
+        )
+    };
     out
 }
 
@@ -204,68 +207,77 @@ fn prepare<R: CubeRuntime>(input: &Input<R>, chunk: usize) -> Option<Work<R>> {
     };
     let client = work.q.client.clone();
     let (count, dim) = work.elemwise(chunks * h * kd);
-    kkda::kda_chunk_gates::launch::<R>(
-        &client,
-        count,
-        dim,
-        work.q.clone().into_array_arg(),
-        work.k.clone().into_array_arg(),
-        work.g.clone().into_array_arg(),
-        work.tok.clone().into_array_arg(),
-        work.len.clone().into_array_arg(),
-        work.qe.clone().into_array_arg(),
-        work.we.clone().into_array_arg(),
-        work.ke.clone().into_array_arg(),
-        work.qp.clone().into_array_arg(),
-        work.kp.clone().into_array_arg(),
-        work.ks.clone().into_array_arg(),
-        work.decay.clone().into_array_arg(),
-        work.sub_decay.clone().into_array_arg(),
-        chunks,
-        h,
-        kd,
-        chunk,
-    );
-    kkda::kda_chunk_intra::launch::<R>(
-        &client,
-        per_row(&work.q, chunks * h),
-        CubeDim::new_1d(kkda::INTRA_CUBE),
-        work.q.clone().into_array_arg(),
-        work.k.clone().into_array_arg(),
-        work.g.clone().into_array_arg(),
-        work.beta.clone().into_array_arg(),
-        work.qp.clone().into_array_arg(),
-        work.kp.clone().into_array_arg(),
-        work.ks.clone().into_array_arg(),
-        work.sub_decay.clone().into_array_arg(),
-        work.tok.clone().into_array_arg(),
-        work.len.clone().into_array_arg(),
-        work.a_qk.clone().into_array_arg(),
-        work.a_kk.clone().into_array_arg(),
-        chunks,
-        h,
-        kd,
-        chunk,
-    );
-    kkda::kda_chunk_solve::launch::<R>(
-        &client,
-        solve_grid(&work.q, solve_blocks(kd + vd), chunks * h),
-        CubeDim::new_1d(kkda::SOLVE_CUBE),
-        work.we.clone().into_array_arg(),
-        work.v.clone().into_array_arg(),
-        work.beta.clone().into_array_arg(),
-        work.a_kk.clone().into_array_arg(),
-        work.tok.clone().into_array_arg(),
-        work.len.clone().into_array_arg(),
-        work.w.clone().into_array_arg(),
-        work.u.clone().into_array_arg(),
-        chunks,
-        h,
-        solve_blocks(kd + vd),
-        kd,
-        vd,
-        chunk,
-    );
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kkda::kda_chunk_gates::launch_unchecked::<R>(
+            &client,
+            count,
+            dim,
+            work.q.clone().into_array_arg(),
+            work.k.clone().into_array_arg(),
+            work.g.clone().into_array_arg(),
+            work.tok.clone().into_array_arg(),
+            work.len.clone().into_array_arg(),
+            work.qe.clone().into_array_arg(),
+            work.we.clone().into_array_arg(),
+            work.ke.clone().into_array_arg(),
+            work.qp.clone().into_array_arg(),
+            work.kp.clone().into_array_arg(),
+            work.ks.clone().into_array_arg(),
+            work.decay.clone().into_array_arg(),
+            work.sub_decay.clone().into_array_arg(),
+            chunks,
+            h,
+            kd,
+            chunk,
+        )
+    };
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kkda::kda_chunk_intra::launch_unchecked::<R>(
+            &client,
+            per_row(&work.q, chunks * h),
+            CubeDim::new_1d(kkda::INTRA_CUBE),
+            work.q.clone().into_array_arg(),
+            work.k.clone().into_array_arg(),
+            work.g.clone().into_array_arg(),
+            work.beta.clone().into_array_arg(),
+            work.qp.clone().into_array_arg(),
+            work.kp.clone().into_array_arg(),
+            work.ks.clone().into_array_arg(),
+            work.sub_decay.clone().into_array_arg(),
+            work.tok.clone().into_array_arg(),
+            work.len.clone().into_array_arg(),
+            work.a_qk.clone().into_array_arg(),
+            work.a_kk.clone().into_array_arg(),
+            chunks,
+            h,
+            kd,
+            chunk,
+        )
+    };
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kkda::kda_chunk_solve::launch_unchecked::<R>(
+            &client,
+            solve_grid(&work.q, solve_blocks(kd + vd), chunks * h),
+            CubeDim::new_1d(kkda::SOLVE_CUBE),
+            work.we.clone().into_array_arg(),
+            work.v.clone().into_array_arg(),
+            work.beta.clone().into_array_arg(),
+            work.a_kk.clone().into_array_arg(),
+            work.tok.clone().into_array_arg(),
+            work.len.clone().into_array_arg(),
+            work.w.clone().into_array_arg(),
+            work.u.clone().into_array_arg(),
+            chunks,
+            h,
+            solve_blocks(kd + vd),
+            kd,
+            vd,
+            chunk,
+        )
+    };
     Some(work)
 }
 
@@ -310,49 +322,55 @@ pub(super) fn forward<R: CubeRuntime>(
     let vt = work.vt();
     let window = kkda::chunk_state_window(kd, vt, chunk);
     for lo in (0..work.longest).step_by(window) {
-        kkda::kda_chunk_state::launch::<R>(
-            &client,
-            per_row(&work.q, vd.div_ceil(vt) * n * h),
-            CubeDim::new_1d(kkda::STATE_CUBE),
-            work.ke.clone().into_array_arg(),
-            work.decay.clone().into_array_arg(),
-            work.w.clone().into_array_arg(),
-            work.u.clone().into_array_arg(),
-            work.tok.clone().into_array_arg(),
-            work.len.clone().into_array_arg(),
-            work.seq_chunk.clone().into_array_arg(),
-            state.clone().into_array_arg(),
-            states.clone().into_array_arg(),
-            vn.clone().into_array_arg(),
-            h,
-            vd.div_ceil(vt),
-            n * h,
-            vd,
-            lo,
-            window,
-            kd,
-            vt,
-            chunk,
-        );
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kkda::kda_chunk_state::launch_unchecked::<R>(
+                &client,
+                per_row(&work.q, vd.div_ceil(vt) * n * h),
+                CubeDim::new_1d(kkda::STATE_CUBE),
+                work.ke.clone().into_array_arg(),
+                work.decay.clone().into_array_arg(),
+                work.w.clone().into_array_arg(),
+                work.u.clone().into_array_arg(),
+                work.tok.clone().into_array_arg(),
+                work.len.clone().into_array_arg(),
+                work.seq_chunk.clone().into_array_arg(),
+                state.clone().into_array_arg(),
+                states.clone().into_array_arg(),
+                vn.clone().into_array_arg(),
+                h,
+                vd.div_ceil(vt),
+                n * h,
+                vd,
+                lo,
+                window,
+                kd,
+                vt,
+                chunk,
+            )
+        };
     }
     let (count, dim) = work.elemwise(chunks * h * chunk * vd);
-    kkda::kda_chunk_output::launch::<R>(
-        &client,
-        count,
-        dim,
-        work.qe.clone().into_array_arg(),
-        work.a_qk.clone().into_array_arg(),
-        states.clone().into_array_arg(),
-        vn.clone().into_array_arg(),
-        work.tok.clone().into_array_arg(),
-        work.len.clone().into_array_arg(),
-        out.clone().into_array_arg(),
-        chunks,
-        h,
-        vd,
-        kd,
-        chunk,
-    );
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kkda::kda_chunk_output::launch_unchecked::<R>(
+            &client,
+            count,
+            dim,
+            work.qe.clone().into_array_arg(),
+            work.a_qk.clone().into_array_arg(),
+            states.clone().into_array_arg(),
+            vn.clone().into_array_arg(),
+            work.tok.clone().into_array_arg(),
+            work.len.clone().into_array_arg(),
+            out.clone().into_array_arg(),
+            chunks,
+            h,
+            vd,
+            kd,
+            chunk,
+        )
+    };
     (out, state, save.then_some((states, vn)))
 }
 
@@ -401,32 +419,35 @@ pub(super) fn backward<R: CubeRuntime>(
     let vt = work.vt();
     let window = kkda::chunk_state_window(kd, vt, chunk);
     for lo in (0..work.longest).step_by(window) {
-        kkda::kda_chunk_state_backward::launch::<R>(
-            &client,
-            per_row(&work.q, vd.div_ceil(vt) * n * h),
-            CubeDim::new_1d(kkda::STATE_CUBE),
-            work.qe.clone().into_array_arg(),
-            work.ke.clone().into_array_arg(),
-            work.decay.clone().into_array_arg(),
-            work.w.clone().into_array_arg(),
-            work.a_qk.clone().into_array_arg(),
-            grad_o.clone().into_array_arg(),
-            work.tok.clone().into_array_arg(),
-            work.len.clone().into_array_arg(),
-            work.seq_chunk.clone().into_array_arg(),
-            d_state.clone().into_array_arg(),
-            d_after.clone().into_array_arg(),
-            d_vn.clone().into_array_arg(),
-            h,
-            vd.div_ceil(vt),
-            n * h,
-            vd,
-            lo,
-            window,
-            kd,
-            vt,
-            chunk,
-        );
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kkda::kda_chunk_state_backward::launch_unchecked::<R>(
+                &client,
+                per_row(&work.q, vd.div_ceil(vt) * n * h),
+                CubeDim::new_1d(kkda::STATE_CUBE),
+                work.qe.clone().into_array_arg(),
+                work.ke.clone().into_array_arg(),
+                work.decay.clone().into_array_arg(),
+                work.w.clone().into_array_arg(),
+                work.a_qk.clone().into_array_arg(),
+                grad_o.clone().into_array_arg(),
+                work.tok.clone().into_array_arg(),
+                work.len.clone().into_array_arg(),
+                work.seq_chunk.clone().into_array_arg(),
+                d_state.clone().into_array_arg(),
+                d_after.clone().into_array_arg(),
+                d_vn.clone().into_array_arg(),
+                h,
+                vd.div_ceil(vt),
+                n * h,
+                vd,
+                lo,
+                window,
+                kd,
+                vt,
+                chunk,
+            )
+        };
     }
 
     // Per-chunk products with the states.
@@ -435,164 +456,185 @@ pub(super) fn backward<R: CubeRuntime>(
     let dw = work.scratch(vec![chunks, h, chunk, kd]);
     let ddecay = work.scratch(vec![chunks, h, kd]);
     let (count, dim) = work.elemwise(chunks * h * chunk * kd);
-    kkda::kda_chunk_state_products::launch::<R>(
-        &client,
-        count,
-        dim,
-        grad_o.clone().into_array_arg(),
-        states.into_array_arg(),
-        d_after.into_array_arg(),
-        vn.clone().into_array_arg(),
-        d_vn.clone().into_array_arg(),
-        work.tok.clone().into_array_arg(),
-        work.len.clone().into_array_arg(),
-        dqe.clone().into_array_arg(),
-        dw.clone().into_array_arg(),
-        dke.clone().into_array_arg(),
-        ddecay.clone().into_array_arg(),
-        chunks,
-        h,
-        vd,
-        kd,
-        chunk,
-    );
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kkda::kda_chunk_state_products::launch_unchecked::<R>(
+            &client,
+            count,
+            dim,
+            grad_o.clone().into_array_arg(),
+            states.into_array_arg(),
+            d_after.into_array_arg(),
+            vn.clone().into_array_arg(),
+            d_vn.clone().into_array_arg(),
+            work.tok.clone().into_array_arg(),
+            work.len.clone().into_array_arg(),
+            dqe.clone().into_array_arg(),
+            dw.clone().into_array_arg(),
+            dke.clone().into_array_arg(),
+            ddecay.clone().into_array_arg(),
+            chunks,
+            h,
+            vd,
+            kd,
+            chunk,
+        )
+    };
     let d_aqk = work.scratch(vec![chunks, h, chunk, chunk]);
     let (count, dim) = work.elemwise(chunks * h * chunk * chunk);
-    kkda::kda_chunk_aqk_backward::launch::<R>(
-        &client,
-        count,
-        dim,
-        grad_o.into_array_arg(),
-        vn.into_array_arg(),
-        work.tok.clone().into_array_arg(),
-        work.len.clone().into_array_arg(),
-        d_aqk.clone().into_array_arg(),
-        chunks,
-        h,
-        vd,
-        chunk,
-    );
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kkda::kda_chunk_aqk_backward::launch_unchecked::<R>(
+            &client,
+            count,
+            dim,
+            grad_o.into_array_arg(),
+            vn.into_array_arg(),
+            work.tok.clone().into_array_arg(),
+            work.len.clone().into_array_arg(),
+            d_aqk.clone().into_array_arg(),
+            chunks,
+            h,
+            vd,
+            chunk,
+        )
+    };
 
     // Through the triangular solve.
     let zw = work.scratch(vec![chunks, h, chunk, kd]);
     let zu = work.scratch(vec![chunks, h, chunk, vd]);
-    kkda::kda_chunk_solve_backward::launch::<R>(
-        &client,
-        solve_grid(&work.q, solve_blocks(kd + vd), chunks * h),
-        CubeDim::new_1d(kkda::SOLVE_CUBE),
-        work.a_kk.clone().into_array_arg(),
-        dw.into_array_arg(),
-        d_vn.into_array_arg(),
-        work.len.clone().into_array_arg(),
-        zw.clone().into_array_arg(),
-        zu.clone().into_array_arg(),
-        chunks,
-        h,
-        solve_blocks(kd + vd),
-        kd,
-        vd,
-        chunk,
-    );
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kkda::kda_chunk_solve_backward::launch_unchecked::<R>(
+            &client,
+            solve_grid(&work.q, solve_blocks(kd + vd), chunks * h),
+            CubeDim::new_1d(kkda::SOLVE_CUBE),
+            work.a_kk.clone().into_array_arg(),
+            dw.into_array_arg(),
+            d_vn.into_array_arg(),
+            work.len.clone().into_array_arg(),
+            zw.clone().into_array_arg(),
+            zu.clone().into_array_arg(),
+            chunks,
+            h,
+            solve_blocks(kd + vd),
+            kd,
+            vd,
+            chunk,
+        )
+    };
     let d_akk = work.scratch(vec![chunks, h, chunk, chunk]);
     let (count, dim) = work.elemwise(chunks * h * chunk * chunk);
-    kkda::kda_chunk_akk_backward::launch::<R>(
-        &client,
-        count,
-        dim,
-        zw.clone().into_array_arg(),
-        zu.clone().into_array_arg(),
-        work.w.clone().into_array_arg(),
-        work.u.clone().into_array_arg(),
-        work.len.clone().into_array_arg(),
-        d_akk.clone().into_array_arg(),
-        chunks,
-        h,
-        kd,
-        vd,
-        chunk,
-    );
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kkda::kda_chunk_akk_backward::launch_unchecked::<R>(
+            &client,
+            count,
+            dim,
+            zw.clone().into_array_arg(),
+            zu.clone().into_array_arg(),
+            work.w.clone().into_array_arg(),
+            work.u.clone().into_array_arg(),
+            work.len.clone().into_array_arg(),
+            d_akk.clone().into_array_arg(),
+            chunks,
+            h,
+            kd,
+            vd,
+            chunk,
+        )
+    };
 
     // Through the within-chunk matrices and the gate factors.
     let rq = work.scratch(vec![tokens, h, kd]);
     let rk = work.scratch(vec![tokens, h, kd]);
     let cc = work.scratch(vec![tokens, h, kd]);
     let (count, dim) = work.elemwise(chunks * h * chunk * kd);
-    kkda::kda_chunk_intra_backward::launch::<R>(
-        &client,
-        count,
-        dim,
-        work.q.clone().into_array_arg(),
-        work.k.clone().into_array_arg(),
-        work.g.clone().into_array_arg(),
-        work.beta.clone().into_array_arg(),
-        work.qp.clone().into_array_arg(),
-        work.kp.clone().into_array_arg(),
-        work.ks.clone().into_array_arg(),
-        work.sub_decay.clone().into_array_arg(),
-        d_aqk.into_array_arg(),
-        d_akk.into_array_arg(),
-        work.tok.clone().into_array_arg(),
-        work.len.clone().into_array_arg(),
-        rq.clone().into_array_arg(),
-        rk.clone().into_array_arg(),
-        cc.clone().into_array_arg(),
-        chunks,
-        h,
-        kd,
-        chunk,
-    );
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kkda::kda_chunk_intra_backward::launch_unchecked::<R>(
+            &client,
+            count,
+            dim,
+            work.q.clone().into_array_arg(),
+            work.k.clone().into_array_arg(),
+            work.g.clone().into_array_arg(),
+            work.beta.clone().into_array_arg(),
+            work.qp.clone().into_array_arg(),
+            work.kp.clone().into_array_arg(),
+            work.ks.clone().into_array_arg(),
+            work.sub_decay.clone().into_array_arg(),
+            d_aqk.into_array_arg(),
+            d_akk.into_array_arg(),
+            work.tok.clone().into_array_arg(),
+            work.len.clone().into_array_arg(),
+            rq.clone().into_array_arg(),
+            rk.clone().into_array_arg(),
+            cc.clone().into_array_arg(),
+            chunks,
+            h,
+            kd,
+            chunk,
+        )
+    };
     let dq = work.scratch(vec![b, t, h, kd]);
     let dk = work.scratch(vec![b, t, h, kd]);
     let dg = work.scratch(vec![b, t, h, kd]);
     let (count, dim) = work.elemwise(chunks * h * kd);
-    kkda::kda_chunk_gates_backward::launch::<R>(
-        &client,
-        count,
-        dim,
-        work.q.clone().into_array_arg(),
-        work.k.clone().into_array_arg(),
-        work.g.clone().into_array_arg(),
-        work.beta.clone().into_array_arg(),
-        rq.into_array_arg(),
-        rk.clone().into_array_arg(),
-        cc.into_array_arg(),
-        dqe.into_array_arg(),
-        zw.clone().into_array_arg(),
-        dke.into_array_arg(),
-        ddecay.into_array_arg(),
-        work.tok.clone().into_array_arg(),
-        work.len.clone().into_array_arg(),
-        dq.clone().into_array_arg(),
-        dk.clone().into_array_arg(),
-        dg.clone().into_array_arg(),
-        chunks,
-        h,
-        kd,
-        chunk,
-    );
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kkda::kda_chunk_gates_backward::launch_unchecked::<R>(
+            &client,
+            count,
+            dim,
+            work.q.clone().into_array_arg(),
+            work.k.clone().into_array_arg(),
+            work.g.clone().into_array_arg(),
+            work.beta.clone().into_array_arg(),
+            rq.into_array_arg(),
+            rk.clone().into_array_arg(),
+            cc.into_array_arg(),
+            dqe.into_array_arg(),
+            zw.clone().into_array_arg(),
+            dke.into_array_arg(),
+            ddecay.into_array_arg(),
+            work.tok.clone().into_array_arg(),
+            work.len.clone().into_array_arg(),
+            dq.clone().into_array_arg(),
+            dk.clone().into_array_arg(),
+            dg.clone().into_array_arg(),
+            chunks,
+            h,
+            kd,
+            chunk,
+        )
+    };
     let dbeta = work.scratch(vec![b, t, h]);
     let dv = work.scratch(vec![b, t, h, vd]);
     let (count, dim) = work.elemwise(chunks * h * chunk);
-    kkda::kda_chunk_rows_backward::launch::<R>(
-        &client,
-        count,
-        dim,
-        work.k.clone().into_array_arg(),
-        work.v.clone().into_array_arg(),
-        work.beta.clone().into_array_arg(),
-        work.we.clone().into_array_arg(),
-        rk.into_array_arg(),
-        zw.into_array_arg(),
-        zu.into_array_arg(),
-        work.tok.clone().into_array_arg(),
-        work.len.clone().into_array_arg(),
-        dbeta.clone().into_array_arg(),
-        dv.clone().into_array_arg(),
-        chunks,
-        h,
-        kd,
-        vd,
-        chunk,
-    );
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kkda::kda_chunk_rows_backward::launch_unchecked::<R>(
+            &client,
+            count,
+            dim,
+            work.k.clone().into_array_arg(),
+            work.v.clone().into_array_arg(),
+            work.beta.clone().into_array_arg(),
+            work.we.clone().into_array_arg(),
+            rk.into_array_arg(),
+            zw.into_array_arg(),
+            zu.into_array_arg(),
+            work.tok.clone().into_array_arg(),
+            work.len.clone().into_array_arg(),
+            dbeta.clone().into_array_arg(),
+            dv.clone().into_array_arg(),
+            chunks,
+            h,
+            kd,
+            vd,
+            chunk,
+        )
+    };
     [dq, dk, dv, dg, dbeta, d_state]
 }

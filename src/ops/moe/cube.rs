@@ -85,23 +85,26 @@ fn situ_forward<R: CubeRuntime>(
     let (mode, b1, b2) = activation_params(act);
     let (count, dim) = elementwise(&gate, len);
     let dtype = gate.dtype;
-    ksitu::situ_glu_forward::launch::<R>(
-        &gate.client.clone(),
-        count,
-        dim,
-        vs,
-        gate.into_array_arg(),
-        up.into_array_arg(),
-        weight.into_array_arg(),
-        out.clone().into_array_arg(),
-        len,
-        h / vs,
-        b1,
-        b2,
-        mode,
-        weighted,
-        dtype.into(),
-    );
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        ksitu::situ_glu_forward::launch_unchecked::<R>(
+            &gate.client.clone(),
+            count,
+            dim,
+            vs,
+            gate.into_array_arg(),
+            up.into_array_arg(),
+            weight.into_array_arg(),
+            out.clone().into_array_arg(),
+            len,
+            h / vs,
+            b1,
+            b2,
+            mode,
+            weighted,
+            dtype.into(),
+        )
+    };
     out
 }
 
@@ -130,22 +133,25 @@ fn situ_backward<R: CubeRuntime>(
             let len = rows * h / vs;
             if len > 0 {
                 let (count, dim) = elementwise(&gate, len);
-                ksitu::situ_glu_backward::launch::<R>(
-                    &client,
-                    count,
-                    dim,
-                    vs,
-                    gate.into_array_arg(),
-                    up.into_array_arg(),
-                    grad.into_array_arg(),
-                    dgate.clone().into_array_arg(),
-                    dup.clone().into_array_arg(),
-                    len,
-                    b1,
-                    b2,
-                    mode,
-                    dtype.into(),
-                );
+                // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+                unsafe {
+                    ksitu::situ_glu_backward::launch_unchecked::<R>(
+                        &client,
+                        count,
+                        dim,
+                        vs,
+                        gate.into_array_arg(),
+                        up.into_array_arg(),
+                        grad.into_array_arg(),
+                        dgate.clone().into_array_arg(),
+                        dup.clone().into_array_arg(),
+                        len,
+                        b1,
+                        b2,
+                        mode,
+                        dtype.into(),
+                    )
+                };
             }
             (dgate, dup, None)
         }
@@ -154,26 +160,29 @@ fn situ_backward<R: CubeRuntime>(
             let dw = empty(&gate, [rows], DType::F32);
             if rows > 0 {
                 let count = per_row(&gate, rows);
-                ksitu::situ_glu_backward_weighted::launch::<R>(
-                    &client,
-                    count,
-                    CubeDim::new_1d(ROW_CUBE),
-                    vs,
-                    gate.into_array_arg(),
-                    up.into_array_arg(),
-                    grad.into_array_arg(),
-                    w.into_array_arg(),
-                    dgate.clone().into_array_arg(),
-                    dup.clone().into_array_arg(),
-                    dw.clone().into_array_arg(),
-                    rows,
-                    h / vs,
-                    b1,
-                    b2,
-                    mode,
-                    ROW_CUBE,
-                    dtype.into(),
-                );
+                // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+                unsafe {
+                    ksitu::situ_glu_backward_weighted::launch_unchecked::<R>(
+                        &client,
+                        count,
+                        CubeDim::new_1d(ROW_CUBE),
+                        vs,
+                        gate.into_array_arg(),
+                        up.into_array_arg(),
+                        grad.into_array_arg(),
+                        w.into_array_arg(),
+                        dgate.clone().into_array_arg(),
+                        dup.clone().into_array_arg(),
+                        dw.clone().into_array_arg(),
+                        rows,
+                        h / vs,
+                        b1,
+                        b2,
+                        mode,
+                        ROW_CUBE,
+                        dtype.into(),
+                    )
+                };
             }
             (dgate, dup, Some(dw))
         }
@@ -199,7 +208,15 @@ fn route<R: CubeRuntime>(
     };
     let (counts, lo, scale, bins) = match histogram {
         Some(spec) => (
-            zeros_u32_shaped(&scores, Shape::new([n, spec.bins])),
+            // The host balancer rejects this too (`quantile_bias_from_histogram`); checked
+            // here because the kernel's last-bin clamp needs one bin.
+            {
+                assert!(
+                    spec.bins > 0,
+                    "route: a QB histogram needs at least one bin"
+                );
+                zeros_u32_shaped(&scores, Shape::new([n, spec.bins]))
+            },
             spec.lo,
             spec.scale(),
             spec.bins,
@@ -208,26 +225,29 @@ fn route<R: CubeRuntime>(
     };
     if m > 0 {
         let (count, dim) = elementwise(&scores, m);
-        kqb::route_top_k::launch::<R>(
-            &scores.client.clone(),
-            count,
-            dim,
-            scores.into_array_arg(),
-            bias.into_array_arg(),
-            valid.into_array_arg(),
-            indices.clone().into_array_arg(),
-            counts.clone().into_array_arg(),
-            m,
-            n,
-            lo,
-            scale,
-            bins as u32,
-            k,
-            true,
-            histogram.is_some(),
-            masked,
-            index_dtype.into(),
-        );
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kqb::route_top_k::launch_unchecked::<R>(
+                &scores.client.clone(),
+                count,
+                dim,
+                scores.into_array_arg(),
+                bias.into_array_arg(),
+                valid.into_array_arg(),
+                indices.clone().into_array_arg(),
+                counts.clone().into_array_arg(),
+                m,
+                n,
+                lo,
+                scale,
+                bins as u32,
+                k,
+                true,
+                histogram.is_some(),
+                masked,
+                index_dtype.into(),
+            )
+        };
     }
     (indices, histogram.map(|_| counts))
 }
@@ -271,62 +291,74 @@ fn plan<R: CubeRuntime>(indices: T<R>, valid: Option<T<R>>, weights: T<R>, n: us
     let client = indices.client.clone();
     let idx_dtype = indices.dtype;
     if pairs > 0 {
-        kmoe::moe_block_ranks::launch::<R>(
-            &client,
-            per_row(&indices, blocks),
-            CubeDim::new_1d(kmoe::PLAN_BLOCK),
-            indices.clone().into_array_arg(),
-            valid.clone().into_array_arg(),
-            local_rank.clone().into_array_arg(),
-            block_counts.clone().into_array_arg(),
-            pairs,
-            k,
-            n,
-            masked,
-            idx_dtype.into(),
-        );
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kmoe::moe_block_ranks::launch_unchecked::<R>(
+                &client,
+                per_row(&indices, blocks),
+                CubeDim::new_1d(kmoe::PLAN_BLOCK),
+                indices.clone().into_array_arg(),
+                valid.clone().into_array_arg(),
+                local_rank.clone().into_array_arg(),
+                block_counts.clone().into_array_arg(),
+                pairs,
+                k,
+                n,
+                masked,
+                idx_dtype.into(),
+            )
+        };
     }
     let (count, dim) = elementwise(&indices, n);
-    kmoe::moe_block_scan::launch::<R>(
-        &client,
-        count,
-        dim,
-        block_counts.into_array_arg(),
-        block_base.clone().into_array_arg(),
-        totals.clone().into_array_arg(),
-        blocks,
-        n,
-    );
-    kmoe::moe_offsets::launch::<R>(
-        &client,
-        CubeCount::new_single(),
-        CubeDim::new_1d(1),
-        totals.into_array_arg(),
-        offsets.clone().into_array_arg(),
-        tile_offsets.clone().into_array_arg(),
-        n,
-    );
-    if pairs > 0 {
-        let (count, dim) = elementwise(&indices, pairs);
-        kmoe::moe_place::launch::<R>(
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kmoe::moe_block_scan::launch_unchecked::<R>(
             &client,
             count,
             dim,
-            indices.into_array_arg(),
-            valid.into_array_arg(),
-            weights.into_array_arg(),
-            local_rank.into_array_arg(),
-            block_base.into_array_arg(),
-            offsets.clone().into_array_arg(),
-            sorted_token.clone().into_array_arg(),
-            sorted_weight.clone().into_array_arg(),
-            inv.clone().into_array_arg(),
-            pairs,
-            k,
+            block_counts.into_array_arg(),
+            block_base.clone().into_array_arg(),
+            totals.clone().into_array_arg(),
+            blocks,
             n,
-            masked,
-            idx_dtype.into(),
-        );
+        )
+    };
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kmoe::moe_offsets::launch_unchecked::<R>(
+            &client,
+            CubeCount::new_single(),
+            CubeDim::new_1d(1),
+            totals.into_array_arg(),
+            offsets.clone().into_array_arg(),
+            tile_offsets.clone().into_array_arg(),
+            n,
+        )
+    };
+    if pairs > 0 {
+        let (count, dim) = elementwise(&indices, pairs);
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kmoe::moe_place::launch_unchecked::<R>(
+                &client,
+                count,
+                dim,
+                indices.into_array_arg(),
+                valid.into_array_arg(),
+                weights.into_array_arg(),
+                local_rank.into_array_arg(),
+                block_base.into_array_arg(),
+                offsets.clone().into_array_arg(),
+                sorted_token.clone().into_array_arg(),
+                sorted_weight.clone().into_array_arg(),
+                inv.clone().into_array_arg(),
+                pairs,
+                k,
+                n,
+                masked,
+                idx_dtype.into(),
+            )
+        };
     }
     Plan {
         sorted_token,
@@ -529,37 +561,40 @@ fn launch_grouped<R: CubeRuntime>(
     let mut base = 0u32;
     while base < tiles {
         let x = (tiles - base).min(max_x);
-        kmoe::grouped_matmul::launch::<R>(
-            &a.client,
-            CubeCount::Static(x, col_tiles, 1),
-            CubeDim::new_2d(kmoe::GMM_CUBE, kmoe::GMM_CUBE),
-            a.clone().into_array_arg(),
-            w.clone().into_array_arg(),
-            w3.clone().into_array_arg(),
-            plan.sorted_token.clone().into_array_arg(),
-            plan.offsets.clone().into_array_arg(),
-            plan.tile_offsets.clone().into_array_arg(),
-            weight.clone().into_array_arg(),
-            out.clone().into_array_arg(),
-            gate.clone().into_array_arg(),
-            up.clone().into_array_arg(),
-            hidden.clone().into_array_arg(),
-            act.clone().into_array_arg(),
-            dp.clone().into_array_arg(),
-            base,
-            plan.n,
-            kdim,
-            cols,
-            b1,
-            b2,
-            mode.gather,
-            mode.transposed,
-            mode.accumulate,
-            epilogue,
-            act_mode,
-            save,
-            a.dtype.into(),
-        );
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kmoe::grouped_matmul::launch_unchecked::<R>(
+                &a.client,
+                CubeCount::Static(x, col_tiles, 1),
+                CubeDim::new_2d(kmoe::GMM_CUBE, kmoe::GMM_CUBE),
+                a.clone().into_array_arg(),
+                w.clone().into_array_arg(),
+                w3.clone().into_array_arg(),
+                plan.sorted_token.clone().into_array_arg(),
+                plan.offsets.clone().into_array_arg(),
+                plan.tile_offsets.clone().into_array_arg(),
+                weight.clone().into_array_arg(),
+                out.clone().into_array_arg(),
+                gate.clone().into_array_arg(),
+                up.clone().into_array_arg(),
+                hidden.clone().into_array_arg(),
+                act.clone().into_array_arg(),
+                dp.clone().into_array_arg(),
+                base,
+                plan.n,
+                kdim,
+                cols,
+                b1,
+                b2,
+                mode.gather,
+                mode.transposed,
+                mode.accumulate,
+                epilogue,
+                act_mode,
+                save,
+                a.dtype.into(),
+            )
+        };
         base += x;
     }
 }
@@ -578,25 +613,28 @@ fn grouped_wgrad<R: CubeRuntime>(
     let out = empty(a, [plan.n, adim, bdim], a.dtype);
     if plan.n * adim * bdim > 0 {
         let tile = kmoe::TILE as usize;
-        kmoe::grouped_matmul_wgrad::launch::<R>(
-            &a.client,
-            CubeCount::Static(
-                adim.div_ceil(tile) as u32,
-                bdim.div_ceil(tile) as u32,
-                plan.n as u32,
-            ),
-            CubeDim::new_2d(kmoe::GMM_CUBE, kmoe::GMM_CUBE),
-            a.clone().into_array_arg(),
-            b.into_array_arg(),
-            plan.sorted_token.clone().into_array_arg(),
-            plan.offsets.clone().into_array_arg(),
-            out.clone().into_array_arg(),
-            adim,
-            bdim,
-            gather.0,
-            gather.1,
-            a.dtype.into(),
-        );
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kmoe::grouped_matmul_wgrad::launch_unchecked::<R>(
+                &a.client,
+                CubeCount::Static(
+                    adim.div_ceil(tile) as u32,
+                    bdim.div_ceil(tile) as u32,
+                    plan.n as u32,
+                ),
+                CubeDim::new_2d(kmoe::GMM_CUBE, kmoe::GMM_CUBE),
+                a.clone().into_array_arg(),
+                b.into_array_arg(),
+                plan.sorted_token.clone().into_array_arg(),
+                plan.offsets.clone().into_array_arg(),
+                out.clone().into_array_arg(),
+                adim,
+                bdim,
+                gather.0,
+                gather.1,
+                a.dtype.into(),
+            )
+        };
     }
     cast(out, dtype)
 }
@@ -607,18 +645,21 @@ fn combine<R: CubeRuntime>(y: &T<R>, plan: &Plan<R>, width: usize) -> T<R> {
     let units = plan.tokens * width;
     if units > 0 {
         let (count, dim) = elementwise(y, units);
-        kmoe::moe_combine::launch::<R>(
-            &y.client,
-            count,
-            dim,
-            y.clone().into_array_arg(),
-            plan.inv.clone().into_array_arg(),
-            out.clone().into_array_arg(),
-            plan.tokens,
-            width,
-            plan.k,
-            y.dtype.into(),
-        );
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kmoe::moe_combine::launch_unchecked::<R>(
+                &y.client,
+                count,
+                dim,
+                y.clone().into_array_arg(),
+                plan.inv.clone().into_array_arg(),
+                out.clone().into_array_arg(),
+                plan.tokens,
+                width,
+                plan.k,
+                y.dtype.into(),
+            )
+        };
     }
     out
 }
@@ -777,15 +818,18 @@ fn moe_backward<R: CubeRuntime>(
     let dweights = empty(&dh, [plan.tokens, plan.k], DType::F32);
     if plan.pairs > 0 {
         let (count, dim) = elementwise(&dh, plan.pairs);
-        kmoe::moe_pair_gather::launch::<R>(
-            &dh.client,
-            count,
-            dim,
-            dp.into_array_arg(),
-            plan.inv.clone().into_array_arg(),
-            dweights.clone().into_array_arg(),
-            plan.pairs,
-        );
+        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+        unsafe {
+            kmoe::moe_pair_gather::launch_unchecked::<R>(
+                &dh.client,
+                count,
+                dim,
+                dp.into_array_arg(),
+                plan.inv.clone().into_array_arg(),
+                dweights.clone().into_array_arg(),
+                plan.pairs,
+            )
+        };
     }
     let _ = n;
     MoeExpertsGrads {

@@ -160,7 +160,8 @@ pub fn fused_available<B: Backend>() -> bool {
 /// `weights` and the stacked weights on autodiff backends (fused backward kernels).
 ///
 /// `h: [m, ℓ]`, `indices: [m, k]`, `weights: [m, k]`, `valid: [m]` (`false`: padding; zero
-/// output). Reads nothing back, and no shape depends on the routing: buffers are sized by
+/// output). An index outside `0..n` is not checked (that would need a read); its pair is dropped,
+/// as padding drops a token's pairs. Reads nothing back, and no shape depends on the routing: buffers are sized by
 /// `m·k` and the segments are device-side offsets. Returns `None` (nothing consumed but clones)
 /// where the kernels do not apply: another backend, kernels off, an unsupported dtype or
 /// inconsistent shapes.

@@ -31,20 +31,23 @@ pub(crate) fn fake_quant_rows<R: CubeRuntime>(x: CubeTensor<R>, spec: MxSpec) ->
         }
     };
     let (count, dim) = elementwise(&x, rows * blocks);
-    kmx::mx_fake_quant::launch::<R>(
-        &x.client.clone(),
-        count,
-        dim,
-        x.into_array_arg(),
-        y.clone().into_array_arg(),
-        rows,
-        len,
-        blocks,
-        e.mbits,
-        e.emin,
-        e.emax,
-        max_sig,
-        ceil_above,
-    );
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kmx::mx_fake_quant::launch_unchecked::<R>(
+            &x.client.clone(),
+            count,
+            dim,
+            x.into_array_arg(),
+            y.clone().into_array_arg(),
+            rows,
+            len,
+            blocks,
+            e.mbits,
+            e.emin,
+            e.emax,
+            max_sig,
+            ceil_above,
+        )
+    };
     y
 }
