@@ -4,7 +4,7 @@
 //!
 //! Every kernel of `kimi-burn-kernels` is launched with `launch_unchecked`: CubeCL's checked
 //! mode wraps each global-array access in a bounds test (a read past the buffer gives 0, a write
-//! is dropped) and bounds every loop, which cost 10–20% of the training step on lavapipe.
+//! is dropped) and bounds every loop, which cost a quarter of the training step on lavapipe.
 //! Each kernel bounds its indices itself instead, and the launch sites keep to its contract:
 //!
 //! - units past the logical size exit (`terminate!`) or test every access (`load_f32`-style
