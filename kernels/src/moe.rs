@@ -140,8 +140,8 @@ pub fn moe_offsets(
 
 /// Step 4 of the plan, one unit per pair: `sorted_token: [pairs]` (token of each sorted row),
 /// `sorted_weight: [pairs]` (the pair's routing weight from `weight: [pairs]` f32, in sorted order)
-/// and `inv: [pairs]` (sorted row of each pair, [`NONE`] when masked). Rows past the last segment
-/// are left untouched.
+/// and `inv: [pairs]` (sorted row of each pair, [`NONE`] when masked or when its expert index lies
+/// outside `0..n`, which step 1 also leaves out). Rows past the last segment are left untouched.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn moe_place<I: Int>(
