@@ -12,6 +12,11 @@
 //!
 //! Every kernel computes in f32 whatever the storage dtype (f32, f16, bf16) and avoids float
 //! atomics, so repeated runs on the same input are bit-identical.
+//!
+//! The kernels are generated with `launch_unchecked` only (an `unsafe fn`): each bounds its own
+//! indices, provided the caller passes the buffer sizes and tables its docs name, so CubeCL's
+//! per-access bounds checks would only cost time. CubeCL's `check_mode = "enforce"` (a
+//! `cubecl.toml`) turns those checks back on for every launch.
 
 // Kernel bodies are written in the forms the `#[cube]` expansion handles: a `comptime!` branch
 // stays separate from the run-time condition inside it, and integer ceil-division and clamping
