@@ -161,8 +161,8 @@ pub fn fused_available<B: Backend>() -> bool {
 ///
 /// `h: [m, ℓ]`, `indices: [m, k]`, `weights: [m, k]`, `valid: [m]` (`false`: padding; zero
 /// output). An index outside `0..n` is not checked (that would need a read); its pair is dropped,
-/// as padding drops a token's pairs. Reads nothing back, and no shape depends on the routing: buffers are sized by
-/// `m·k` and the segments are device-side offsets. Returns `None` (nothing consumed but clones)
+/// as padding drops a token's pairs. Reads nothing back, and no shape depends on the routing:
+/// buffers are sized by `m·k` and the segments are device-side offsets. Returns `None` (nothing consumed but clones)
 /// where the kernels do not apply: another backend, kernels off, an unsupported dtype or
 /// inconsistent shapes.
 pub fn dispatch_fused<B: Backend>(
