@@ -38,8 +38,11 @@ RUST_TEST_THREADS="${RUST_TEST_THREADS:-1}" cargo test --workspace --features "$
 PROFILE=dev FEATURES="$features" scripts/two_process.sh
 
 # Both crates as crates.io would receive them: `cargo package` packs each (kimi-burn depends on the
-# packed kimi-burn-kernels by version) and builds the packed sources with default features.
-cargo package --workspace --allow-dirty
+# packed kimi-burn-kernels by version) and builds the packed sources: kimi-burn-kernels alone, and
+# kimi-burn with its defaults plus `wgpu`. That is the feature set (and the dependency build) of the
+# `plain` project below, which then compiles only the two crates again; with the defaults alone
+# this step built Burn's CPU stack a third time, only for itself.
+cargo package --workspace --allow-dirty --features wgpu
 
 # The crate as a Burn project uses it (downstream/): Burn's default features on, where
 # `burn::backend::Wgpu` is `Fusion<CubeBackend<…>>`, and off. Each trains a few steps on lavapipe and
