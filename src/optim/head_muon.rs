@@ -32,36 +32,79 @@ pub fn orthogonalised_update<B: Backend, const D: usize>(
     split: Option<HeadSplit>,
     ns_steps: usize,
 ) -> Tensor<B, D> {
+    if D == 0 {
+        return m;
+    }
     let dims = m.dims();
-    let (rows, cols) = match D {
-        0 => return m,
-        1 => (1, dims[0]),
-        _ => (dims[D - 2], dims[D - 1]),
-    };
-    let batch = dims.iter().product::<usize>() / (rows * cols).max(1);
-    let x = m.reshape([batch, rows, cols]);
-    let block = split.and_then(|s| s.block_shape(rows, cols).map(|b| (s, b)));
-    let out = match block {
-        None => newton_schulz_batched(x, ns_steps).mul_scalar(moonlight_scale(rows, cols)),
-        Some((HeadSplit::Rows { heads }, [br, bc])) => {
-            // Row blocks are contiguous in row-major order: a reshape is the split.
-            newton_schulz_batched(x.reshape([batch * heads, br, bc]), ns_steps)
-                .mul_scalar(moonlight_scale(br, bc))
-                .reshape([batch, rows, cols])
+    let blocking = Blocking::new(&dims, split);
+    let [rows, cols] = blocking.block;
+    let blocks = newton_schulz_batched(blocking.cut(m.reshape(blocking.stack)), ns_steps)
+        .mul_scalar(moonlight_scale(rows, cols));
+    blocking.join(blocks).reshape(dims)
+}
+
+/// How a parameter of shape `[..., rows, cols]` is cut into the matrices Muon orthogonalises one
+/// by one (its head blocks, or its whole matrices), and put back together.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Blocking {
+    /// The parameter as a stack of matrices: `[batch, rows, cols]` (a 1-D tensor is one row).
+    pub stack: [usize; 3],
+    /// The split that applies (`None` when there is none, or when it does not divide the matrix).
+    split: Option<HeadSplit>,
+    /// The shape of one block.
+    pub block: [usize; 2],
+}
+
+impl Blocking {
+    /// The blocking of a parameter of shape `dims` (rank ≥ 1) under `split`.
+    pub fn new(dims: &[usize], split: Option<HeadSplit>) -> Self {
+        let (rows, cols) = match dims {
+            [] => (1, 1),
+            [n] => (1, *n),
+            [.., r, c] => (*r, *c),
+        };
+        let batch = dims.iter().product::<usize>() / (rows * cols).max(1);
+        let resolved = split.and_then(|s| s.block_shape(rows, cols).map(|b| (s, b)));
+        Self {
+            stack: [batch, rows, cols],
+            split: resolved.map(|(s, _)| s),
+            block: resolved.map_or([rows, cols], |(_, b)| b),
         }
-        Some((HeadSplit::Columns { heads }, [br, bc])) => {
-            let blocks = x
+    }
+
+    /// The number of blocks.
+    pub fn count(&self) -> usize {
+        self.stack[0] * self.split.map_or(1, |s| s.heads())
+    }
+
+    /// `[batch, rows, cols]` → the blocks `[count, block_rows, block_cols]`.
+    pub fn cut<B: Backend>(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [batch, rows, _] = self.stack;
+        let [br, bc] = self.block;
+        match self.split {
+            None => x,
+            // Row blocks are contiguous in row-major order: a reshape is the split.
+            Some(HeadSplit::Rows { .. }) => x.reshape([self.count(), br, bc]),
+            Some(HeadSplit::Columns { heads }) => x
                 .reshape([batch, rows, heads, bc])
                 .swap_dims(1, 2)
-                .reshape([batch * heads, br, bc]);
-            newton_schulz_batched(blocks, ns_steps)
-                .mul_scalar(moonlight_scale(br, bc))
+                .reshape([self.count(), br, bc]),
+        }
+    }
+
+    /// The inverse of [`Self::cut`]: blocks `[count, block_rows, block_cols]` → `[batch, rows, cols]`.
+    pub fn join<B: Backend>(&self, blocks: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [batch, rows, _] = self.stack;
+        let [_, bc] = self.block;
+        match self.split {
+            None => blocks,
+            Some(HeadSplit::Rows { .. }) => blocks.reshape(self.stack),
+            Some(HeadSplit::Columns { heads }) => blocks
                 .reshape([batch, heads, rows, bc])
                 .swap_dims(1, 2)
-                .reshape([batch, rows, cols])
+                .reshape(self.stack),
         }
-    };
-    out.reshape(dims)
+    }
 }
 
 /// Muon over head blocks (or stacked matrices): `M ← μM + G` (Nesterov optional),

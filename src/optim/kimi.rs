@@ -1,22 +1,22 @@
 //! The Kimi optimiser: Muon (whole matrix or per head) for hidden matrices, AdamW for the rest,
 //! each parameter routed by its [`ParamRole`] (design §8).
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::marker::PhantomData;
 
 use burn::config::Config;
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
-use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::decay::WeightDecayConfig;
-use burn::optim::momentum::MomentumConfig;
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::optim::adaptor::{GradAdaptor, OptimizerAdaptor};
+use burn::optim::momentum::{Momentum, MomentumConfig};
+use burn::optim::record::AdaptorRecord;
 use burn::optim::{
-    AdamW, AdamWConfig, AdjustLrFn, GradientsParams, LearningRate, MultiGradientsParams, Muon,
-    MuonConfig, Optimizer,
+    AdamW, AdamWConfig, GradientsParams, LearningRate, MultiGradientsParams, Muon, MuonState,
+    Optimizer, SimpleOptimizer,
 };
-use burn::tensor::backend::{AutodiffBackend, DeviceId};
-use burn::tensor::Tensor;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Device, Tensor};
 
-use super::head_muon::HeadMuon;
+use super::head_muon::{moonlight_scale, Blocking, HeadMuon};
+use super::newton_schulz::newton_schulz_batched;
 use super::roles::{HeadSplit, ParamRole, ParamRoles};
 use crate::error::{Error, Result};
 
@@ -83,17 +83,13 @@ impl KimiOptimizerConfig {
             }
         }
         roles.validate(module)?;
-        let weight_decay = (self.muon_weight_decay > 0.0)
-            .then(|| WeightDecayConfig::new(self.muon_weight_decay as f32));
-        let muon = MuonConfig::new()
-            .with_momentum(self.momentum_config())
-            .with_ns_steps(self.ns_steps)
-            .with_weight_decay(weight_decay)
-            .with_adjust_lr_fn(AdjustLrFn::MatchRmsAdamW)
-            .init();
         Ok(KimiOptimizer {
-            muon,
-            blocks: BTreeMap::new(),
+            whole: Default::default(),
+            blocks: Default::default(),
+            momentum: Momentum::new(&self.momentum_config()),
+            apply: OptimizerAdaptor::from(ApplyUpdate {
+                weight_decay: self.muon_weight_decay as f32,
+            }),
             adamw: self.adamw.init(),
             roles,
             config: self.clone(),
@@ -107,53 +103,59 @@ impl KimiOptimizerConfig {
             nesterov: self.nesterov,
         }
     }
-
-    fn head_muon<B: AutodiffBackend>(&self, split: Option<HeadSplit>) -> HeadMuon<B::InnerBackend> {
-        HeadMuon::new(
-            self.momentum,
-            self.nesterov,
-            self.ns_steps,
-            self.muon_weight_decay as f32,
-            split,
-        )
-    }
 }
 
 /// The record of one adaptor: `HashMap<ParamId, AdaptorRecord<O, B>>`.
 type AdaptorRecordOf<O, M, B> = <OptimizerAdaptor<O, M, B> as Optimizer<M, B>>::Record;
 
-/// One [`HeadMuon`] adaptor per distinct head split (`None`: stacked whole matrices).
-type HeadMuonAdaptor<M, B> = OptimizerAdaptor<HeadMuon<<B as AutodiffBackend>::InnerBackend>, M, B>;
+/// The Muon states of whole 2-D matrices, in the record format of Burn's `Muon` adaptor.
+type WholeRecord<M, B> = AdaptorRecordOf<Muon<<B as AutodiffBackend>::InnerBackend>, M, B>;
 
-/// The per-head record, to be split by head split on load.
+/// The Muon states of per-head and stacked parameters, in the record format of a [`HeadMuon`]
+/// adaptor.
 type HeadMuonRecord<M, B> = AdaptorRecordOf<HeadMuon<<B as AutodiffBackend>::InnerBackend>, M, B>;
 
 /// Muon for hidden matrices and AdamW for everything else, each parameter routed by its
 /// [`ParamRole`] (design §8). Implements Burn's [`Optimizer`], so it drops into any training loop.
 ///
-/// Each step splits the gradients by role and hands each group to a Burn `OptimizerAdaptor`:
+/// Each step splits the gradients by role:
 ///
-/// - whole 2-D matrices: Burn's `Muon` with `AdjustLrFn::MatchRmsAdamW`, i.e.
-///   `W ← W(1 − ηλ) − η·0.2·sqrt(max(A, B))·NS(M)`;
-/// - per-head splits and stacked (≥3-D) matrices: [`HeadMuon`], one adaptor per distinct split,
-///   each head block orthogonalised on its own with its own `0.2·sqrt(max(A, B))`
-///   (reconstruction, design §8);
+/// - Muon, whole 2-D matrices, per-head splits and stacked (≥3-D) matrices alike:
+///   `M ← μM + G` (Nesterov optional), then `W ← W(1 − ηλ) − η·0.2·sqrt(max(A, B))·NS(M)` for
+///   every block, where a block is a whole matrix, one head of a split ([`HeadSplit`]) or one
+///   matrix of a stack, with its own `[A, B]` (per head: reconstruction, design §8). It is the
+///   update of Burn's `Muon` with `AdjustLrFn::MatchRmsAdamW` for a whole matrix and of
+///   [`HeadMuon`] for the others;
 /// - everything else: Burn's `AdamW`.
 ///
-/// Both Muon paths use momentum `μ`, decoupled decay `λ` and the learning rate
-/// `η = muon_lr_scale · lr`; AdamW uses `adamw_lr_scale · lr` and its own config.
+/// Muon orthogonalises **all blocks of the same shape at once**, across parameters: one batched
+/// Newton–Schulz per distinct block shape (a block and its transpose count as one) and device,
+/// instead of one per parameter. Each block is still normalised and iterated on its own
+/// ([`newton_schulz_batched`](super::newton_schulz_batched)), so the result is that of
+/// orthogonalising the parameters one by one, in far fewer and larger matrix products: the
+/// model's Q, K, V, expert and FFN matrices share a handful of shapes.
+///
+/// Muon uses momentum `μ`, decoupled decay `λ` and the learning rate `η = muon_lr_scale · lr`;
+/// AdamW uses `adamw_lr_scale · lr` and its own config. Like [`HeadMuon`] (and design §8), Muon
+/// normalises by `‖X‖_F + 1e-7` and iterates in f32 (half precision is widened and cast back).
 ///
 /// A parameter without a gradient (frozen, or a buffer such as the MoE balance bias) is never
-/// touched. Two differences between the Muon paths, both negligible in practice: Burn's Muon
-/// normalises by `max(‖X‖_F, 1e-7)` where design §8 (and [`HeadMuon`]) use `‖X‖_F + 1e-7`, and it
-/// iterates in the parameter's dtype where [`HeadMuon`] widens half precision to f32.
+/// touched. With gradients from several devices ([`Optimizer::step_multi`]) each parameter is
+/// updated on the device Burn's adaptors would pick, and blocks are batched per device.
 ///
-/// The record is the tuple `(muon, head_muon, adamw)` of the adaptors' per-parameter states;
-/// [`Optimizer::load_record`] sends each per-head state back to the adaptor of its parameter's
-/// current role (states of parameters now under AdamW are dropped).
+/// The record is the tuple `(muon, head_muon, adamw)` of per-parameter states, in the formats of
+/// Burn's `Muon`, [`HeadMuon`] and `AdamW` adaptors; [`Optimizer::load_record`] keeps the Muon
+/// states of parameters whose role is still Muon (states of parameters now under AdamW are
+/// dropped).
 pub struct KimiOptimizer<M: AutodiffModule<B>, B: AutodiffBackend> {
-    muon: OptimizerAdaptor<Muon<B::InnerBackend>, M, B>,
-    blocks: BTreeMap<Option<HeadSplit>, HeadMuonAdaptor<M, B>>,
+    /// Momentum states of whole 2-D matrices.
+    whole: WholeRecord<M, B>,
+    /// Momentum states of per-head and stacked parameters.
+    blocks: HeadMuonRecord<M, B>,
+    momentum: Momentum<B::InnerBackend>,
+    /// Applies the orthogonalised updates (decay included) through Burn's adaptor, which moves
+    /// each parameter to its gradient's device and keeps its autodiff flags.
+    apply: OptimizerAdaptor<ApplyUpdate, M, B>,
     adamw: OptimizerAdaptor<AdamW, M, B>,
     roles: ParamRoles,
     config: KimiOptimizerConfig,
@@ -162,8 +164,10 @@ pub struct KimiOptimizer<M: AutodiffModule<B>, B: AutodiffBackend> {
 impl<M: AutodiffModule<B>, B: AutodiffBackend> Clone for KimiOptimizer<M, B> {
     fn clone(&self) -> Self {
         Self {
-            muon: self.muon.clone(),
+            whole: self.whole.clone(),
             blocks: self.blocks.clone(),
+            momentum: self.momentum.clone(),
+            apply: self.apply.clone(),
             adamw: self.adamw.clone(),
             roles: self.roles.clone(),
             config: self.config.clone(),
@@ -195,25 +199,38 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend> KimiOptimizer<M, B> {
     }
 
     fn apply<G: GradSet<M, B>>(&mut self, lr: LearningRate, module: M, groups: Groups<G>) -> M {
-        let muon_lr = lr * self.config.muon_lr_scale;
-        let mut module = groups.muon.step(&mut self.muon, muon_lr, module);
-        for (split, grads) in groups.blocks {
-            let config = &self.config;
-            let adaptor = self
-                .blocks
-                .entry(split)
-                .or_insert_with(|| OptimizerAdaptor::from(config.head_muon::<B>(split)));
-            module = grads.step(adaptor, muon_lr, module);
-        }
+        let module = if groups.muon.is_empty() {
+            module
+        } else {
+            let updates = self.muon_updates(&module, groups.muon.into_adaptor());
+            let muon_lr = lr * self.config.muon_lr_scale;
+            self.apply.step(muon_lr, module, updates)
+        };
         groups
             .adamw
             .step(&mut self.adamw, lr * self.config.adamw_lr_scale, module)
+    }
+
+    /// Advances the momentum of every Muon parameter that has a gradient and returns its
+    /// orthogonalised, scaled update `0.2·sqrt(max(A, B))·NS(M)` (on the gradient's device).
+    fn muon_updates(&mut self, module: &M, grads: GradAdaptor) -> GradientsParams {
+        let mut collector = Collector::<B, M> {
+            roles: &self.roles,
+            grads,
+            whole: &mut self.whole,
+            blocks: &mut self.blocks,
+            momentum: &self.momentum,
+            buckets: Vec::new(),
+            pending: Vec::new(),
+        };
+        module.visit(&mut collector);
+        collector.finish(self.config.ns_steps)
     }
 }
 
 impl<M: AutodiffModule<B>, B: AutodiffBackend> Optimizer<M, B> for KimiOptimizer<M, B> {
     type Record = (
-        AdaptorRecordOf<Muon<B::InnerBackend>, M, B>,
+        WholeRecord<M, B>,
         HeadMuonRecord<M, B>,
         AdaptorRecordOf<AdamW, M, B>,
     );
@@ -224,59 +241,31 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend> Optimizer<M, B> for KimiOptimizer
     }
 
     fn step_multi(&mut self, lr: LearningRate, module: M, grads: MultiGradientsParams) -> M {
-        let per_device: Vec<(Groups<GradientsParams>, DeviceId)> = grads
-            .grads
-            .into_iter()
-            .map(|(mut device_grads, device)| (self.split(&module, &mut device_grads), device))
-            .collect();
-        let splits: BTreeSet<Option<HeadSplit>> = per_device
-            .iter()
-            .flat_map(|(groups, _)| groups.blocks.keys().copied())
-            .collect();
         // Every group keeps one entry per device, in the original order: Burn picks the device
         // that accumulates a parameter by its index in this list.
         let mut groups = Groups::<MultiGradientsParams>::default();
-        for (mut device_groups, device) in per_device {
+        for (mut device_grads, device) in grads.grads {
+            let device_groups = self.split(&module, &mut device_grads);
             groups.muon.grads.push((device_groups.muon, device));
             groups.adamw.grads.push((device_groups.adamw, device));
-            for &split in &splits {
-                let grads = device_groups.blocks.remove(&split).unwrap_or_default();
-                groups
-                    .blocks
-                    .entry(split)
-                    .or_default()
-                    .grads
-                    .push((grads, device));
-            }
         }
         self.apply(lr, module, groups)
     }
 
     fn to_record(&self) -> Self::Record {
-        let mut blocks = HeadMuonRecord::<M, B>::default();
-        for adaptor in self.blocks.values() {
-            blocks.extend(adaptor.to_record());
-        }
-        (self.muon.to_record(), blocks, self.adamw.to_record())
+        (
+            self.whole.clone(),
+            self.blocks.clone(),
+            self.adamw.to_record(),
+        )
     }
 
     fn load_record(mut self, record: Self::Record) -> Self {
-        let (muon, blocks, adamw) = record;
-        let mut by_split: BTreeMap<Option<HeadSplit>, HeadMuonRecord<M, B>> = BTreeMap::new();
-        for (id, state) in blocks {
-            if let ParamRole::Muon { heads } = self.roles.get(id) {
-                by_split.entry(heads).or_default().insert(id, state);
-            }
-        }
-        let config = self.config.clone();
-        self.blocks = by_split
-            .into_iter()
-            .map(|(split, record)| {
-                let adaptor = OptimizerAdaptor::from(config.head_muon::<B>(split));
-                (split, adaptor.load_record(record))
-            })
-            .collect();
-        self.muon = self.muon.load_record(muon);
+        let (whole, blocks, adamw) = record;
+        let roles = &self.roles;
+        let is_muon = |id: &ParamId| matches!(roles.get(*id), ParamRole::Muon { .. });
+        self.whole = whole.into_iter().filter(|(id, _)| is_muon(id)).collect();
+        self.blocks = blocks.into_iter().filter(|(id, _)| is_muon(id)).collect();
         self.adamw = self.adamw.load_record(adamw);
         self
     }
@@ -286,24 +275,35 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend> Optimizer<M, B> for KimiOptimizer
 #[derive(Default)]
 struct Groups<G> {
     muon: G,
-    blocks: BTreeMap<Option<HeadSplit>, G>,
     adamw: G,
 }
 
-/// Where a gradient of rank `D` with role `role` goes.
-enum Route {
-    Muon,
-    Blocks(Option<HeadSplit>),
-    AdamW,
-}
-
-fn route(role: ParamRole, rank: usize) -> Route {
+/// Where a Muon gradient of rank `D` with role `role` goes: its momentum state's record and
+/// the blocks it is cut into (`None`: AdamW).
+fn route(role: ParamRole, rank: usize) -> Option<Route> {
     match role {
         // `validate` keeps Muon off vectors; should one slip through, AdamW is the safe choice.
-        ParamRole::Muon { .. } if rank < 2 => Route::AdamW,
-        ParamRole::Muon { heads: None } if rank == 2 => Route::Muon,
-        ParamRole::Muon { heads } => Route::Blocks(heads),
-        ParamRole::AdamW => Route::AdamW,
+        ParamRole::Muon { .. } if rank < 2 => None,
+        ParamRole::Muon { heads: None } if rank == 2 => Some(Route::Whole),
+        ParamRole::Muon { heads } => Some(Route::Blocks(heads)),
+        ParamRole::AdamW => None,
+    }
+}
+
+/// A Muon parameter: a whole 2-D matrix (Burn's `Muon` record), or per-head / stacked blocks
+/// ([`HeadMuon`]'s record).
+#[derive(Clone, Copy)]
+enum Route {
+    Whole,
+    Blocks(Option<HeadSplit>),
+}
+
+impl Route {
+    fn split(self) -> Option<HeadSplit> {
+        match self {
+            Route::Whole => None,
+            Route::Blocks(split) => split,
+        }
     }
 }
 
@@ -322,11 +322,177 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Splitter<'_, B> {
             return;
         };
         let group = match route(self.roles.get(param.id), D) {
-            Route::Muon => &mut self.groups.muon,
-            Route::Blocks(split) => self.groups.blocks.entry(split).or_default(),
-            Route::AdamW => &mut self.groups.adamw,
+            Some(_) => &mut self.groups.muon,
+            None => &mut self.groups.adamw,
         };
         group.register(param.id, grad);
+    }
+}
+
+/// Registers one parameter's update, `[blocks, rows, cols]` put back into its own shape.
+type Finish<B> = Box<dyn FnOnce(Tensor<B, 3>, &mut GradientsParams)>;
+
+/// The blocks of one shape on one device, to be orthogonalised in one batch.
+struct Bucket<B: Backend> {
+    device: Device<B>,
+    /// `[rows, cols]` with `rows ≤ cols` (taller blocks are transposed into it).
+    shape: [usize; 2],
+    parts: Vec<Tensor<B, 3>>,
+    len: usize,
+}
+
+/// A parameter waiting for its bucket's Newton–Schulz.
+struct Pending<B: Backend> {
+    bucket: usize,
+    start: usize,
+    count: usize,
+    transposed: bool,
+    scale: f64,
+    finish: Finish<B>,
+}
+
+/// Steps the momentum of every Muon parameter and gathers its blocks by shape and device.
+struct Collector<'a, B: AutodiffBackend, M: AutodiffModule<B>> {
+    roles: &'a ParamRoles,
+    grads: GradAdaptor,
+    whole: &'a mut WholeRecord<M, B>,
+    blocks: &'a mut HeadMuonRecord<M, B>,
+    momentum: &'a Momentum<B::InnerBackend>,
+    buckets: Vec<Bucket<B::InnerBackend>>,
+    pending: Vec<Pending<B::InnerBackend>>,
+}
+
+impl<B: AutodiffBackend, M: AutodiffModule<B>> Collector<'_, B, M> {
+    /// Orthogonalises every bucket in one batched Newton–Schulz and returns the scaled updates.
+    fn finish(self, ns_steps: usize) -> GradientsParams {
+        let outputs: Vec<Tensor<B::InnerBackend, 3>> = self
+            .buckets
+            .into_iter()
+            .map(|mut bucket| {
+                let stack = if bucket.parts.len() == 1 {
+                    bucket.parts.pop().expect("one part")
+                } else {
+                    Tensor::cat(bucket.parts, 0)
+                };
+                newton_schulz_batched(stack, ns_steps)
+            })
+            .collect();
+        let mut updates = GradientsParams::new();
+        for pending in self.pending {
+            let output = &outputs[pending.bucket];
+            let blocks = if pending.count == output.dims()[0] {
+                output.clone()
+            } else {
+                output.clone().narrow(0, pending.start, pending.count)
+            };
+            let blocks = if pending.transposed {
+                blocks.swap_dims(1, 2)
+            } else {
+                blocks
+            };
+            (pending.finish)(blocks.mul_scalar(pending.scale), &mut updates);
+        }
+        updates
+    }
+}
+
+impl<B: AutodiffBackend, M: AutodiffModule<B>> ModuleVisitor<B> for Collector<'_, B, M> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let id = param.id;
+        let Some(route) = route(self.roles.get(id), D) else {
+            return;
+        };
+        let Some((grad, device)) = self.grads.remove::<B::InnerBackend, D>(id) else {
+            return;
+        };
+        let previous: Option<MuonState<B::InnerBackend, D>> = match route {
+            Route::Whole => self.whole.remove(&id).map(|r| r.into_state()),
+            Route::Blocks(_) => self.blocks.remove(&id).map(|r| r.into_state()),
+        };
+        let previous = previous.map(|state| state.momentum.to_device(&device));
+        let (m, velocity) = self.momentum.transform(grad, previous);
+        let state = MuonState::new(velocity);
+        match route {
+            Route::Whole => {
+                self.whole.insert(id, AdaptorRecord::from_state(state));
+            }
+            Route::Blocks(_) => {
+                self.blocks.insert(id, AdaptorRecord::from_state(state));
+            }
+        }
+
+        let dims = m.dims();
+        let blocking = Blocking::new(&dims, route.split());
+        let [rows, cols] = blocking.block;
+        let transposed = rows > cols;
+        let blocks = blocking.cut(m.reshape(blocking.stack));
+        let blocks = if transposed {
+            blocks.swap_dims(1, 2)
+        } else {
+            blocks
+        };
+        let shape = [rows.min(cols), rows.max(cols)];
+        let index = match self
+            .buckets
+            .iter()
+            .position(|b| b.shape == shape && b.device == device)
+        {
+            Some(index) => index,
+            None => {
+                self.buckets.push(Bucket {
+                    device,
+                    shape,
+                    parts: Vec::new(),
+                    len: 0,
+                });
+                self.buckets.len() - 1
+            }
+        };
+        let bucket = &mut self.buckets[index];
+        let count = blocking.count();
+        self.pending.push(Pending {
+            bucket: index,
+            start: bucket.len,
+            count,
+            transposed,
+            scale: moonlight_scale(rows, cols),
+            finish: Box::new(move |update, updates| {
+                updates.register::<B::InnerBackend, D>(id, blocking.join(update).reshape(dims))
+            }),
+        });
+        bucket.parts.push(blocks);
+        bucket.len += count;
+    }
+}
+
+/// Applies a precomputed Muon update (passed as the "gradient"): `W ← W(1 − ηλ) − η·U`, the
+/// decay with the unscaled rate as in Burn's `Muon` and Moonlight. Stateless.
+#[derive(Clone)]
+struct ApplyUpdate {
+    weight_decay: f32,
+}
+
+impl<B: Backend> SimpleOptimizer<B> for ApplyUpdate {
+    type State<const D: usize> = MuonState<B, D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<B, D>,
+        update: Tensor<B, D>,
+        _state: Option<Self::State<D>>,
+    ) -> (Tensor<B, D>, Option<Self::State<D>>) {
+        let decay = lr * f64::from(self.weight_decay);
+        let tensor = if decay != 0.0 {
+            tensor.mul_scalar(1.0 - decay)
+        } else {
+            tensor
+        };
+        (tensor - update.mul_scalar(lr), None)
+    }
+
+    fn to_device<const D: usize>(state: Self::State<D>, _device: &B::Device) -> Self::State<D> {
+        state
     }
 }
 
@@ -334,6 +500,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Splitter<'_, B> {
 trait GradSet<M: AutodiffModule<B>, B: AutodiffBackend>: Sized {
     fn is_empty(&self) -> bool;
     fn apply<O: Optimizer<M, B>>(self, optim: &mut O, lr: LearningRate, module: M) -> M;
+    fn into_adaptor(self) -> GradAdaptor;
 
     /// Steps `optim` unless the group is empty (which would only cost a pass over the module).
     fn step<O: Optimizer<M, B>>(self, optim: &mut O, lr: LearningRate, module: M) -> M {
@@ -353,6 +520,10 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend> GradSet<M, B> for GradientsParams
     fn apply<O: Optimizer<M, B>>(self, optim: &mut O, lr: LearningRate, module: M) -> M {
         optim.step(lr, module, self)
     }
+
+    fn into_adaptor(self) -> GradAdaptor {
+        self.into()
+    }
 }
 
 impl<M: AutodiffModule<B>, B: AutodiffBackend> GradSet<M, B> for MultiGradientsParams {
@@ -362,5 +533,9 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend> GradSet<M, B> for MultiGradientsP
 
     fn apply<O: Optimizer<M, B>>(self, optim: &mut O, lr: LearningRate, module: M) -> M {
         optim.step_multi(lr, module, self)
+    }
+
+    fn into_adaptor(self) -> GradAdaptor {
+        self.into()
     }
 }

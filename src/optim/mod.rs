@@ -4,7 +4,8 @@
 //! - [`ParamRoles`]: which parameters get Muon (whole matrix or per head, [`HeadSplit`]) and which
 //!   AdamW; [`ParamRoles::from_module`] is the default grouping of any module.
 //! - [`KimiOptimizer`]: a Burn [`Optimizer`](burn::optim::Optimizer) that routes each gradient by
-//!   role to Burn's `Muon`, [`HeadMuon`] (per head, reconstruction) or Burn's `AdamW`.
+//!   role to Muon (whole matrices, head blocks ([`HeadMuon`]'s update, reconstruction) and stacks,
+//!   batched across parameters by block shape) or Burn's `AdamW`.
 //!
 //! ```rust
 //! use burn::backend::{Autodiff, NdArray};

@@ -647,3 +647,143 @@ fn a_stable_latent_moe_trains_and_its_balance_bias_is_left_alone() {
     let (new_up, old_up) = (moe.up.as_ref().unwrap(), before.up.as_ref().unwrap());
     assert!(moved(new_up, old_up), "W_up should have moved");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Muon batched across parameters.
+
+/// Muon parameters whose blocks share shapes: `a`, `b` and the tall `c` (transposed) are all
+/// `6 × 8` blocks, as are the three matrices of the stack `d`; `e`'s column heads are `6 × 4`
+/// (transposed to `4 × 6`) and `f`'s row heads `4 × 8`.
+#[derive(Module, Debug)]
+struct Shared<B: Backend> {
+    a: Param<Tensor<B, 2>>,
+    b: Param<Tensor<B, 2>>,
+    c: Param<Tensor<B, 2>>,
+    d: Param<Tensor<B, 3>>,
+    e: Param<Tensor<B, 2>>,
+    f: Param<Tensor<B, 2>>,
+}
+
+impl<B: Backend> Shared<B> {
+    fn new(rng: &mut StdRng, device: &B::Device) -> Self {
+        Self {
+            a: Param::from_tensor(randn(rng, [6, 8], 0.5, device)),
+            b: Param::from_tensor(randn(rng, [6, 8], 0.5, device)),
+            c: Param::from_tensor(randn(rng, [8, 6], 0.5, device)),
+            d: Param::from_tensor(randn(rng, [3, 6, 8], 0.5, device)),
+            e: Param::from_tensor(randn(rng, [6, 8], 0.5, device)),
+            f: Param::from_tensor(randn(rng, [8, 8], 0.5, device)),
+        }
+    }
+
+    /// A loss touching every parameter, with gradients of very different sizes (so each block's
+    /// own normalisation matters).
+    fn loss(&self, x: Tensor<B, 2>) -> Tensor<B, 1> {
+        let h =
+            x.clone().matmul(self.a.val()).tanh() * x.clone().matmul(self.b.val()).mul_scalar(7.0);
+        let c = h.clone().matmul(self.c.val()).tanh();
+        let stack = self.d.val().sum_dim(0).squeeze_dim::<2>(0);
+        let d = c.clone().matmul(stack.mul_scalar(0.1)).sin();
+        let e = c.matmul(self.e.val()).powi_scalar(2);
+        let f = (d + e).matmul(self.f.val());
+        f.sum()
+            + self
+                .d
+                .val()
+                .narrow(0, 0, 1)
+                .powi_scalar(2)
+                .sum()
+                .mul_scalar(3.0)
+    }
+}
+
+impl Shared<CpuAd> {
+    fn params(&self) -> Vec<Vec<f64>> {
+        vec![
+            host(self.a.val().inner()),
+            host(self.b.val().inner()),
+            host(self.c.val().inner()),
+            host(self.d.val().inner()),
+            host(self.e.val().inner()),
+            host(self.f.val().inner()),
+        ]
+    }
+}
+
+#[test]
+fn muon_batched_across_parameters_equals_each_parameter_alone() {
+    let device = Default::default();
+    let mut rng = rng(37);
+    let module = Shared::<CpuAd>::new(&mut rng, &device);
+    let initial = module.params();
+    let roles = ParamRoles::from_module(&module)
+        .with(module.e.id, ParamRole::muon_per_head(HeadSplit::columns(2)))
+        .with(module.f.id, ParamRole::muon_per_head(HeadSplit::rows(2)));
+    let mut optim = KimiOptimizerConfig::new().init(&module, roles).unwrap();
+
+    // References, one parameter at a time: Burn's Muon for the whole matrices, a lone HeadMuon
+    // for the stack and each split.
+    let mut muon = MuonConfig::new()
+        .with_momentum(MomentumConfig {
+            momentum: 0.95,
+            dampening: 0.0,
+            nesterov: false,
+        })
+        .with_weight_decay(Some(WeightDecayConfig::new(0.1)))
+        .with_adjust_lr_fn(AdjustLrFn::MatchRmsAdamW)
+        .init::<CpuAd, Shared<CpuAd>>();
+    type Heads = OptimizerAdaptor<HeadMuon<Cpu>, Shared<CpuAd>, CpuAd>;
+    let mut stack: Heads = HeadMuon::new(0.95, false, 5, 0.1, None).into();
+    let mut columns: Heads = HeadMuon::new(0.95, false, 5, 0.1, Some(HeadSplit::columns(2))).into();
+    let mut rows: Heads = HeadMuon::new(0.95, false, 5, 0.1, Some(HeadSplit::rows(2))).into();
+
+    let (mut ours, mut reference) = (module.clone(), module);
+    for step in 0..3 {
+        let x = randn::<CpuAd, 2>(&mut rng, [5, 6], 1.0, &device);
+        let grads = GradientsParams::from_grads(ours.loss(x).backward(), &ours);
+        let take = |id: ParamId, rank: usize| {
+            let mut out = GradientsParams::new();
+            if rank == 3 {
+                out.register(id, grads.get::<Cpu, 3>(id).expect("gradient"));
+            } else {
+                out.register(id, grads.get::<Cpu, 2>(id).expect("gradient"));
+            }
+            out
+        };
+        let r = &reference;
+        let (ga, gb, gc, gd, ge, gf) = (
+            take(r.a.id, 2),
+            take(r.b.id, 2),
+            take(r.c.id, 2),
+            take(r.d.id, 3),
+            take(r.e.id, 2),
+            take(r.f.id, 2),
+        );
+        reference = muon.step(LR, reference, ga);
+        reference = muon.step(LR, reference, gb);
+        reference = muon.step(LR, reference, gc);
+        reference = stack.step(LR, reference, gd);
+        reference = columns.step(LR, reference, ge);
+        reference = rows.step(LR, reference, gf);
+        ours = optim.step(LR, ours, grads);
+
+        let (got, want) = (ours.params(), reference.params());
+        for (i, name) in [
+            "a",
+            "b",
+            "c (tall)",
+            "d (stack)",
+            "e (column heads)",
+            "f (row heads)",
+        ]
+        .iter()
+        .enumerate()
+        {
+            assert_close(&format!("step {step}: {name}"), &want[i], &got[i], 1e-6);
+            assert!(
+                rel_err(&initial[i], &got[i]) > 1e-4,
+                "step {step}: {name} did not move"
+            );
+        }
+    }
+}
