@@ -107,6 +107,23 @@ impl Blocking {
     }
 }
 
+/// `W ← W(1 − ηλ) − η·U`: Muon's step with its orthogonalised, scaled update `U`; the decoupled
+/// decay uses the unscaled rate, as in Burn's `Muon` and Moonlight.
+pub(crate) fn apply_update<B: Backend, const D: usize>(
+    tensor: Tensor<B, D>,
+    update: Tensor<B, D>,
+    lr: LearningRate,
+    weight_decay: f32,
+) -> Tensor<B, D> {
+    let decay = lr * f64::from(weight_decay);
+    let tensor = if decay != 0.0 {
+        tensor.mul_scalar(1.0 - decay)
+    } else {
+        tensor
+    };
+    tensor - update.mul_scalar(lr)
+}
+
 /// Muon over head blocks (or stacked matrices): `M ← μM + G` (Nesterov optional),
 /// `W ← W(1 − ηλ) − η·U` with `U` = [`orthogonalised_update`]`(M)` (design §8).
 #[derive(Clone)]
@@ -159,15 +176,8 @@ impl<B: Backend> SimpleOptimizer<B> for HeadMuon<B> {
     ) -> (Tensor<B, D>, Option<Self::State<D>>) {
         let (m, momentum) = self.momentum.transform(grad, state.map(|s| s.momentum));
         let update = orthogonalised_update(m, self.split, self.ns_steps);
-        // Decoupled decay with the unscaled rate, as in Burn's Muon and Moonlight.
-        let decay = lr * f64::from(self.weight_decay);
-        let tensor = if decay != 0.0 {
-            tensor.mul_scalar(1.0 - decay)
-        } else {
-            tensor
-        };
         (
-            tensor - update.mul_scalar(lr),
+            apply_update(tensor, update, lr, self.weight_decay),
             Some(MuonState::new(momentum)),
         )
     }

@@ -15,7 +15,7 @@ use burn::optim::{
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Device, Tensor};
 
-use super::head_muon::{moonlight_scale, Blocking, HeadMuon};
+use super::head_muon::{apply_update, moonlight_scale, Blocking, HeadMuon};
 use super::newton_schulz::newton_schulz_batched;
 use super::roles::{HeadSplit, ParamRole, ParamRoles};
 use crate::error::{Error, Result};
@@ -465,8 +465,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModuleVisitor<B> for Collector<'_
     }
 }
 
-/// Applies a precomputed Muon update (passed as the "gradient"): `W ← W(1 − ηλ) − η·U`, the
-/// decay with the unscaled rate as in Burn's `Muon` and Moonlight. Stateless.
+/// Applies a precomputed Muon update (passed as the "gradient") with
+/// [`apply_update`]: `W ← W(1 − ηλ) − η·U`. Stateless.
 #[derive(Clone)]
 struct ApplyUpdate {
     weight_decay: f32,
@@ -482,13 +482,7 @@ impl<B: Backend> SimpleOptimizer<B> for ApplyUpdate {
         update: Tensor<B, D>,
         _state: Option<Self::State<D>>,
     ) -> (Tensor<B, D>, Option<Self::State<D>>) {
-        let decay = lr * f64::from(self.weight_decay);
-        let tensor = if decay != 0.0 {
-            tensor.mul_scalar(1.0 - decay)
-        } else {
-            tensor
-        };
-        (tensor - update.mul_scalar(lr), None)
+        (apply_update(tensor, update, lr, self.weight_decay), None)
     }
 
     fn to_device<const D: usize>(state: Self::State<D>, _device: &B::Device) -> Self::State<D> {

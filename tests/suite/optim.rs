@@ -2,12 +2,12 @@
 //! against Burn's own Muon and AdamW applied alone.
 
 use crate::common::*;
-use burn::module::{Module, Param, ParamId, RunningState};
+use burn::module::{AutodiffModule, Module, Param, ParamId, RunningState};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{
-    AdamWConfig, AdjustLrFn, GradientsParams, MultiGradientsParams, MuonConfig, Optimizer,
+    AdamWConfig, AdjustLrFn, GradientsParams, MultiGradientsParams, Muon, MuonConfig, Optimizer,
     SimpleOptimizer,
 };
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
@@ -411,6 +411,20 @@ fn default_roles_follow_rank_and_skip_buffers() {
     );
 }
 
+/// Burn's own Muon with the optimiser's defaults (μ 0.95, λ 0.1, the Moonlight scale): the
+/// reference for whole matrices.
+fn burns_muon<M: AutodiffModule<CpuAd>>() -> OptimizerAdaptor<Muon<Cpu>, M, CpuAd> {
+    MuonConfig::new()
+        .with_momentum(MomentumConfig {
+            momentum: 0.95,
+            dampening: 0.0,
+            nesterov: false,
+        })
+        .with_weight_decay(Some(WeightDecayConfig::new(0.1)))
+        .with_adjust_lr_fn(AdjustLrFn::MatchRmsAdamW)
+        .init()
+}
+
 #[test]
 fn each_group_matches_burns_optimiser_applied_alone() {
     let device = Default::default();
@@ -421,15 +435,7 @@ fn each_group_matches_burns_optimiser_applied_alone() {
     let mut optim = config.init(&module, roles_for(&module)).unwrap();
 
     // References: Burn's Muon (Moonlight scale), a lone per-head Muon, Burn's AdamW.
-    let mut muon = MuonConfig::new()
-        .with_momentum(MomentumConfig {
-            momentum: 0.95,
-            dampening: 0.0,
-            nesterov: false,
-        })
-        .with_weight_decay(Some(WeightDecayConfig::new(0.1)))
-        .with_adjust_lr_fn(AdjustLrFn::MatchRmsAdamW)
-        .init::<CpuAd, Tiny<CpuAd>>();
+    let mut muon = burns_muon::<Tiny<CpuAd>>();
     let mut heads: OptimizerAdaptor<HeadMuon<Cpu>, Tiny<CpuAd>, CpuAd> =
         HeadMuon::new(0.95, false, 5, 0.1, Some(HeadSplit::columns(HEADS))).into();
     let mut adamw = AdamWConfig::new()
@@ -723,15 +729,7 @@ fn muon_batched_across_parameters_equals_each_parameter_alone() {
 
     // References, one parameter at a time: Burn's Muon for the whole matrices, a lone HeadMuon
     // for the stack and each split.
-    let mut muon = MuonConfig::new()
-        .with_momentum(MomentumConfig {
-            momentum: 0.95,
-            dampening: 0.0,
-            nesterov: false,
-        })
-        .with_weight_decay(Some(WeightDecayConfig::new(0.1)))
-        .with_adjust_lr_fn(AdjustLrFn::MatchRmsAdamW)
-        .init::<CpuAd, Shared<CpuAd>>();
+    let mut muon = burns_muon::<Shared<CpuAd>>();
     type Heads = OptimizerAdaptor<HeadMuon<Cpu>, Shared<CpuAd>, CpuAd>;
     let mut stack: Heads = HeadMuon::new(0.95, false, 5, 0.1, None).into();
     let mut columns: Heads = HeadMuon::new(0.95, false, 5, 0.1, Some(HeadSplit::columns(2))).into();
