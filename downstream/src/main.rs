@@ -51,6 +51,8 @@ fn main() {
         FusedOp::ShortConvBackward,
         FusedOp::RmsNormGated,
         FusedOp::RmsNormGatedBackward,
+        FusedOp::AttnRes,
+        FusedOp::AttnResBackward,
     ]
     .into_iter()
     .filter(|&op| kernel_calls(op) == 0)

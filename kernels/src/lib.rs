@@ -1,6 +1,7 @@
 //! CubeCL kernels for kimi-burn: the fused ops behind `kimi_burn::ops` on the CubeCL backends
 //! (wgpu, CUDA). Kernels only: no Burn types, no modules; `kimi-burn` launches them.
 //!
+//! * [`attn_res`]: Attention Residuals' softmax mix over depth, forward and backward (design §6).
 //! * [`situ`]: fused SiTU-GLU forward and backward (design §1), with an optional per-row routing
 //!   weight folded in.
 //! * [`qb_histogram`]: top-k routing and the Quantile Balancing histogram in one pass (design §2, §3).
@@ -23,6 +24,7 @@
 // are spelled out with the operators the DSL maps to device instructions.
 #![allow(clippy::collapsible_if, clippy::manual_div_ceil, clippy::manual_clamp)]
 
+pub mod attn_res;
 pub mod kda;
 pub mod moe;
 pub mod mx;

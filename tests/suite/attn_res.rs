@@ -119,3 +119,109 @@ fn attn_res_parameters_learn<B: AutodiffBackend>(device: &B::Device) {
     );
 }
 on_backends!(attn_res_gradients, attn_res_parameters_learn);
+
+/// The fused kernels (CubeCL backends) against the tensor-op reference of the same op: the mix
+/// and the gradients of every input, for several source counts and a width that is not a
+/// multiple of the cube, and bit-identical reruns.
+#[cfg(feature = "wgpu")]
+mod kernel {
+    use super::*;
+    use crate::common::GpuAd;
+    use burn::tensor::{DType, FloatDType};
+    use kimi_burn::ops::{kernel_calls, with_kernels, FusedOp};
+
+    /// `[out, d sources…, d w_proj, d w_norm]` on one path, with a fixed random output gradient.
+    fn run(
+        n: usize,
+        shape: [usize; 3],
+        seed: u64,
+        kernel: bool,
+        dtype: FloatDType,
+    ) -> Vec<Vec<f64>> {
+        let device = Default::default();
+        let mut rng = rng(seed);
+        let d = shape[2];
+        let sources: Vec<Tensor<GpuAd, 3>> = random_sources::<GpuAd>(&mut rng, n, shape, &device)
+            .into_iter()
+            .map(|s| s.cast(dtype).require_grad())
+            .collect();
+        let w_proj = randn::<GpuAd, 1>(&mut rng, [d], 1.0, &device).require_grad();
+        let w_norm = uniform::<GpuAd, 1>(&mut rng, [d], 0.5, 2.0, &device).require_grad();
+        let weights = randn::<GpuAd, 3>(&mut rng, shape, 1.0, &device);
+        let (partial, blocks) = sources.split_last().expect("n ≥ 1");
+        let (calls, back_calls) = (
+            kernel_calls(FusedOp::AttnRes),
+            kernel_calls(FusedOp::AttnResBackward),
+        );
+        let out = with_kernels(kernel, || {
+            attn_res(
+                partial.clone(),
+                blocks,
+                w_proj.clone(),
+                w_norm.clone(),
+                1e-5,
+            )
+        });
+        assert_eq!(
+            out.dtype(),
+            DType::from(dtype),
+            "the mix keeps the sources' dtype"
+        );
+        let grads = with_kernels(kernel, || {
+            out.clone()
+                .cast(FloatDType::F32)
+                .mul(weights)
+                .sum()
+                .backward()
+        });
+        let ran = kernel_calls(FusedOp::AttnRes) - calls;
+        let ran_back = kernel_calls(FusedOp::AttnResBackward) - back_calls;
+        assert_eq!(
+            (ran, ran_back),
+            if kernel { (1, 1) } else { (0, 0) },
+            "kernel path taken"
+        );
+        let mut all = vec![host(out)];
+        all.extend(
+            sources
+                .iter()
+                .map(|s| host(s.grad(&grads).expect("source gradient"))),
+        );
+        all.push(host(w_proj.grad(&grads).expect("w_proj gradient")));
+        all.push(host(w_norm.grad(&grads).expect("w_norm gradient")));
+        all
+    }
+
+    #[test]
+    fn matches_the_reference_forward_and_backward() {
+        for (n, shape) in [
+            (1, [2, 5, 40]),
+            (2, [1, 9, 64]),
+            (3, [2, 7, 40]),
+            (5, [3, 4, 33]),
+        ] {
+            let kernel = run(n, shape, 40 + n as u64, true, FloatDType::F32);
+            let reference = run(n, shape, 40 + n as u64, false, FloatDType::F32);
+            for (i, (r, k)) in reference.iter().zip(&kernel).enumerate() {
+                assert_close(&format!("{n} sources, output {i}"), r, k, 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn repeatable_bit_for_bit() {
+        let a = run(4, [2, 6, 48], 50, true, FloatDType::F32);
+        let b = run(4, [2, 6, 48], 50, true, FloatDType::F32);
+        assert_eq!(a, b);
+    }
+
+    /// f16 sources: statistics in f32, output and source gradients rounded to f16.
+    #[test]
+    fn half_storage() {
+        let kernel = run(3, [2, 5, 40], 60, true, FloatDType::F16);
+        let reference = run(3, [2, 5, 40], 60, false, FloatDType::F16);
+        for (i, (r, k)) in reference.iter().zip(&kernel).enumerate() {
+            assert_close(&format!("f16, output {i}"), r, k, 5e-3);
+        }
+    }
+}

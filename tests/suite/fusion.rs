@@ -16,7 +16,7 @@ use kimi_burn::KimiConfig;
 use rand::Rng;
 
 /// The fused ops a training step of the small model runs, forward and backward.
-const TRAINING_KERNELS: [FusedOp; 12] = [
+const TRAINING_KERNELS: [FusedOp; 14] = [
     FusedOp::SituGlu,
     FusedOp::SituGluBackward,
     FusedOp::RouteTopK,
@@ -29,6 +29,8 @@ const TRAINING_KERNELS: [FusedOp; 12] = [
     FusedOp::ShortConvBackward,
     FusedOp::RmsNormGated,
     FusedOp::RmsNormGatedBackward,
+    FusedOp::AttnRes,
+    FusedOp::AttnResBackward,
 ];
 
 type Snapshot = (Vec<f64>, Vec<crate::model::ParamState>);

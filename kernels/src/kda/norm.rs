@@ -9,7 +9,7 @@ pub const NORM_CUBE: u32 = 32;
 
 /// Sum of `x` over the cube, by a fixed-order tree in shared memory (every unit gets the result).
 #[cube]
-fn cube_sum(x: f32, #[comptime] cube: u32) -> f32 {
+pub(crate) fn cube_sum(x: f32, #[comptime] cube: u32) -> f32 {
     let mut part = SharedMemory::<f32>::new(cube as usize);
     let u = UNIT_POS as usize;
     part[u] = x;

@@ -6,7 +6,7 @@
 //! for extension kernels, `CustomOpIr` with `OperationIr::Custom`): its inputs and outputs are
 //! declared with their shapes and dtypes when the op is called, and when the stream reaches it the
 //! inner backend's implementation of the same trait method runs on the inner tensors. So
-//! `Fusion<B>` implements [`MoeKernels`] and [`KdaKernels`] wherever `B` does, and
+//! `Fusion<B>` implements [`MoeKernels`], [`KdaKernels`] and [`AttnResKernels`] wherever `B` does, and
 //! `Autodiff<Fusion<B>>` gets the custom backward passes through the generic autodiff
 //! implementations.
 //!
@@ -24,6 +24,7 @@ use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
 use crate::nn::balance::HistogramSpec;
+use crate::ops::attn_res::AttnResKernels;
 use crate::ops::kda::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
 use crate::ops::moe::{GluActivation, MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved};
 use crate::ops::quant::MxSpec;
@@ -710,5 +711,39 @@ impl<B: FusionBackend + KdaKernels> KdaKernels for Fusion<B> {
         .into_iter();
         let (dx, dw) = (out.next().unwrap(), out.next().unwrap());
         (dx, dw, out.next())
+    }
+}
+
+impl<B: FusionBackend + AttnResKernels> AttnResKernels for Fusion<B> {
+    fn attn_res_forward(v: Ft<B>, query: Ft<B>, eps: f64) -> Ft<B> {
+        let [_, rows, d] = v.shape.dims();
+        let declared = vec![Out::new([rows, d], v.dtype)];
+        let inputs = Inputs::new().float(v).float(query);
+        let [out] = outs(call::<B>(
+            "kimi_burn::attn_res_forward",
+            inputs,
+            declared,
+            move |mut a| {
+                let (v, q) = (a.float(), a.float());
+                vec![Prim::Float(B::attn_res_forward(v, q, eps))]
+            },
+        ));
+        out
+    }
+
+    fn attn_res_backward(v: Ft<B>, query: Ft<B>, grad: Ft<B>, eps: f64) -> (Ft<B>, Ft<B>) {
+        let declared = vec![Out::like(&v), Out::like(&query)];
+        let inputs = Inputs::new().float(v).float(query).float(grad);
+        let [dv, dq] = outs(call::<B>(
+            "kimi_burn::attn_res_backward",
+            inputs,
+            declared,
+            move |mut a| {
+                let (v, q, g) = (a.float(), a.float(), a.float());
+                let (dv, dq) = B::attn_res_backward(v, q, g, eps);
+                vec![Prim::Float(dv), Prim::Float(dq)]
+            },
+        ));
+        (dv, dq)
     }
 }

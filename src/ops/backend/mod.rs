@@ -40,6 +40,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use burn::tensor::backend::Backend;
 
+use crate::ops::attn_res::AttnResKernels;
 use crate::ops::kda::KdaKernels;
 use crate::ops::moe::MoeKernels;
 
@@ -89,9 +90,13 @@ pub enum FusedOp {
     RmsNormGatedBackward,
     /// [`mx_fake_quant`](crate::ops::quant::mx_fake_quant) (forward; the backward is elementwise).
     MxFakeQuant,
+    /// [`attn_res`](crate::ops::attn_res::attn_res) forward (Attention Residuals' mix).
+    AttnRes,
+    /// Its backward (autodiff).
+    AttnResBackward,
 }
 
-const N_OPS: usize = 14;
+const N_OPS: usize = 16;
 
 impl FusedOp {
     fn slot(self) -> usize {
@@ -204,10 +209,11 @@ pub(crate) fn register_grads<B: Backend>(
     }
 }
 
-/// Every kernel family a dispatched backend provides: [`MoeKernels`] and [`KdaKernels`].
-pub trait FusedKernels: MoeKernels + KdaKernels {}
+/// Every kernel family a dispatched backend provides: [`MoeKernels`], [`KdaKernels`] and
+/// [`AttnResKernels`].
+pub trait FusedKernels: MoeKernels + KdaKernels + AttnResKernels {}
 
-impl<B: MoeKernels + KdaKernels> FusedKernels for B {}
+impl<B: MoeKernels + KdaKernels + AttnResKernels> FusedKernels for B {}
 
 /// An op's arguments, ready to run on a concrete kernel backend `K` (which is `B` itself: the
 /// dispatch only calls [`run`](Self::run) after matching the types).
