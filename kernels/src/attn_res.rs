@@ -1,4 +1,4 @@
-//! Attention Residuals (design §6): the softmax mix over depth, forward and backward, one cube
+//! Attention Residuals (design §6): the softmax mix over depth, forward and backward, one unit
 //! per token.
 //!
 //! With the sources stacked `v: [N, rows, d]` (row = token), the query `q = w_norm ⊙ w_proj: [d]`:
@@ -14,20 +14,34 @@
 //! dq   = Σ_rows Σ_n ds_n·r_n·v_n
 //! ```
 //!
-//! Statistics in f32 whatever the storage dtype; each sum over `d` is a fixed-order tree in
-//! shared memory, and `dq` is summed over rows by [`column_sum`](fn@crate::kda::column_sum) from
-//! per-row partials: no atomics, reruns are bit-identical.
+//! Statistics in f32 whatever the storage dtype, each sum over `d` in order; `dq` is summed over
+//! rows by [`column_sum`](fn@crate::kda::column_sum) from per-row partials: no atomics, reruns
+//! are bit-identical. A unit owns its token, so no barrier is needed: a cube of 32 units per
+//! token, sharing each sum through shared memory, made the lavapipe training step slower than the
+//! tensor ops (its barriers), this layout faster (BENCHMARKS). On a GPU, a plane per token would
+//! read `v` coalesced; that is the layout to try there.
 
 use cubecl::prelude::*;
 
-use crate::kda::cube_sum;
+/// Units per cube (one unit per token).
+pub const ATTN_RES_CUBE: u32 = 64;
 
-/// Units per cube (one cube per token; a power of two).
-pub const ATTN_RES_CUBE: u32 = 32;
+/// `Σ_c v[base + c]²` and `Σ_c v[base + c]·query[c]` over one token's `d` values.
+#[cube]
+fn square_and_dot<F: Float>(v: &Array<F>, query: &Array<f32>, base: usize, d: usize) -> (f32, f32) {
+    let mut sq = 0.0f32;
+    let mut dot = 0.0f32;
+    for c in 0..d {
+        let x = f32::cast_from(v[base + c]);
+        sq += x * x;
+        dot += x * query[c];
+    }
+    (sq, dot)
+}
 
 /// Forward: `out: [rows, d]` in `F` from `v: [n_src, rows, d]` in `F` and `query: [d]` f32.
-/// `scores: [n_src, rows]` f32 is scratch (the scores `s_n` on exit). `rows` cubes of
-/// [`ATTN_RES_CUBE`] units; extra cubes exit.
+/// `scores: [n_src, rows]` f32 is scratch (the scores `s_n` on exit). One unit per row, cubes
+/// of [`ATTN_RES_CUBE`] units; extra units exit.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn attn_res_forward<F: Float>(
@@ -41,49 +55,29 @@ pub fn attn_res_forward<F: Float>(
     eps: f32,
     #[define(F)] _dtype: StorageType,
 ) {
-    let row = CUBE_POS;
+    let row = ABSOLUTE_POS;
     if row >= rows {
         terminate!();
     }
-    let u = UNIT_POS as usize;
-    let step = ATTN_RES_CUBE as usize;
-    let rounds = (d + step - 1) / step;
-    // Every unit holds the same sums, so every unit writes the same score, once: a unit may read
-    // a value another plane wrote, but never one from another stage (the planes of a cube run
-    // apart between barriers), so `scores` needs no barrier and is never rewritten.
     let mut top = f32::new(-1.0e30);
     for n in 0..n_src {
-        let base = (n * rows + row) * d;
-        let mut sq = 0.0f32;
-        let mut dot = 0.0f32;
-        for round in 0..rounds {
-            let c = round * step + u;
-            if c < d {
-                let x = f32::cast_from(v[base + c]);
-                sq += x * x;
-                dot += x * query[c];
-            }
-        }
-        let sq_total = cube_sum(sq, ATTN_RES_CUBE);
-        let dot_total = cube_sum(dot, ATTN_RES_CUBE);
-        let s = dot_total / f32::sqrt(sq_total / d as f32 + eps);
+        let (sq, dot) = square_and_dot::<F>(v, query, (n * rows + row) * d, d);
+        let s = dot / f32::sqrt(sq / d as f32 + eps);
         scores[n * rows + row] = s;
         top = f32::max(top, s);
     }
     let mut total = 0.0f32;
     for n in 0..n_src {
-        total += f32::exp(scores[n * rows + row] - top);
+        let e = f32::exp(scores[n * rows + row] - top);
+        scores[n * rows + row] = e;
+        total += e;
     }
-    for round in 0..rounds {
-        let c = round * step + u;
-        if c < d {
-            let mut acc = 0.0f32;
-            for n in 0..n_src {
-                let p = f32::exp(scores[n * rows + row] - top) / total;
-                acc += p * f32::cast_from(v[(n * rows + row) * d + c]);
-            }
-            out[row * d + c] = F::cast_from(acc);
+    for c in 0..d {
+        let mut acc = 0.0f32;
+        for n in 0..n_src {
+            acc += scores[n * rows + row] * f32::cast_from(v[(n * rows + row) * d + c]);
         }
+        out[row * d + c] = F::cast_from(acc / total);
     }
 }
 
@@ -106,75 +100,48 @@ pub fn attn_res_backward<F: Float>(
     eps: f32,
     #[define(F)] _dtype: StorageType,
 ) {
-    let row = CUBE_POS;
+    let row = ABSOLUTE_POS;
     if row >= rows {
         terminate!();
     }
-    let u = UNIT_POS as usize;
-    let step = ATTN_RES_CUBE as usize;
-    let rounds = (d + step - 1) / step;
-    // Pass 1: the scores s_n (in `scores`) and a_n = g · v_n (in `weights`), each written once
-    // with the same value by every unit, as in the forward.
+    // Pass 1: the scores s_n and a_n = g · v_n.
     let mut top = f32::new(-1.0e30);
     for n in 0..n_src {
         let base = (n * rows + row) * d;
-        let mut sq = 0.0f32;
-        let mut dot = 0.0f32;
+        let (sq, dot) = square_and_dot::<F>(v, query, base, d);
         let mut ga = 0.0f32;
-        for round in 0..rounds {
-            let c = round * step + u;
-            if c < d {
-                let x = f32::cast_from(v[base + c]);
-                sq += x * x;
-                dot += x * query[c];
-                ga += x * f32::cast_from(grad[row * d + c]);
-            }
+        for c in 0..d {
+            ga += f32::cast_from(v[base + c]) * f32::cast_from(grad[row * d + c]);
         }
-        let sq_total = cube_sum(sq, ATTN_RES_CUBE);
-        let dot_total = cube_sum(dot, ATTN_RES_CUBE);
-        let ga_total = cube_sum(ga, ATTN_RES_CUBE);
-        let s = dot_total / f32::sqrt(sq_total / d as f32 + eps);
+        let s = dot / f32::sqrt(sq / d as f32 + eps);
         scores[n * rows + row] = s;
-        weights[n * rows + row] = ga_total;
+        weights[n * rows + row] = ga;
         top = f32::max(top, s);
     }
     let mut total = 0.0f32;
     for n in 0..n_src {
-        total += f32::exp(scores[n * rows + row] - top);
+        let e = f32::exp(scores[n * rows + row] - top);
+        scores[n * rows + row] = e;
+        total += e;
     }
     let mut mean_a = 0.0f32;
     for n in 0..n_src {
-        let p = f32::exp(scores[n * rows + row] - top) / total;
-        mean_a += p * weights[n * rows + row];
+        mean_a += scores[n * rows + row] / total * weights[n * rows + row];
     }
     // Pass 2: per source, its statistics again and the gradient.
     for n in 0..n_src {
         let base = (n * rows + row) * d;
-        let mut sq = 0.0f32;
-        let mut dot = 0.0f32;
-        for round in 0..rounds {
-            let c = round * step + u;
-            if c < d {
-                let x = f32::cast_from(v[base + c]);
-                sq += x * x;
-                dot += x * query[c];
-            }
-        }
-        let sq_total = cube_sum(sq, ATTN_RES_CUBE);
-        let dot_total = cube_sum(dot, ATTN_RES_CUBE);
-        let r = 1.0f32 / f32::sqrt(sq_total / d as f32 + eps);
-        let p = f32::exp(scores[n * rows + row] - top) / total;
+        let (sq, dot) = square_and_dot::<F>(v, query, base, d);
+        let r = 1.0f32 / f32::sqrt(sq / d as f32 + eps);
+        let p = scores[n * rows + row] / total;
         let ds = p * (weights[n * rows + row] - mean_a);
         let dq_coef = ds * r;
-        let v_coef = ds * dot_total * r * r * r / d as f32;
-        for round in 0..rounds {
-            let c = round * step + u;
-            if c < d {
-                let x = f32::cast_from(v[base + c]);
-                let g = f32::cast_from(grad[row * d + c]);
-                dv[base + c] = F::cast_from(p * g + dq_coef * query[c] - v_coef * x);
-                dq_partial[base + c] = dq_coef * x;
-            }
+        let v_coef = ds * dot * r * r * r / d as f32;
+        for c in 0..d {
+            let x = f32::cast_from(v[base + c]);
+            let g = f32::cast_from(grad[row * d + c]);
+            dv[base + c] = F::cast_from(p * g + dq_coef * query[c] - v_coef * x);
+            dq_partial[base + c] = dq_coef * x;
         }
     }
 }

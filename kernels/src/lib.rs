@@ -1,7 +1,8 @@
 //! CubeCL kernels for kimi-burn: the fused ops behind `kimi_burn::ops` on the CubeCL backends
 //! (wgpu, CUDA). Kernels only: no Burn types, no modules; `kimi-burn` launches them.
 //!
-//! * [`attn_res`]: Attention Residuals' softmax mix over depth, forward and backward (design §6).
+//! * [`attn_res`]: Attention Residuals' softmax mix over depth, forward and backward (design §6),
+//!   one unit per token.
 //! * [`situ`]: fused SiTU-GLU forward and backward (design §1), with an optional per-row routing
 //!   weight folded in.
 //! * [`qb_histogram`]: top-k routing and the Quantile Balancing histogram in one pass (design §2, §3).

@@ -11,9 +11,14 @@ use kimi_burn_kernels::attn_res as kar;
 use kimi_burn_kernels::kda::column_sum;
 
 use super::AttnResKernels;
-use crate::ops::backend::cube::{contiguous_as, dims, empty, per_row};
+use crate::ops::backend::cube::{contiguous_as, dims, empty};
 
 type T<R> = CubeTensor<R>;
+
+/// Cubes of `ATTN_RES_CUBE` units covering one unit per row.
+fn per_unit<R: CubeRuntime>(v: &T<R>, rows: usize) -> cubecl::CubeCount {
+    calculate_cube_count_elemwise(&v.client, rows, CubeDim::new_1d(kar::ATTN_RES_CUBE))
+}
 
 /// `[N, rows, d]` of the stacked sources.
 fn dims3<R: CubeRuntime>(v: &T<R>) -> [usize; 3] {
@@ -32,7 +37,7 @@ fn forward<R: CubeRuntime>(v: T<R>, query: T<R>, eps: f64) -> T<R> {
         unsafe {
             kar::attn_res_forward::launch_unchecked::<R>(
                 &v.client.clone(),
-                per_row(&v, rows),
+                per_unit(&v, rows),
                 CubeDim::new_1d(kar::ATTN_RES_CUBE),
                 v.into_array_arg(),
                 query.into_array_arg(),
@@ -67,7 +72,7 @@ fn backward<R: CubeRuntime>(v: T<R>, query: T<R>, grad: T<R>, eps: f64) -> (T<R>
         unsafe {
             kar::attn_res_backward::launch_unchecked::<R>(
                 &client,
-                per_row(&v, rows),
+                per_unit(&v, rows),
                 CubeDim::new_1d(kar::ATTN_RES_CUBE),
                 v.into_array_arg(),
                 query.into_array_arg(),
