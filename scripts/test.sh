@@ -42,6 +42,13 @@ PROFILE=dev FEATURES="$features" scripts/two_process.sh
 # kimi-burn with its defaults plus `wgpu`. That is the feature set (and the dependency build) of the
 # `plain` project below, which then compiles only the two crates again; with the defaults alone
 # this step built Burn's CPU stack a third time, only for itself.
+# Cargo treats the packed kimi-burn-kernels like a crates.io crate: it unpacks it from its
+# temporary local registry into `$CARGO_HOME/registry/src/-<hash>/` once, and keeps its compiled
+# library while the version stays 0.1.0. A second run on the same machine would then verify
+# kimi-burn against the kernels of the first. Drop both first (only the local registry's copy,
+# never crates.io's; a clean checkout in CI has neither).
+rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/kimi-burn-kernels-*
+cargo clean -p kimi-burn-kernels
 cargo package --workspace --allow-dirty --features wgpu
 
 # The crate as a Burn project uses it (downstream/): Burn's default features on, where
