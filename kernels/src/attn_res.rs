@@ -26,19 +26,6 @@ use cubecl::prelude::*;
 /// Units per cube (one unit per token).
 pub const ATTN_RES_CUBE: u32 = 64;
 
-/// `Σ_c v[base + c]²` and `Σ_c v[base + c]·query[c]` over one token's `d` values.
-#[cube]
-fn square_and_dot<F: Float>(v: &Array<F>, query: &Array<f32>, base: usize, d: usize) -> (f32, f32) {
-    let mut sq = 0.0f32;
-    let mut dot = 0.0f32;
-    for c in 0..d {
-        let x = f32::cast_from(v[base + c]);
-        sq += x * x;
-        dot += x * query[c];
-    }
-    (sq, dot)
-}
-
 /// Forward: `out: [rows, d]` in `F` from `v: [n_src, rows, d]` in `F` and `query: [d]` f32.
 /// `scores: [n_src, rows]` f32 is scratch (the scores `s_n` on exit). One unit per row, cubes
 /// of [`ATTN_RES_CUBE`] units; extra units exit.
@@ -61,8 +48,16 @@ pub fn attn_res_forward<F: Float>(
     }
     let mut top = f32::new(-1.0e30);
     for n in 0..n_src {
-        let (sq, dot) = square_and_dot::<F>(v, query, (n * rows + row) * d, d);
-        let s = dot / f32::sqrt(sq / d as f32 + eps);
+        let base = (n * rows + row) * d;
+        let mut sq = 0.0f32;
+        let mut dot = 0.0f32;
+        for c in 0..d {
+            let x = f32::cast_from(v[base + c]);
+            sq += x * x;
+            dot += x * query[c];
+        }
+        // As the backward computes it, so both see the same scores.
+        let s = dot * (1.0f32 / f32::sqrt(sq / d as f32 + eps));
         scores[n * rows + row] = s;
         top = f32::max(top, s);
     }
@@ -82,8 +77,8 @@ pub fn attn_res_forward<F: Float>(
 }
 
 /// Backward for `grad: [rows, d]` in `F`: `dv: [n_src, rows, d]` in `F` and the per-row partials
-/// of `dq`, `dq_partial: [n_src·rows, d]` f32 (sum them over the first axis). `scores` and
-/// `weights: [n_src, rows]` f32 are scratch. Launch as [`attn_res_forward`](fn@attn_res_forward).
+/// of `dq`, `dq_partial: [n_src·rows, d]` f32 (sum them over the first axis). `scores`,
+/// `inv_rms` and `weights: [n_src, rows]` f32 are scratch. Reads each source twice. Launch as [`attn_res_forward`](fn@attn_res_forward).
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn attn_res_backward<F: Float>(
@@ -93,6 +88,7 @@ pub fn attn_res_backward<F: Float>(
     dv: &mut Array<F>,
     dq_partial: &mut Array<f32>,
     scores: &mut Array<f32>,
+    inv_rms: &mut Array<f32>,
     weights: &mut Array<f32>,
     n_src: usize,
     rows: usize,
@@ -104,39 +100,47 @@ pub fn attn_res_backward<F: Float>(
     if row >= rows {
         terminate!();
     }
-    // Pass 1: the scores s_n and a_n = g · v_n.
+    // Pass 1, one read of each source: the scores s_n (in `scores`), r_n (in `inv_rms`) and
+    // a_n = g · v_n (in `weights`).
     let mut top = f32::new(-1.0e30);
     for n in 0..n_src {
         let base = (n * rows + row) * d;
-        let (sq, dot) = square_and_dot::<F>(v, query, base, d);
+        let mut sq = 0.0f32;
+        let mut dot = 0.0f32;
         let mut ga = 0.0f32;
         for c in 0..d {
-            ga += f32::cast_from(v[base + c]) * f32::cast_from(grad[row * d + c]);
+            let x = f32::cast_from(v[base + c]);
+            sq += x * x;
+            dot += x * query[c];
+            ga += x * f32::cast_from(grad[row * d + c]);
         }
-        let s = dot / f32::sqrt(sq / d as f32 + eps);
+        let r = 1.0f32 / f32::sqrt(sq / d as f32 + eps);
+        let s = dot * r;
         scores[n * rows + row] = s;
+        inv_rms[n * rows + row] = r;
         weights[n * rows + row] = ga;
         top = f32::max(top, s);
     }
     let mut total = 0.0f32;
     for n in 0..n_src {
         let e = f32::exp(scores[n * rows + row] - top);
-        scores[n * rows + row] = e;
         total += e;
     }
     let mut mean_a = 0.0f32;
     for n in 0..n_src {
-        mean_a += scores[n * rows + row] / total * weights[n * rows + row];
+        let p = f32::exp(scores[n * rows + row] - top) / total;
+        mean_a += p * weights[n * rows + row];
     }
-    // Pass 2: per source, its statistics again and the gradient.
+    // Pass 2, the second read of each source: its gradient. With s_n = (v_n · q)·r_n, the
+    // coefficient of v_n is ds_n·(v_n · q)·r_n³/d = ds_n·s_n·r_n²/d.
     for n in 0..n_src {
         let base = (n * rows + row) * d;
-        let (sq, dot) = square_and_dot::<F>(v, query, base, d);
-        let r = 1.0f32 / f32::sqrt(sq / d as f32 + eps);
-        let p = scores[n * rows + row] / total;
+        let s = scores[n * rows + row];
+        let r = inv_rms[n * rows + row];
+        let p = f32::exp(s - top) / total;
         let ds = p * (weights[n * rows + row] - mean_a);
         let dq_coef = ds * r;
-        let v_coef = ds * dot * r * r * r / d as f32;
+        let v_coef = ds * s * r * r / d as f32;
         for c in 0..d {
             let x = f32::cast_from(v[base + c]);
             let g = f32::cast_from(grad[row * d + c]);

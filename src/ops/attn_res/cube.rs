@@ -64,6 +64,7 @@ fn backward<R: CubeRuntime>(v: T<R>, query: T<R>, grad: T<R>, eps: f64) -> (T<R>
     let dv = empty(&v, [n, rows, d], dtype);
     let partial = empty(&v, [(n * rows).max(1), d], DType::F32);
     let scores = empty(&v, [n.max(1), rows.max(1)], DType::F32);
+    let inv_rms = empty(&v, [n.max(1), rows.max(1)], DType::F32);
     let weights = empty(&v, [n.max(1), rows.max(1)], DType::F32);
     let dq = empty(&v, [d], DType::F32);
     let client = v.client.clone();
@@ -80,6 +81,7 @@ fn backward<R: CubeRuntime>(v: T<R>, query: T<R>, grad: T<R>, eps: f64) -> (T<R>
                 dv.clone().into_array_arg(),
                 partial.clone().into_array_arg(),
                 scores.into_array_arg(),
+                inv_rms.into_array_arg(),
                 weights.into_array_arg(),
                 n,
                 rows,

@@ -1,6 +1,6 @@
 //! Attention Residuals (design §6): a softmax mix over depth replacing the residual sum.
 //!
-//! [`attn_res`] runs a fused kernel (forward and backward, one cube per token) on the CubeCL
+//! [`attn_res`] runs a fused kernel (forward and backward, one unit per token) on the CubeCL
 //! backends, [`AttnResKernels`], and the tensor-op reference elsewhere.
 
 use burn::tensor::activation::softmax;
