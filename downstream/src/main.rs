@@ -3,7 +3,6 @@
 //! the loss fell. Exits non-zero otherwise.
 
 use burn::backend::{Autodiff, Wgpu};
-use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
 use kimi_burn::ops::{kernel_calls, FusedOp};
@@ -22,16 +21,11 @@ fn main() {
         .map(|i| ((i * 7919 + 13) % vocab) as i64)
         .collect();
     let x = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, t]), &device);
-    let target = x.clone().slice([0..batch, 1..t]).reshape([batch * (t - 1)]);
+    let target = x.clone().slice([0..batch, 1..t]);
     let mut losses = Vec::new();
     for _ in 0..6 {
-        let logits = model
-            .forward(x.clone())
-            .slice([0..batch, 0..t - 1])
-            .reshape([batch * (t - 1), vocab]);
-        let loss = CrossEntropyLossConfig::new()
-            .init(&device)
-            .forward(logits, target.clone());
+        let logits = model.forward(x.clone()).slice([0..batch, 0..t - 1]);
+        let loss = kimi_burn::data::masked_cross_entropy(logits, target.clone());
         losses.push(loss.clone().into_scalar());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(3e-3, model, grads);
@@ -53,6 +47,10 @@ fn main() {
         FusedOp::RmsNormGatedBackward,
         FusedOp::AttnRes,
         FusedOp::AttnResBackward,
+        FusedOp::RmsNorm,
+        FusedOp::RmsNormBackward,
+        FusedOp::CrossEntropy,
+        FusedOp::CrossEntropyBackward,
     ]
     .into_iter()
     .filter(|&op| kernel_calls(op) == 0)

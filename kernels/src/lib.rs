@@ -3,6 +3,9 @@
 //!
 //! * [`attn_res`]: Attention Residuals' softmax mix over depth, forward and backward (design §6),
 //!   one unit per token.
+//! * [`rms_norm`]: RMSNorm forward and backward, one unit per row (design §0).
+//! * [`cross_entropy`]: cross-entropy over the rows of a logit matrix, forward and backward, one
+//!   unit per row, with an ignore index.
 //! * [`situ`]: fused SiTU-GLU forward and backward (design §1), with an optional per-row routing
 //!   weight folded in.
 //! * [`qb_histogram`]: top-k routing and the Quantile Balancing histogram in one pass (design §2, §3).
@@ -26,8 +29,10 @@
 #![allow(clippy::collapsible_if, clippy::manual_div_ceil, clippy::manual_clamp)]
 
 pub mod attn_res;
+pub mod cross_entropy;
 pub mod kda;
 pub mod moe;
 pub mod mx;
 pub mod qb_histogram;
+pub mod rms_norm;
 pub mod situ;

@@ -19,7 +19,7 @@ pub use mqar::{Mqar, MqarFiller, MQAR_GRID, MQAR_VOCAB};
 pub use palindrome::Palindrome;
 pub use rng::SeededRng;
 
-use burn::tensor::{activation::log_softmax, backend::Backend, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 
 use crate::error::{Error, Result};
 
@@ -183,20 +183,16 @@ pub fn accuracy_from_logits<B: Backend>(logits: Tensor<B, 3>, targets: &[i64]) -
 /// - `logits`: `[batch, seq, vocab]`
 /// - `targets`: `[batch, seq]`, [`IGNORE_INDEX`] where nothing is scored
 ///
-/// Returns a `[1]` tensor; `0` when nothing is scored. Burn's `CrossEntropyLoss` masks only
-/// non-negative pad tokens, hence this helper for the tasks' `−100`.
+/// Returns a `[1]` tensor; `0` when nothing is scored, NaN when a target is outside `[0, vocab)`
+/// and not [`IGNORE_INDEX`]. Burn's `CrossEntropyLoss` masks only non-negative pad tokens, hence
+/// this helper for the tasks' `−100`. It is
+/// [`ops::loss::masked_cross_entropy`](crate::ops::loss::masked_cross_entropy) with
+/// [`IGNORE_INDEX`]: a fused kernel on the CubeCL backends.
 pub fn masked_cross_entropy<B: Backend>(
     logits: Tensor<B, 3>,
     targets: Tensor<B, 2, Int>,
 ) -> Tensor<B, 1> {
-    let [batch, seq, _] = logits.dims();
-    let scored = targets.clone().not_equal_elem(IGNORE_INDEX);
-    // Ignored positions gather class 0 and are then zeroed, so any index is safe there.
-    let safe = targets.clamp_min(0).reshape([batch, seq, 1]);
-    let picked = log_softmax(logits, 2).gather(2, safe).reshape([batch, seq]);
-    let weights = scored.float();
-    let count = weights.clone().sum().clamp_min(1.0);
-    picked.mul(weights).sum().neg().div(count)
+    crate::ops::loss::masked_cross_entropy(logits, targets, IGNORE_INDEX)
 }
 
 #[cfg(test)]

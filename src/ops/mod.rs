@@ -14,6 +14,7 @@ pub mod backend;
 pub mod kda;
 pub mod layout;
 pub(crate) mod linear;
+pub mod loss;
 pub mod mla;
 pub mod moe;
 pub mod norm;

@@ -24,6 +24,7 @@ mod learner;
 mod mla;
 mod model;
 mod moe;
+mod norm_loss;
 mod optim;
 #[cfg(feature = "collective")]
 mod parallel;

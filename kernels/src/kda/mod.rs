@@ -31,16 +31,29 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
     s
 }
 
-/// `out[c] = Σ_row x[row, c]` in row order (deterministic), one unit per column.
+/// Rows one unit of [`column_sum`](fn@column_sum) adds (see [`LOOP_BUDGET`]): longer columns
+/// are summed in several launches, each adding blocks of this many rows.
+pub const COLUMN_SUM_BLOCK: usize = 4096;
+
+/// Column sums of `x: [rows, cols]` by blocks of `block` rows, in row order (deterministic):
+/// `out[b, c] = Σ_{row in [b·block, min(rows, (b+1)·block))} x[row, c]`, `out: [ceil(rows /
+/// block), cols]`, one unit per `(b, c)`. With `block ≥ rows` this is the plain column sum; the
+/// host repeats it on `out` until one row is left, so no unit's loop passes [`LOOP_BUDGET`].
 #[cube(launch_unchecked)]
-pub fn column_sum(x: &Array<f32>, out: &mut Array<f32>, rows: usize, cols: usize) {
-    let c = ABSOLUTE_POS;
-    if c >= cols {
+pub fn column_sum(x: &Array<f32>, out: &mut Array<f32>, rows: usize, cols: usize, block: usize) {
+    let id = ABSOLUTE_POS;
+    // At least one block, so zero rows give zeros.
+    let blocks = usize::max((rows + block - 1) / block, 1);
+    if id >= blocks * cols {
         terminate!();
     }
+    let b = id / cols;
+    let c = id % cols;
+    let lo = b * block;
+    let hi = usize::min(rows, lo + block);
     let mut acc = 0.0f32;
-    for r in 0..rows {
+    for r in lo..hi {
         acc += x[r * cols + c];
     }
-    out[c] = acc;
+    out[id] = acc;
 }

@@ -1,38 +1,32 @@
-//! [`AttnResKernels`] for `Autodiff<B>`: the forward runs `B`'s kernel and registers a backward
-//! that calls `B`'s fused backward kernel.
+//! [`AttnResKernels`] for `Autodiff<B>`: `B`'s forward kernel, tracked with `B`'s fused backward
+//! kernel (the shared pair-kernel backward).
 
-use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
-use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 
 use super::AttnResKernels;
-use crate::ops::backend::{record, register_grads, FusedOp, KernelPath};
+use crate::ops::backend::autodiff::{pair_backward, pair_forward, PairKernel};
+use crate::ops::backend::FusedOp;
 
-/// The mix: parents `[v, query]`, state the two inputs; carries `eps`.
+/// The Attention Residuals kernels as a pair kernel: `(v, query)`.
 #[derive(Debug)]
-struct AttnResBackward(f64);
+struct AttnRes;
 
-impl<B: AttnResKernels> Backward<B, 2> for AttnResBackward {
-    type State = (NodeId, NodeId);
+impl<B: AttnResKernels> PairKernel<B> for AttnRes {
+    const BACKWARD: FusedOp = FusedOp::AttnResBackward;
+
+    fn forward(v: FloatTensor<B>, q: FloatTensor<B>, eps: f64) -> FloatTensor<B> {
+        B::attn_res_forward(v, q, eps)
+    }
 
     fn backward(
-        self,
-        ops: Ops<Self::State, 2>,
-        grads: &mut Gradients,
-        checkpointer: &mut Checkpointer,
-    ) {
-        let [node_v, node_q] = ops.parents.map(|n| n.map(|n| n.id));
-        let grad = grads.consume::<B>(&ops.node);
-        let v: FloatTensor<B> = checkpointer.retrieve_node_output(ops.state.0);
-        let q: FloatTensor<B> = checkpointer.retrieve_node_output(ops.state.1);
-        let (dv, dq) = B::attn_res_backward(v, q, grad, self.0);
-        record(FusedOp::AttnResBackward, KernelPath::Kernel);
-        register_grads::<B>(grads, [(node_v, Some(dv)), (node_q, Some(dq))]);
+        v: FloatTensor<B>,
+        q: FloatTensor<B>,
+        grad: FloatTensor<B>,
+        eps: f64,
+    ) -> (FloatTensor<B>, FloatTensor<B>) {
+        B::attn_res_backward(v, q, grad, eps)
     }
 }
 
@@ -42,20 +36,7 @@ impl<B: AttnResKernels, C: CheckpointStrategy> AttnResKernels for Autodiff<B, C>
         query: FloatTensor<Self>,
         eps: f64,
     ) -> FloatTensor<Self> {
-        let prep = AttnResBackward(eps)
-            .prepare::<C>([v.node.clone(), query.node.clone()])
-            .compute_bound()
-            .stateful();
-        match prep {
-            OpsKind::Tracked(mut prep) => {
-                let state = (prep.checkpoint(&v), prep.checkpoint(&query));
-                let out = B::attn_res_forward(v.primitive, query.primitive, eps);
-                prep.finish(state, out)
-            }
-            OpsKind::UnTracked(prep) => {
-                prep.finish(B::attn_res_forward(v.primitive, query.primitive, eps))
-            }
-        }
+        pair_forward::<B, C, AttnRes>(v, query, eps)
     }
 
     fn attn_res_backward(
@@ -64,8 +45,6 @@ impl<B: AttnResKernels, C: CheckpointStrategy> AttnResKernels for Autodiff<B, C>
         grad: FloatTensor<Self>,
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (dv, dq) =
-            B::attn_res_backward(Self::inner(v), Self::inner(query), Self::inner(grad), eps);
-        (Self::from_inner(dv), Self::from_inner(dq))
+        pair_backward::<B, C, AttnRes>(v, query, grad, eps)
     }
 }

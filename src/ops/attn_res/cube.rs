@@ -8,10 +8,9 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::{calculate_cube_count_elemwise, CubeDim};
 use kimi_burn_kernels::attn_res as kar;
-use kimi_burn_kernels::kda::column_sum;
 
 use super::AttnResKernels;
-use crate::ops::backend::cube::{contiguous_as, dims, empty};
+use crate::ops::backend::cube::{column_sum, contiguous_as, dims, empty};
 
 type T<R> = CubeTensor<R>;
 
@@ -66,7 +65,6 @@ fn backward<R: CubeRuntime>(v: T<R>, query: T<R>, grad: T<R>, eps: f64) -> (T<R>
     let scores = empty(&v, [n.max(1), rows.max(1)], DType::F32);
     let inv_rms = empty(&v, [n.max(1), rows.max(1)], DType::F32);
     let weights = empty(&v, [n.max(1), rows.max(1)], DType::F32);
-    let dq = empty(&v, [d], DType::F32);
     let client = v.client.clone();
     if n * rows * d > 0 {
         // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
@@ -91,22 +89,7 @@ fn backward<R: CubeRuntime>(v: T<R>, query: T<R>, grad: T<R>, eps: f64) -> (T<R>
             )
         };
     }
-    if d > 0 {
-        let dim = CubeDim::new(&client, d);
-        let rows_used = if n * rows * d > 0 { n * rows } else { 0 };
-        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
-        unsafe {
-            column_sum::launch_unchecked::<R>(
-                &client,
-                calculate_cube_count_elemwise(&client, d, dim),
-                dim,
-                partial.into_array_arg(),
-                dq.clone().into_array_arg(),
-                rows_used,
-                d,
-            )
-        };
-    }
+    let dq = column_sum(partial, if n * rows * d > 0 { n * rows } else { 0 }, [d]);
     (dv, cast(dq, q_dtype))
 }
 

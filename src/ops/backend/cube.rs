@@ -98,6 +98,49 @@ pub(crate) fn per_row<R: CubeRuntime>(t: &T<R>, rows: usize) -> CubeCount {
     cubecl::server::CubeCountSelection::new(&t.client, rows as u32).cube_count()
 }
 
+/// `Σ_row x[row, c]` of the contiguous f32 `x: [rows, cols]` (its first `rows · cols` values) as
+/// a new f32 tensor of `shape` (`cols` elements), in row order, so reruns are bit-identical. Each launch of
+/// [`column_sum`](fn@kimi_burn_kernels::kda::column_sum) adds blocks of
+/// [`COLUMN_SUM_BLOCK`](kimi_burn_kernels::kda::COLUMN_SUM_BLOCK) rows and the next one sums the
+/// blocks, so no unit passes lavapipe's loop limit however long the columns are. Zero rows give
+/// zeros.
+pub(crate) fn column_sum<R: CubeRuntime>(x: T<R>, rows: usize, shape: impl Into<Shape>) -> T<R> {
+    use kimi_burn_kernels::kda as kkda;
+    let shape: Shape = shape.into();
+    let cols = shape.num_elements();
+    let block = kkda::COLUMN_SUM_BLOCK;
+    let (mut x, mut rows) = (x, rows);
+    loop {
+        let blocks = rows.div_ceil(block).max(1);
+        let out = if blocks == 1 {
+            empty(&x, shape.clone(), DType::F32)
+        } else {
+            empty(&x, [blocks * cols], DType::F32)
+        };
+        if cols > 0 {
+            let (count, dim) = elementwise(&x, blocks * cols);
+            // SAFETY: the kernel bounds every index itself ("Unchecked launches" above); `x`
+            // holds at least `rows · cols` values.
+            unsafe {
+                kkda::column_sum::launch_unchecked::<R>(
+                    &x.client.clone(),
+                    count,
+                    dim,
+                    x.into_array_arg(),
+                    out.clone().into_array_arg(),
+                    rows,
+                    cols,
+                    block,
+                )
+            };
+        }
+        if blocks == 1 {
+            return out;
+        }
+        (x, rows) = (out, blocks);
+    }
+}
+
 /// The dims of a rank-`D` tensor; `what` names the layout a kernel expects, for the panic.
 pub(crate) fn dims<R: CubeRuntime, const D: usize>(t: &T<R>, what: &str) -> [usize; D] {
     let s = t.shape();

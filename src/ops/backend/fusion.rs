@@ -6,7 +6,8 @@
 //! for extension kernels, `CustomOpIr` with `OperationIr::Custom`): its inputs and outputs are
 //! declared with their shapes and dtypes when the op is called, and when the stream reaches it the
 //! inner backend's implementation of the same trait method runs on the inner tensors. So
-//! `Fusion<B>` implements [`MoeKernels`], [`KdaKernels`] and [`AttnResKernels`] wherever `B` does, and
+//! `Fusion<B>` implements [`MoeKernels`], [`KdaKernels`], [`AttnResKernels`], [`RmsNormKernels`]
+//! and [`CrossEntropyKernels`] wherever `B` does, and
 //! `Autodiff<Fusion<B>>` gets the custom backward passes through the generic autodiff
 //! implementations.
 //!
@@ -26,7 +27,9 @@ use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 use crate::nn::balance::HistogramSpec;
 use crate::ops::attn_res::AttnResKernels;
 use crate::ops::kda::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
+use crate::ops::loss::CrossEntropyKernels;
 use crate::ops::moe::{GluActivation, MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved};
+use crate::ops::norm::RmsNormKernels;
 use crate::ops::quant::MxSpec;
 
 /// A fusion tensor of the backend `B` wraps.
@@ -745,5 +748,82 @@ impl<B: FusionBackend + AttnResKernels> AttnResKernels for Fusion<B> {
             },
         ));
         (dv, dq)
+    }
+}
+
+impl<B: FusionBackend + RmsNormKernels> RmsNormKernels for Fusion<B> {
+    fn rms_norm_forward(x: Ft<B>, weight: Ft<B>, eps: f64) -> Ft<B> {
+        let declared = vec![Out::like(&x)];
+        let inputs = Inputs::new().float(x).float(weight);
+        let [out] = outs(call::<B>(
+            "kimi_burn::rms_norm_forward",
+            inputs,
+            declared,
+            move |mut a| {
+                let (x, w) = (a.float(), a.float());
+                vec![Prim::Float(B::rms_norm_forward(x, w, eps))]
+            },
+        ));
+        out
+    }
+
+    fn rms_norm_backward(x: Ft<B>, weight: Ft<B>, grad: Ft<B>, eps: f64) -> (Ft<B>, Ft<B>) {
+        let declared = vec![Out::like(&x), Out::like(&weight)];
+        let inputs = Inputs::new().float(x).float(weight).float(grad);
+        let [dx, dw] = outs(call::<B>(
+            "kimi_burn::rms_norm_backward",
+            inputs,
+            declared,
+            move |mut a| {
+                let (x, w, g) = (a.float(), a.float(), a.float());
+                let (dx, dw) = B::rms_norm_backward(x, w, g, eps);
+                vec![Prim::Float(dx), Prim::Float(dw)]
+            },
+        ));
+        (dx, dw)
+    }
+}
+
+impl<B: FusionBackend + CrossEntropyKernels> CrossEntropyKernels for Fusion<B> {
+    fn cross_entropy_forward(logits: Ft<B>, targets: Ft<B>, ignore: i32) -> (Ft<B>, Ft<B>) {
+        let rows = logits.shape[0];
+        let declared = vec![Out::new([rows], logits.dtype), Out::new([rows], DType::F32)];
+        let inputs = Inputs::new().float(logits).int(targets);
+        let [loss, lse] = outs(call::<B>(
+            "kimi_burn::cross_entropy_forward",
+            inputs,
+            declared,
+            move |mut a| {
+                let (z, t) = (a.float(), a.int());
+                let (loss, lse) = B::cross_entropy_forward(z, t, ignore);
+                vec![Prim::Float(loss), Prim::Float(lse)]
+            },
+        ));
+        (loss, lse)
+    }
+
+    fn cross_entropy_backward(
+        logits: Ft<B>,
+        targets: Ft<B>,
+        lse: Ft<B>,
+        grad: Ft<B>,
+        ignore: i32,
+    ) -> Ft<B> {
+        let declared = vec![Out::like(&logits)];
+        let inputs = Inputs::new()
+            .float(logits)
+            .int(targets)
+            .float(lse)
+            .float(grad);
+        let [d] = outs(call::<B>(
+            "kimi_burn::cross_entropy_backward",
+            inputs,
+            declared,
+            move |mut a| {
+                let (z, t, lse, g) = (a.float(), a.int(), a.float(), a.float());
+                vec![Prim::Float(B::cross_entropy_backward(z, t, lse, g, ignore))]
+            },
+        ));
+        d
     }
 }

@@ -6,7 +6,8 @@
 //!
 //! The modules stay generic over any [`Backend`]. An op first offers its tensors to a kernel
 //! implementation, reached through the backend-extension traits
-//! [`MoeKernels`] and [`KdaKernels`]
+//! [`MoeKernels`], [`KdaKernels`], [`AttnResKernels`], [`RmsNormKernels`] and
+//! [`CrossEntropyKernels`]
 //! (implemented with the `wgpu` or `cuda` feature for every `CubeBackend<R, F, I, BT>`, for
 //! `Fusion<B>` over one, and, with custom backward passes, for `Autodiff<B>` over either), and
 //! otherwise runs its reference tensor-op code (or, on the CPU backends, a host kernel).
@@ -42,8 +43,12 @@ use burn::tensor::backend::Backend;
 
 use crate::ops::attn_res::AttnResKernels;
 use crate::ops::kda::KdaKernels;
+use crate::ops::loss::CrossEntropyKernels;
 use crate::ops::moe::MoeKernels;
+use crate::ops::norm::RmsNormKernels;
 
+#[cfg(feature = "autodiff")]
+pub(crate) mod autodiff;
 #[cfg(feature = "cubecl-kernels")]
 pub(crate) mod cube;
 #[cfg(feature = "cubecl-kernels")]
@@ -94,9 +99,17 @@ pub enum FusedOp {
     AttnRes,
     /// Its backward (autodiff).
     AttnResBackward,
+    /// [`rms_norm`](crate::ops::norm::rms_norm) forward.
+    RmsNorm,
+    /// Its backward (autodiff).
+    RmsNormBackward,
+    /// [`masked_cross_entropy`](crate::ops::loss::masked_cross_entropy) forward.
+    CrossEntropy,
+    /// Its backward (autodiff).
+    CrossEntropyBackward,
 }
 
-const N_OPS: usize = 16;
+const N_OPS: usize = 20;
 
 impl FusedOp {
     fn slot(self) -> usize {
@@ -209,11 +222,17 @@ pub(crate) fn register_grads<B: Backend>(
     }
 }
 
-/// Every kernel family a dispatched backend provides: [`MoeKernels`], [`KdaKernels`] and
-/// [`AttnResKernels`].
-pub trait FusedKernels: MoeKernels + KdaKernels + AttnResKernels {}
+/// Every kernel family a dispatched backend provides: [`MoeKernels`], [`KdaKernels`],
+/// [`AttnResKernels`], [`RmsNormKernels`] and [`CrossEntropyKernels`].
+pub trait FusedKernels:
+    MoeKernels + KdaKernels + AttnResKernels + RmsNormKernels + CrossEntropyKernels
+{
+}
 
-impl<B: MoeKernels + KdaKernels + AttnResKernels> FusedKernels for B {}
+impl<B> FusedKernels for B where
+    B: MoeKernels + KdaKernels + AttnResKernels + RmsNormKernels + CrossEntropyKernels
+{
+}
 
 /// An op's arguments, ready to run on a concrete kernel backend `K` (which is `B` itself: the
 /// dispatch only calls [`run`](Self::run) after matching the types).

@@ -12,7 +12,7 @@ use kimi_burn_kernels::kda as kkda;
 use super::cube_chunk as chunk;
 use super::cube_chunk::{dims4, f32_contiguous, state_buffer};
 use super::kernels::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
-use crate::ops::backend::cube::{empty, per_row, u32_buffer};
+use crate::ops::backend::cube::{column_sum, empty, per_row, u32_buffer};
 
 fn dims2<R: CubeRuntime>(t: &T<R>) -> [usize; 2] {
     crate::ops::backend::cube::dims(t, "the gated norm kernels take [rows, V] tensors")
@@ -123,7 +123,6 @@ fn norm_backward<R: CubeRuntime>(
     let d_o = empty(&o, [rows, cols], dtype);
     let d_z = empty(&o, [rows, cols], dtype);
     let partial = empty(&o, [rows.max(1), cols], DType::F32);
-    let dw = empty(&o, [cols], DType::F32);
     let client = o.client.clone();
     if rows * cols > 0 {
         // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
@@ -146,22 +145,7 @@ fn norm_backward<R: CubeRuntime>(
             )
         };
     }
-    if cols > 0 {
-        let dim = CubeDim::new(&client, cols);
-        let rows_used = if rows * cols > 0 { rows } else { 0 };
-        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
-        unsafe {
-            kkda::column_sum::launch_unchecked::<R>(
-                &client,
-                calculate_cube_count_elemwise(&client, cols, dim),
-                dim,
-                partial.into_array_arg(),
-                dw.clone().into_array_arg(),
-                rows_used,
-                cols,
-            )
-        };
-    }
+    let dw = column_sum(partial, if rows * cols > 0 { rows } else { 0 }, [cols]);
     (d_o, cast(d_z, z_dtype), cast(dw, w_dtype))
 }
 
@@ -234,7 +218,6 @@ fn short_conv_grad<R: CubeRuntime>(
     }
     let blocks = tokens.div_ceil(kkda::CONV_BLOCK);
     let partial = empty(&x, [blocks.max(1), channels * width], DType::F32);
-    let dw = empty(&x, [channels, width], DType::F32);
     if blocks * channels > 0 {
         let units = blocks * channels;
         let dim = CubeDim::new(&client, units);
@@ -259,22 +242,8 @@ fn short_conv_grad<R: CubeRuntime>(
             )
         };
     }
-    let cols = channels * width;
-    if cols > 0 {
-        let dim = CubeDim::new(&client, cols);
-        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
-        unsafe {
-            kkda::column_sum::launch_unchecked::<R>(
-                &client,
-                calculate_cube_count_elemwise(&client, cols, dim),
-                dim,
-                partial.into_array_arg(),
-                dw.clone().into_array_arg(),
-                if blocks * channels > 0 { blocks } else { 0 },
-                cols,
-            )
-        };
-    }
+    let rows = if blocks * channels > 0 { blocks } else { 0 };
+    let dw = column_sum(partial, rows, [channels, width]);
     (dx, cast(dw, w_dtype), tail_dtype.map(|d| cast(dtail, d)))
 }
 
