@@ -628,6 +628,39 @@ mod chunked {
         }
     }
 
+    /// The backward from the within-chunk work the forward kept equals, bit for bit, the backward
+    /// that recomputes it (what `Autodiff` does under `BalancedCheckpointing`).
+    #[test]
+    fn kept_within_chunk_work_equals_recomputed() {
+        use kimi_burn::ops::kda::{KdaKernelInput, KdaKernels};
+        let device = Default::default();
+        let x = Inputs::<Gpu>::new(&mut rng(18), [2, 90, 2, 32, 48], 2, Gates::Safe, &device);
+        let mut r = rng(19);
+        let grad_o: Tensor<Gpu, 4> = randn(&mut r, [2, 90, 2, 48], 1.0, &device);
+        let grad_s: Tensor<Gpu, 4> = randn(&mut r, [2, 2, 32, 48], 1.0, &device);
+        let prim = |t: &Tensor<Gpu, 4>| t.clone().into_primitive().tensor();
+        let input = || KdaKernelInput::<Gpu> {
+            q: prim(&x.q),
+            k: prim(&x.k),
+            v: prim(&x.v),
+            g: prim(&x.g),
+            beta: x.beta.clone().into_primitive().tensor(),
+            initial_state: Some(prim(&x.h0)),
+            seq_starts: vec![0, 90, 180],
+        };
+        let run = |keep: bool| {
+            let (_, _, saved) = Gpu::kda_chunk_forward_saving(input(), 64, keep);
+            assert_eq!(saved.within.is_some(), keep, "within kept only when asked");
+            let d = Gpu::kda_chunk_backward(input(), 64, saved, prim(&grad_o), Some(prim(&grad_s)));
+            [d.q, d.k, d.v, d.g, d.initial_state].map(|t| {
+                bits(Tensor::<Gpu, 4>::from_primitive(
+                    burn::tensor::TensorPrimitive::Float(t),
+                ))
+            })
+        };
+        assert_eq!(run(true), run(false));
+    }
+
     /// No initial state and no use of `S_T`: the backward still runs, and `q`, `k`, … get the
     /// reference gradients of `Σ o ⊙ R`.
     #[test]

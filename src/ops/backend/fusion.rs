@@ -26,7 +26,7 @@ use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
 use crate::nn::balance::HistogramSpec;
 use crate::ops::attn_res::AttnResKernels;
-use crate::ops::kda::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
+use crate::ops::kda::{KdaChunkGrads, KdaChunkSaved, KdaChunkWithin, KdaKernelInput, KdaKernels};
 use crate::ops::loss::CrossEntropyKernels;
 use crate::ops::moe::{GluActivation, MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved};
 use crate::ops::norm::RmsNormKernels;
@@ -534,6 +534,7 @@ impl<B: FusionBackend + KdaKernels> KdaKernels for Fusion<B> {
     fn kda_chunk_forward_saving(
         input: KdaKernelInput<Self>,
         chunk: usize,
+        keep_within: bool,
     ) -> (Ft<B>, Ft<B>, KdaChunkSaved<Self>) {
         let has_state = input.initial_state.is_some();
         let starts = input.seq_starts.clone();
@@ -547,20 +548,32 @@ impl<B: FusionBackend + KdaKernels> KdaKernels for Fusion<B> {
         let mut declared = kda_outputs(&input);
         declared.push(Out::new([chunks, h, kd, vd], DType::F32));
         declared.push(Out::new([chunks, h, chunk, vd], DType::F32));
-        let [o, s, states, vn] = outs(call::<B>(
+        if keep_within {
+            for cols in [chunk, chunk, kd, vd] {
+                declared.push(Out::new([chunks, h, chunk, cols], DType::F32));
+            }
+        }
+        let mut out = call::<B>(
             "kimi_burn::kda_chunk_forward_saving",
             kda_inputs(input),
             declared,
             move |mut a| {
                 let input = inner_kda_input::<B>(&mut a, has_state, starts.clone());
-                let (o, s, saved) = B::kda_chunk_forward_saving(input, chunk);
+                let (o, s, saved) = B::kda_chunk_forward_saving(input, chunk, keep_within);
+                let within = saved.within.map(|w| w.into_array()).into_iter().flatten();
                 [o, s, saved.states, saved.vn]
                     .into_iter()
+                    .chain(within)
                     .map(Prim::Float)
                     .collect()
             },
-        ));
-        (o, s, KdaChunkSaved { states, vn })
+        )
+        .into_iter();
+        let mut next = || out.next().expect("declared output");
+        let (o, s, states, vn) = (next(), next(), next(), next());
+        let within =
+            keep_within.then(|| KdaChunkWithin::from_array([next(), next(), next(), next()]));
+        (o, s, KdaChunkSaved { states, vn, within })
     }
 
     fn kda_chunk_backward(
@@ -585,11 +598,13 @@ impl<B: FusionBackend + KdaKernels> KdaKernels for Fusion<B> {
             f32_like(&input.beta),
             Out::new([n, h, kd, vd], DType::F32),
         ];
-        let inputs = kda_inputs(input)
-            .float(saved.states)
-            .float(saved.vn)
-            .float(grad_o)
-            .float_opt(grad_state);
+        let has_within = saved.within.is_some();
+        let within = saved.within.map(|w| w.into_array()).into_iter().flatten();
+        let inputs = within.fold(
+            kda_inputs(input).float(saved.states).float(saved.vn),
+            Inputs::float,
+        );
+        let inputs = inputs.float(grad_o).float_opt(grad_state);
         let [q, k, v, g, beta, initial_state] = outs(call::<B>(
             "kimi_burn::kda_chunk_backward",
             inputs,
@@ -599,6 +614,8 @@ impl<B: FusionBackend + KdaKernels> KdaKernels for Fusion<B> {
                 let saved = KdaChunkSaved {
                     states: a.float(),
                     vn: a.float(),
+                    within: has_within
+                        .then(|| KdaChunkWithin::from_array([(); 4].map(|_| a.float()))),
                 };
                 let grad_o = a.float();
                 let grad_state = a.float_if(has_grad_state);

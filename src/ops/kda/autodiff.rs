@@ -3,7 +3,7 @@
 //! runs untracked only.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
-use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::autodiff::NodeId;
@@ -212,7 +212,10 @@ impl<B: KdaKernels, C: CheckpointStrategy> KdaKernels for Autodiff<B, C> {
         ];
         let has_h0 = input.initial_state.is_some();
         let seq_starts = input.seq_starts.clone();
-        let (o, s, saved) = B::kda_chunk_forward_saving(inner_input(input), chunk);
+        // Memory over compute under Burn's balanced checkpointing: the backward then recomputes
+        // the within-chunk work.
+        let keep = std::any::TypeId::of::<C>() != std::any::TypeId::of::<BalancedCheckpointing>();
+        let (o, s, saved) = B::kda_chunk_forward_saving(inner_input(input), chunk, keep);
         let (o_shape, s_shape) = (o.shape(), s.shape());
         let (o_len, s_len) = (o_shape.num_elements(), s_shape.num_elements());
         let packed = B::float_cat(
@@ -245,11 +248,13 @@ impl<B: KdaKernels, C: CheckpointStrategy> KdaKernels for Autodiff<B, C> {
     fn kda_chunk_forward_saving(
         input: KdaKernelInput<Self>,
         chunk: usize,
+        keep_within: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, KdaChunkSaved<Self>) {
-        let (o, s, saved) = B::kda_chunk_forward_saving(inner_input(input), chunk);
+        let (o, s, saved) = B::kda_chunk_forward_saving(inner_input(input), chunk, keep_within);
         let saved = KdaChunkSaved {
             states: Self::from_inner(saved.states),
             vn: Self::from_inner(saved.vn),
+            within: saved.within.map(|w| w.map(Self::from_inner)),
         };
         (Self::from_inner(o), Self::from_inner(s), saved)
     }
@@ -264,6 +269,7 @@ impl<B: KdaKernels, C: CheckpointStrategy> KdaKernels for Autodiff<B, C> {
         let saved = KdaChunkSaved {
             states: Self::inner(saved.states),
             vn: Self::inner(saved.vn),
+            within: saved.within.map(|w| w.map(Self::inner)),
         };
         let d = B::kda_chunk_backward(
             inner_input(input),

@@ -11,7 +11,7 @@ use kimi_burn_kernels::kda as kkda;
 
 use super::cube_chunk as chunk;
 use super::cube_chunk::{dims4, f32_contiguous, state_buffer};
-use super::kernels::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
+use super::kernels::{KdaChunkGrads, KdaChunkSaved, KdaChunkWithin, KdaKernelInput, KdaKernels};
 use crate::ops::backend::cube::{column_sum, empty, per_row, u32_buffer};
 
 fn dims2<R: CubeRuntime>(t: &T<R>) -> [usize; 2] {
@@ -337,17 +337,19 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KdaKernels
     }
 
     fn kda_chunk_forward(input: KdaKernelInput<Self>, chunk: usize) -> (T<R>, T<R>) {
-        let (o, s, _) = chunk::forward(input_cast(input), chunk, false);
+        let (o, s, _) = chunk::forward(input_cast(input), chunk, false, false);
         (o, s)
     }
 
     fn kda_chunk_forward_saving(
         input: KdaKernelInput<Self>,
         chunk: usize,
+        keep_within: bool,
     ) -> (T<R>, T<R>, KdaChunkSaved<Self>) {
-        let (o, s, saved) = chunk::forward(input_cast(input), chunk, true);
-        let (states, vn) = saved.expect("asked to save");
-        (o, s, KdaChunkSaved { states, vn })
+        let (o, s, saved) = chunk::forward(input_cast(input), chunk, true, keep_within);
+        let (states, vn, within) = saved.expect("asked to save");
+        let within = within.map(KdaChunkWithin::from_array);
+        (o, s, KdaChunkSaved { states, vn, within })
     }
 
     fn kda_chunk_backward(
@@ -360,7 +362,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> KdaKernels
         let g = chunk::backward(
             input_cast(input),
             chunk,
-            (saved.states, saved.vn),
+            (
+                saved.states,
+                saved.vn,
+                saved.within.map(KdaChunkWithin::into_array),
+            ),
             grad_o,
             grad_state,
         );

@@ -13,8 +13,10 @@ use crate::ops::backend::cube::{contiguous_as, empty, f32_scalar, per_row, u32_b
 
 type T<R> = CubeTensor<R>;
 type Input<R> = KdaKernelInput<CubeBackend<R, f32, i32, u32>>;
-/// `(states, vn)`: what the forward keeps for the backward.
-type Saved<R> = (T<R>, T<R>);
+/// `[A_qk, A_kk, W, U]` of every chunk: the within-chunk matrices and the solve.
+pub(super) type Within<R> = [T<R>; 4];
+/// `(states, vn, within)`: what the forward keeps for the backward (`within` when asked).
+pub(super) type Saved<R> = (T<R>, T<R>, Option<Within<R>>);
 
 /// `t` in f32, contiguous.
 pub(super) fn f32_contiguous<R: CubeRuntime>(t: T<R>) -> T<R> {
@@ -148,12 +150,16 @@ impl<R: CubeRuntime> Work<R> {
     }
 }
 
-/// Gate sums, within-chunk matrices and the triangular solve (three launches). `None` when there
-/// is nothing to compute.
+/// Gate sums, within-chunk matrices and the triangular solve (three launches; only the first
+/// when the forward kept `within`). `None` when there is nothing to compute.
 ///
 /// Long on purpose: it allocates every scratch buffer the three launches share and launches them
 /// in order; split, the pieces would pass the same dozen buffers back and forth.
-fn prepare<R: CubeRuntime>(input: &Input<R>, chunk: usize) -> Option<Work<R>> {
+fn prepare<R: CubeRuntime>(
+    input: &Input<R>,
+    chunk: usize,
+    within: Option<Within<R>>,
+) -> Option<Work<R>> {
     assert!(
         chunk.is_multiple_of(kkda::SUB) && chunk * chunk >= kkda::INTRA_CUBE as usize,
         "KDA chunk kernels: chunk size {chunk} must be 16, 32 or 64"
@@ -179,6 +185,15 @@ fn prepare<R: CubeRuntime>(input: &Input<R>, chunk: usize) -> Option<Work<R>> {
         .unwrap_or(0);
     let tokens = b * t;
     let scratch = |shape: Vec<usize>| empty(&q, shape, DType::F32);
+    let kept = within.is_some();
+    let [a_qk, a_kk, w, u] = within.map(|w| w.map(f32_contiguous)).unwrap_or_else(|| {
+        [
+            scratch(vec![chunks, h, chunk, chunk]),
+            scratch(vec![chunks, h, chunk, chunk]),
+            scratch(vec![chunks, h, chunk, kd]),
+            scratch(vec![chunks, h, chunk, vd]),
+        ]
+    });
     let work = Work {
         dims: [b, t, h, kd, vd, n],
         chunk,
@@ -195,10 +210,10 @@ fn prepare<R: CubeRuntime>(input: &Input<R>, chunk: usize) -> Option<Work<R>> {
         ks: scratch(vec![tokens, h, kd]),
         decay: scratch(vec![chunks, h, kd]),
         sub_decay: scratch(vec![chunks, h, chunk / kkda::SUB, kd]),
-        a_qk: scratch(vec![chunks, h, chunk, chunk]),
-        a_kk: scratch(vec![chunks, h, chunk, chunk]),
-        w: scratch(vec![chunks, h, chunk, kd]),
-        u: scratch(vec![chunks, h, chunk, vd]),
+        a_qk,
+        a_kk,
+        w,
+        u,
         q,
         k,
         v,
@@ -232,6 +247,9 @@ fn prepare<R: CubeRuntime>(input: &Input<R>, chunk: usize) -> Option<Work<R>> {
             chunk,
         )
     };
+    if kept {
+        return Some(work);
+    }
     // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
     unsafe {
         kkda::kda_chunk_intra::launch_unchecked::<R>(
@@ -291,19 +309,21 @@ fn solve_grid<R: CubeRuntime>(like: &T<R>, col_blocks: usize, chunk_heads: usize
     per_row(like, col_blocks * chunk_heads)
 }
 
-/// Chunked forward: `(o, S_T, (states, vn))`, the last when `save` (what the backward needs:
-/// the state entering every chunk and `Vn`).
+/// Chunked forward: `(o, S_T, (states, vn, within))`, the last when `save` (what the backward
+/// needs: the state entering every chunk and `Vn`, and with `keep_within` the within-chunk
+/// matrices and the solve, which the backward then does not recompute).
 pub(super) fn forward<R: CubeRuntime>(
     input: Input<R>,
     chunk: usize,
     save: bool,
+    keep_within: bool,
 ) -> (T<R>, T<R>, Option<Saved<R>>) {
     let [b, t, h, _] = dims4(&input.q);
     let [_, _, _, kd] = dims4(&input.k);
     let vd = dims4(&input.v)[3];
     let n = input.seq_starts.len() - 1;
     let like = input.q.clone();
-    let work = prepare(&input, chunk);
+    let work = prepare(&input, chunk, None);
     let state = state_buffer(&like, input.initial_state, [n, h, kd, vd]);
     let out = empty(&like, [b, t, h, vd], DType::F32);
     let Some(work) = work else {
@@ -311,6 +331,7 @@ pub(super) fn forward<R: CubeRuntime>(
             (
                 empty(&like, [0, h, kd, vd], DType::F32),
                 empty(&like, [0, h, chunk, vd], DType::F32),
+                None,
             )
         });
         return (out, state, saved);
@@ -371,11 +392,13 @@ pub(super) fn forward<R: CubeRuntime>(
             chunk,
         )
     };
-    (out, state, save.then_some((states, vn)))
+    let within = keep_within.then(|| [work.a_qk, work.a_kk, work.w, work.u]);
+    (out, state, save.then_some((states, vn, within)))
 }
 
-/// Chunked backward from the forward's `(states, vn)`: `[dq, dk, dv, dg, dβ, dS_0]` in f32 (the
-/// shapes of `q, k, v, g, β` and `[N, H, K, V]`).
+/// Chunked backward from the forward's `(states, vn, within)`: `[dq, dk, dv, dg, dβ, dS_0]` in
+/// f32 (the shapes of `q, k, v, g, β` and `[N, H, K, V]`). Without `within` it recomputes the
+/// within-chunk matrices and the solve.
 ///
 /// Long on purpose: it is the launch sequence of the KDA chunked backward (recompute the
 /// within-chunk work, the reverse state pass in windows, the within-chunk gradients, the gate
@@ -384,7 +407,7 @@ pub(super) fn forward<R: CubeRuntime>(
 pub(super) fn backward<R: CubeRuntime>(
     input: Input<R>,
     chunk: usize,
-    (states, vn): Saved<R>,
+    (states, vn, within): Saved<R>,
     grad_o: T<R>,
     grad_state: Option<T<R>>,
 ) -> [T<R>; 6] {
@@ -395,7 +418,7 @@ pub(super) fn backward<R: CubeRuntime>(
     let like = input.q.clone();
     let d_state = state_buffer(&like, grad_state, [n, h, kd, vd]);
     let zeros = |shape: [usize; 4]| state_buffer(&like, None, shape);
-    let Some(work) = prepare(&input, chunk) else {
+    let Some(work) = prepare(&input, chunk, within) else {
         let dbeta = zeros([b, t, h, 1]);
         return [
             zeros([b, t, h, kd]),

@@ -36,6 +36,44 @@ pub struct KdaChunkSaved<B: Backend> {
     pub states: FloatTensor<B>,
     /// `Vn = U − W S` of every chunk, `[chunks, H, C, V]`.
     pub vn: FloatTensor<B>,
+    /// The within-chunk matrices and the solve of every chunk, when the forward kept them: the
+    /// backward then does not recompute them.
+    pub within: Option<KdaChunkWithin<B>>,
+}
+
+/// The within-chunk work of the chunked forward (design §4.3, f32), which
+/// [`KdaKernels::kda_chunk_backward`] otherwise recomputes: per token and head `2·C + K + V`
+/// floats.
+#[derive(Debug, Clone)]
+pub struct KdaChunkWithin<B: Backend> {
+    /// `A_qk`, `[chunks, H, C, C]`.
+    pub a_qk: FloatTensor<B>,
+    /// `A_kk`, `[chunks, H, C, C]`.
+    pub a_kk: FloatTensor<B>,
+    /// `W`, `[chunks, H, C, K]`.
+    pub w: FloatTensor<B>,
+    /// `U`, `[chunks, H, C, V]`.
+    pub u: FloatTensor<B>,
+}
+
+impl<B: Backend> KdaChunkWithin<B> {
+    /// `[a_qk, a_kk, w, u]`.
+    pub fn into_array(self) -> [FloatTensor<B>; 4] {
+        [self.a_qk, self.a_kk, self.w, self.u]
+    }
+
+    /// From `[a_qk, a_kk, w, u]`.
+    pub fn from_array([a_qk, a_kk, w, u]: [FloatTensor<B>; 4]) -> Self {
+        Self { a_qk, a_kk, w, u }
+    }
+
+    /// Each tensor mapped by `f` (moving them between backends).
+    pub fn map<C: Backend>(
+        self,
+        f: impl FnMut(FloatTensor<B>) -> FloatTensor<C>,
+    ) -> KdaChunkWithin<C> {
+        KdaChunkWithin::from_array(self.into_array().map(f))
+    }
 }
 
 /// The gradients of the chunked KDA forward with respect to its inputs (f32, their shapes).
@@ -85,14 +123,18 @@ pub trait KdaKernels: Backend {
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
     /// [`kda_chunk_forward`](Self::kda_chunk_forward), also returning what the backward needs:
-    /// the state entering every chunk and `Vn` (`[chunks, H, K, V]` and `[chunks, H, C, V]`, f32).
+    /// the state entering every chunk and `Vn` (`[chunks, H, K, V]` and `[chunks, H, C, V]`, f32),
+    /// and with `keep_within` the within-chunk matrices and the solve ([`KdaChunkWithin`]).
+    /// `Autodiff` keeps them unless its checkpointing strategy is `BalancedCheckpointing` (which
+    /// asks for memory over compute).
     fn kda_chunk_forward_saving(
         input: KdaKernelInput<Self>,
         chunk: usize,
+        keep_within: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, KdaChunkSaved<Self>);
 
     /// The fused backward of the chunked forward for the gradients of `o: [B, T, H, V]` and
-    /// (optionally) `S_T: [N, H, K, V]`: recomputes the within-chunk work, runs the state pass in
+    /// (optionally) `S_T: [N, H, K, V]`: recomputes the within-chunk work the forward did not keep, runs the state pass in
     /// reverse from the saved states, and returns `dq, dk, dv, dg, dβ, dS_0` in f32. `S_0` itself
     /// is not read (`input.initial_state` may be `None`; the saved states hold it). Not
     /// differentiable itself.

@@ -38,7 +38,7 @@ pub use naive::{naive_recurrent_kda, try_naive_recurrent_kda};
 pub(crate) use chunk::chunk_kda_inner;
 pub(crate) use fused_recurrent::fused_recurrent_kda_inner;
 pub(crate) use kernels::tracked_on_kernels;
-pub use kernels::{KdaChunkGrads, KdaChunkSaved, KdaKernelInput, KdaKernels};
+pub use kernels::{KdaChunkGrads, KdaChunkSaved, KdaChunkWithin, KdaKernelInput, KdaKernels};
 
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData, TensorPrimitive};
 
