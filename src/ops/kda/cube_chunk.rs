@@ -392,7 +392,7 @@ pub(super) fn forward<R: CubeRuntime>(
             chunk,
         )
     };
-    let within = keep_within.then(|| [work.a_qk, work.a_kk, work.w, work.u]);
+    let within = keep_within.then_some([work.a_qk, work.a_kk, work.w, work.u]);
     (out, state, save.then_some((states, vn, within)))
 }
 
