@@ -304,6 +304,33 @@ mod kernel {
         assert!(host(l)[0].is_nan());
     }
 
+    /// Past the vocabulary the wgpu kernels take (lavapipe's loop limit), the op runs the tensor
+    /// ops, and still gives the f64 formula.
+    #[test]
+    fn cross_entropy_large_vocabulary_takes_the_reference() {
+        use kimi_burn::ops::loss::WGPU_MAX_VOCAB;
+        use kimi_burn::ops::{kernel_calls, with_kernels};
+        let (b, t, v) = (2, 3, WGPU_MAX_VOCAB + 1);
+        let mut rng = rng(74);
+        let zv = normal_vec(&mut rng, b * t * v);
+        let tv = targets(&mut rng, b * t, v);
+        let device = Default::default();
+        let before = kernel_calls(FusedOp::CrossEntropy);
+        let loss = with_kernels(true, || {
+            masked_cross_entropy(
+                from_f64::<GpuAd, 3>(&zv, [b, t, v], &device),
+                int_tensor::<GpuAd>(&tv, [b, t], &device),
+                IGNORE_INDEX,
+            )
+        });
+        assert_eq!(
+            kernel_calls(FusedOp::CrossEntropy),
+            before,
+            "reference path"
+        );
+        assert_close("loss", &[cross_entropy64(&zv, &tv, v)], &host(loss), 1e-5);
+    }
+
     #[test]
     fn cross_entropy_repeatable_bit_for_bit() {
         let tv: Vec<i64> = (0..120).map(|i| (i * 7 % 45) as i64).collect();

@@ -843,4 +843,8 @@ impl<B: FusionBackend + CrossEntropyKernels> CrossEntropyKernels for Fusion<B> {
         ));
         d
     }
+
+    fn cross_entropy_max_vocab() -> usize {
+        B::cross_entropy_max_vocab()
+    }
 }

@@ -112,4 +112,13 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> CrossEntro
     ) -> T<R> {
         backward(logits, targets, lse, grad, ignore)
     }
+
+    fn cross_entropy_max_vocab() -> usize {
+        #[cfg(feature = "wgpu")]
+        if std::any::TypeId::of::<R>() == std::any::TypeId::of::<burn::backend::wgpu::WgpuRuntime>()
+        {
+            return super::WGPU_MAX_VOCAB;
+        }
+        usize::MAX
+    }
 }

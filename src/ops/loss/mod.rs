@@ -50,12 +50,12 @@ pub fn masked_cross_entropy<B: Backend>(
             ignore: ignore_index as i32,
         };
         match backend::on_kernels::<B, _>(op) {
-            Ok(per_row) => {
+            Ok(Ok(per_row)) => {
                 backend::record(FusedOp::CrossEntropy, KernelPath::Kernel);
                 let (per_row, dtype) = widen(per_row);
                 return restore(per_row.sum().div(count), dtype);
             }
-            Err(op) => {
+            Ok(Err(op)) | Err(op) => {
                 backend::record(FusedOp::CrossEntropy, KernelPath::Reference);
                 let logits = op.logits.reshape([batch, seq, vocab]);
                 let targets = op.targets.reshape([batch, seq]);
@@ -122,7 +122,19 @@ pub trait CrossEntropyKernels: Backend {
         grad: FloatTensor<Self>,
         ignore: i32,
     ) -> FloatTensor<Self>;
+
+    /// The largest vocabulary the kernels take on this backend; [`masked_cross_entropy`] runs the
+    /// tensor ops above it. One unit walks a row three times, and Mesa's software Vulkan driver
+    /// (lavapipe, what wgpu runs on without a GPU) ends an invocation's loops silently after
+    /// 65 535 iterations, so the wgpu runtime takes vocabularies up to
+    /// [`WGPU_MAX_VOCAB`] (a GPU adapter could take more; the runtime cannot tell them apart
+    /// here); CUDA has no limit.
+    fn cross_entropy_max_vocab() -> usize;
 }
+
+/// [`CrossEntropyKernels::cross_entropy_max_vocab`] on the wgpu runtime: three passes over a row
+/// stay within half of lavapipe's loop limit.
+pub const WGPU_MAX_VOCAB: usize = 10_922;
 
 /// [`CrossEntropyKernels::cross_entropy_forward`] on `Tensor`s, returning the per-row losses.
 struct CrossEntropyOp<B: Backend> {
@@ -132,14 +144,20 @@ struct CrossEntropyOp<B: Backend> {
 }
 
 impl<B: Backend> KernelOp<B> for CrossEntropyOp<B> {
-    type Output = Tensor<B, 1>;
+    /// The per-row losses, or the op back when the vocabulary is too large for the kernels.
+    type Output = Result<Tensor<B, 1>, Self>;
 
     fn run<K: FusedKernels>(self) -> Self::Output {
+        if self.logits.dims()[1] > K::cross_entropy_max_vocab() {
+            return Err(self);
+        }
         let logits = same::<Tensor<B, 2>, Tensor<K, 2>>(self.logits)
             .into_primitive()
             .tensor();
         let targets = same::<Tensor<B, 1, Int>, Tensor<K, 1, Int>>(self.targets).into_primitive();
         let (loss, _lse) = K::cross_entropy_forward(logits, targets, self.ignore);
-        same(Tensor::<K, 1>::from_primitive(TensorPrimitive::Float(loss)))
+        Ok(same(Tensor::<K, 1>::from_primitive(
+            TensorPrimitive::Float(loss),
+        )))
     }
 }
