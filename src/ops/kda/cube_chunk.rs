@@ -328,10 +328,11 @@ pub(super) fn forward<R: CubeRuntime>(
     let out = empty(&like, [b, t, h, vd], DType::F32);
     let Some(work) = work else {
         let saved = save.then(|| {
+            let none = |cols: usize| empty(&like, [0, h, chunk, cols], DType::F32);
             (
                 empty(&like, [0, h, kd, vd], DType::F32),
-                empty(&like, [0, h, chunk, vd], DType::F32),
-                None,
+                none(vd),
+                keep_within.then(|| [none(chunk), none(chunk), none(kd), none(vd)]),
             )
         });
         return (out, state, saved);
