@@ -29,12 +29,21 @@ mod cube;
 /// On the CubeCL backends (f32, f16, bf16 logits) one kernel computes the per-row losses and one
 /// the logits' gradient ([`CrossEntropyKernels`]), with f32 statistics; other backends run the
 /// tensor ops (the log-softmax in the logits' dtype).
+///
+/// # Panics
+/// When `targets` is not `[batch, seq]` of the logits.
 pub fn masked_cross_entropy<B: Backend>(
     logits: Tensor<B, 3>,
     targets: Tensor<B, 2, Int>,
     ignore_index: i64,
 ) -> Tensor<B, 1> {
     let [batch, seq, vocab] = logits.dims();
+    assert!(
+        targets.dims() == [batch, seq],
+        "masked_cross_entropy: targets have shape {:?}, the logits {:?}: expected [{batch}, {seq}]",
+        targets.dims(),
+        [batch, seq, vocab]
+    );
     let rows = batch * seq;
     let scored = targets.clone().not_equal_elem(ignore_index);
     // The sums and the count in f32 (f64 stays f64), the result in the logits' dtype.
@@ -59,12 +68,12 @@ pub fn masked_cross_entropy<B: Backend>(
                 backend::record(FusedOp::CrossEntropy, KernelPath::Reference);
                 let logits = op.logits.reshape([batch, seq, vocab]);
                 let targets = op.targets.reshape([batch, seq]);
-                return reference(logits, targets, scored, count, ignore_index);
+                return reference(logits, targets, scored, count);
             }
         }
     }
     backend::record(FusedOp::CrossEntropy, KernelPath::Reference);
-    reference(logits, targets, scored, count, ignore_index)
+    reference(logits, targets, scored, count)
 }
 
 /// [`masked_cross_entropy`] in tensor ops (any backend, Burn's autodiff), given the scored mask
@@ -74,14 +83,13 @@ fn reference<B: Backend>(
     targets: Tensor<B, 2, Int>,
     scored: Tensor<B, 2, burn::tensor::Bool>,
     count: Tensor<B, 1>,
-    ignore_index: i64,
 ) -> Tensor<B, 1> {
     let [batch, seq, vocab] = logits.dims();
     let invalid = targets
         .clone()
         .lower_elem(0)
         .bool_or(targets.clone().greater_equal_elem(vocab as i64))
-        .bool_and(targets.clone().not_equal_elem(ignore_index))
+        .bool_and(scored.clone())
         .any();
     // Ignored (and invalid) positions gather a class in range and are then zeroed or flagged.
     let safe = targets
