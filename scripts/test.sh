@@ -30,12 +30,22 @@ fi
 # that thread still needs (seen as a missing parameter gradient in a parallel run). Setting
 # RUST_TEST_THREADS overrides this.
 features=wgpu,autodiff,tokenizer,collective
+
+# Each step's wall time, for CI's log: the whole script has a budget (40 minutes on two cores).
+step_start=$SECONDS
+step_done() {
+    echo "test.sh: $1 took $((SECONDS - step_start)) s (total $SECONDS s)"
+    step_start=$SECONDS
+}
+
 RUST_TEST_THREADS="${RUST_TEST_THREADS:-1}" cargo test --workspace --features "$features" "$@"
+step_done "cargo test"
 
 # Data parallelism over two processes (burn-collective's global mode, its orchestrator on
 # localhost): both nodes must end with the same parameters and biases as two replicas in one
 # process. Built with the test build's features and profile, so it reuses its dependencies.
 PROFILE=dev FEATURES="$features" scripts/two_process.sh
+step_done "two processes"
 
 # Both crates as crates.io would receive them: `cargo package` packs each (kimi-burn depends on the
 # packed kimi-burn-kernels by version) and builds the packed sources: kimi-burn-kernels alone, and
@@ -50,6 +60,7 @@ PROFILE=dev FEATURES="$features" scripts/two_process.sh
 rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/kimi-burn-kernels-*
 cargo clean -p kimi-burn-kernels
 cargo package --workspace --allow-dirty --features wgpu
+step_done "package"
 
 # The crate as a Burn project uses it (downstream/): Burn's default features on, where
 # `burn::backend::Wgpu` is `Fusion<CubeBackend<…>>`, and off. Each trains a few steps on lavapipe and
@@ -58,4 +69,5 @@ cargo package --workspace --allow-dirty --features wgpu
 for config in fusion plain; do
     echo "downstream: Burn's default features $([ "$config" = fusion ] && echo on || echo off)"
     cargo run --manifest-path downstream/Cargo.toml -p "downstream-$config" --target-dir target
+    step_done "downstream $config"
 done

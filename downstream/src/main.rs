@@ -51,6 +51,8 @@ fn main() {
         FusedOp::RmsNormBackward,
         FusedOp::CrossEntropy,
         FusedOp::CrossEntropyBackward,
+        FusedOp::Attention,
+        FusedOp::AttentionBackward,
     ]
     .into_iter()
     .filter(|&op| kernel_calls(op) == 0)

@@ -16,7 +16,7 @@ use kimi_burn::KimiConfig;
 use rand::Rng;
 
 /// The fused ops a training step of the small model runs, forward and backward.
-const TRAINING_KERNELS: [FusedOp; 18] = [
+const TRAINING_KERNELS: [FusedOp; 20] = [
     FusedOp::SituGlu,
     FusedOp::SituGluBackward,
     FusedOp::RouteTopK,
@@ -35,6 +35,8 @@ const TRAINING_KERNELS: [FusedOp; 18] = [
     FusedOp::RmsNormBackward,
     FusedOp::CrossEntropy,
     FusedOp::CrossEntropyBackward,
+    FusedOp::Attention,
+    FusedOp::AttentionBackward,
 ];
 
 type Snapshot = (Vec<f64>, Vec<crate::model::ParamState>);

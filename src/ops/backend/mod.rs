@@ -6,8 +6,8 @@
 //!
 //! The modules stay generic over any [`Backend`]. An op first offers its tensors to a kernel
 //! implementation, reached through the backend-extension traits
-//! [`MoeKernels`], [`KdaKernels`], [`AttnResKernels`], [`RmsNormKernels`] and
-//! [`CrossEntropyKernels`]
+//! [`MoeKernels`], [`KdaKernels`], [`AttnResKernels`], [`RmsNormKernels`],
+//! [`CrossEntropyKernels`] and [`AttentionKernels`]
 //! (implemented with the `wgpu` or `cuda` feature for every `CubeBackend<R, F, I, BT>`, for
 //! `Fusion<B>` over one, and, with custom backward passes, for `Autodiff<B>` over either), and
 //! otherwise runs its reference tensor-op code (or, on the CPU backends, a host kernel).
@@ -44,6 +44,7 @@ use burn::tensor::backend::Backend;
 use crate::ops::attn_res::AttnResKernels;
 use crate::ops::kda::KdaKernels;
 use crate::ops::loss::CrossEntropyKernels;
+use crate::ops::mla::AttentionKernels;
 use crate::ops::moe::MoeKernels;
 use crate::ops::norm::RmsNormKernels;
 
@@ -107,9 +108,14 @@ pub enum FusedOp {
     CrossEntropy,
     /// Its backward (autodiff).
     CrossEntropyBackward,
+    /// [`causal_attention`](crate::ops::mla::causal_attention) forward (the expanded MLA
+    /// attention of training and prefill).
+    Attention,
+    /// Its backward (autodiff).
+    AttentionBackward,
 }
 
-const N_OPS: usize = 20;
+const N_OPS: usize = 22;
 
 impl FusedOp {
     fn slot(self) -> usize {
@@ -223,14 +229,19 @@ pub(crate) fn register_grads<B: Backend>(
 }
 
 /// Every kernel family a dispatched backend provides: [`MoeKernels`], [`KdaKernels`],
-/// [`AttnResKernels`], [`RmsNormKernels`] and [`CrossEntropyKernels`].
+/// [`AttnResKernels`], [`RmsNormKernels`], [`CrossEntropyKernels`] and [`AttentionKernels`].
 pub trait FusedKernels:
-    MoeKernels + KdaKernels + AttnResKernels + RmsNormKernels + CrossEntropyKernels
+    MoeKernels + KdaKernels + AttnResKernels + RmsNormKernels + CrossEntropyKernels + AttentionKernels
 {
 }
 
 impl<B> FusedKernels for B where
-    B: MoeKernels + KdaKernels + AttnResKernels + RmsNormKernels + CrossEntropyKernels
+    B: MoeKernels
+        + KdaKernels
+        + AttnResKernels
+        + RmsNormKernels
+        + CrossEntropyKernels
+        + AttentionKernels
 {
 }
 

@@ -1,26 +1,34 @@
 //! Causal softmax attention for Gated NoPE MLA (design §5): the plain `softmax(QKᵀ)V` form, the
-//! dispatch to Burn's fused attention op, and the absorbed latent form used by decode.
+//! fused kernels of the CubeCL backends ([`AttentionKernels`]), the dispatch to Burn's attention
+//! op, and the absorbed latent form used by decode.
 //!
 //! Masks follow Burn's convention: `true` marks a position that must **not** be attended to.
 
 use burn::tensor::module::attention as burn_attention;
-use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{backend::Backend, Bool, Int, Tensor, TensorData};
+use burn::tensor::ops::{AttentionModuleOptions, FloatTensor, IntTensor};
+use burn::tensor::{backend::Backend, Bool, Int, Tensor, TensorData, TensorPrimitive};
 use serde::{Deserialize, Serialize};
 
+use super::backend::{self, same, FusedKernels, FusedOp, KernelOp, KernelPath};
 use super::precision::{restore, widen};
+
+#[cfg(feature = "autodiff")]
+mod autodiff;
+#[cfg(feature = "cubecl-kernels")]
+mod cube;
 
 /// Which implementation computes the training / prefill attention of the expanded form.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum AttentionKind {
-    /// Burn's `attention` op, which a backend may implement with a flash kernel.
+    /// A fused implementation: on the CubeCL backends (wgpu, cuda, plain, under `Fusion` and
+    /// under `Autodiff`) the crate's own kernels ([`AttentionKernels`]: one forward, two backward
+    /// launches, the scores never stored), on the CPU backends the crate's host kernel, and
+    /// elsewhere Burn's `attention` op.
     ///
-    /// What runs in Burn 0.21: ndarray and **every autodiff backend** (so all training) run
-    /// Burn's unfused fallback, which handles `dqk ≠ dv` (192 vs 128) and masks. The CubeCL
-    /// backends (wgpu, cuda) consider flash kernels only with Burn's `autotune` feature, and
-    /// only without an explicit scale; those kernels need `dqk ≥ dv` and autotune keeps the
-    /// fallback when they fail (on Mesa's lavapipe they do, so wgpu in CI runs the fallback).
+    /// Burn's op in 0.21 runs its unfused fallback on ndarray and on **every autodiff backend**;
+    /// its CubeCL flash kernels need Burn's `autotune` feature, no explicit scale and `dqk ≥
+    /// dv`. So the crate's kernels are what makes training attention fused.
     #[default]
     Fused,
     /// The plain `softmax(scale·QKᵀ + mask)·V`, materialising the `T×T` scores: the reference.
@@ -111,6 +119,9 @@ pub fn attention_plain<B: Backend>(
 ///
 /// Rows whose keys are all masked (a padding query preceded only by padding) are not defined
 /// the same way by every kernel; callers zero the outputs at padding queries.
+///
+/// # Panics
+/// When the shapes disagree (`k` not `q`'s, `v` not `[B, H, T, dv]`, the padding not `[B, T]`).
 pub fn causal_attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -119,9 +130,34 @@ pub fn causal_attention<B: Backend>(
     kind: AttentionKind,
 ) -> Tensor<B, 4> {
     let [batch, heads, t, dqk] = q.dims();
+    let dv = v.dims()[3];
+    assert!(
+        k.dims() == [batch, heads, t, dqk] && v.dims() == [batch, heads, t, dv],
+        "causal_attention: q {:?}, k {:?} and v {:?} must be [B, H, T, dqk], [B, H, T, dqk], \
+         [B, H, T, dv]",
+        q.dims(),
+        k.dims(),
+        v.dims()
+    );
+    if let Some(pad) = &key_padding {
+        assert!(
+            pad.dims() == [batch, t],
+            "causal_attention: the key padding has shape {:?}, expected [B, T] = [{batch}, {t}]",
+            pad.dims()
+        );
+    }
     if let Some(o) = host_attention(&q, &k, &v, key_padding.as_ref()) {
         return o;
     }
+    let scale = (dqk as f64).powf(-0.5);
+    let (q, k, v, key_padding) = if kind == AttentionKind::Fused {
+        match kernel_attention(q, k, v, key_padding, scale) {
+            Ok(o) => return o,
+            Err(op) => (op.q, op.k, op.v, op.pad.map(|p| p.bool())),
+        }
+    } else {
+        (q, k, v, key_padding)
+    };
     match kind {
         AttentionKind::Fused => {
             let mask =
@@ -136,8 +172,116 @@ pub fn causal_attention<B: Backend>(
         AttentionKind::Plain => {
             let device = q.device();
             let mask = attention_mask::<B>(batch, t, t, key_padding, &device);
-            attention_plain(q, k, v, mask, (dqk as f64).powf(-0.5))
+            attention_plain(q, k, v, mask, scale)
         }
+    }
+}
+
+/// The widest head the attention kernels take (`dqk` and `dv`): each unit keeps a few head
+/// vectors in registers. Wider heads run the other paths.
+pub const KERNEL_MAX_HEAD_DIM: usize = 256;
+
+/// [`causal_attention`] on the fused kernels when the backend has them and the inputs suit them;
+/// the arguments back otherwise.
+fn kernel_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    key_padding: Option<Tensor<B, 2, Bool>>,
+    scale: f64,
+) -> Result<Tensor<B, 4>, AttentionOp<B>> {
+    let [batch, heads, t, dqk] = q.dims();
+    let dv = v.dims()[3];
+    let dtype = q.dtype();
+    let suits = backend::kernel_dtype(dtype)
+        && k.dtype() == dtype
+        && v.dtype() == dtype
+        && batch * heads * t > 0
+        && dqk.max(dv) <= KERNEL_MAX_HEAD_DIM
+        && dqk.min(dv) > 0
+        && t <= u16::MAX as usize
+        && backend::kernels_available::<B>();
+    let op = AttentionOp {
+        q,
+        k,
+        v,
+        pad: key_padding.map(|p| p.int()),
+        scale,
+    };
+    if !suits {
+        backend::record(FusedOp::Attention, KernelPath::Reference);
+        return Err(op);
+    }
+    match backend::on_kernels::<B, _>(op) {
+        Ok(o) => {
+            backend::record(FusedOp::Attention, KernelPath::Kernel);
+            Ok(o)
+        }
+        Err(op) => {
+            backend::record(FusedOp::Attention, KernelPath::Reference);
+            Err(op)
+        }
+    }
+}
+
+/// Backend extension with the causal attention kernels (design §5; the formulas are in
+/// `kimi_burn_kernels::attention`). Implemented for every CubeCL backend (`CubeBackend<R, F, I,
+/// BT>`, features `wgpu` / `cuda`), for `Fusion` over one and for `Autodiff<B>` over those (fused
+/// backward).
+pub trait AttentionKernels: Backend {
+    /// Causal attention of `q, k: [B, H, T, dqk]`, `v: [B, H, T, dv]` (one float dtype: f32, f16
+    /// or bf16) with the scores scaled by `scale` and the keys where `key_padding: [B, T]` is
+    /// non-zero masked. Returns `(o: [B, H, T, dv]` in the inputs' dtype, `lse: [B, H, T]` f32`)`,
+    /// the log-sum-exp of each query's visible scores (`1e30` when it sees no key; its output is
+    /// zero). Differentiable on autodiff backends with respect to `q`, `k` and `v`.
+    fn attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding: Option<IntTensor<Self>>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// The fused backward of [`attention_forward`](Self::attention_forward) for `grad: [B, H, T,
+    /// dv]`, from its output `o` and `lse`: returns `(dq, dk, dv)` in the inputs' dtype. Not
+    /// differentiable itself.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding: Option<IntTensor<Self>>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+}
+
+/// [`AttentionKernels::attention_forward`] on `Tensor`s.
+struct AttentionOp<B: Backend> {
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    pad: Option<Tensor<B, 2, Int>>,
+    scale: f64,
+}
+
+impl<B: Backend> KernelOp<B> for AttentionOp<B> {
+    type Output = Tensor<B, 4>;
+
+    fn run<K: FusedKernels>(self) -> Self::Output {
+        let float = |t: Tensor<B, 4>| {
+            same::<Tensor<B, 4>, Tensor<K, 4>>(t)
+                .into_primitive()
+                .tensor()
+        };
+        let pad = self
+            .pad
+            .map(|p| same::<Tensor<B, 2, Int>, Tensor<K, 2, Int>>(p).into_primitive());
+        let (o, _lse) =
+            K::attention_forward(float(self.q), float(self.k), float(self.v), pad, self.scale);
+        same(Tensor::<K, 4>::from_primitive(TensorPrimitive::Float(o)))
     }
 }
 
