@@ -29,7 +29,10 @@ fi
 # it after each backward, and a prune racing another thread's graph construction can drop a node
 # that thread still needs (seen as a missing parameter gradient in a parallel run). Setting
 # RUST_TEST_THREADS overrides this.
-features=wgpu,autodiff,tokenizer,collective
+# `shared-instances`: the library generates the training stack's generic instances once and
+# the test and example binaries link them (Cargo.toml says more); it cuts the build by about ten
+# minutes on two cores.
+features=wgpu,autodiff,tokenizer,collective,shared-instances
 
 # Each step's wall time, for CI's log: the whole script has a budget (40 minutes on two cores).
 step_start=$SECONDS

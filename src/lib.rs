@@ -12,6 +12,9 @@ pub mod config;
 pub mod data;
 pub mod error;
 pub mod generate;
+#[cfg(all(feature = "shared-instances", not(test)))]
+#[doc(hidden)]
+pub mod instances;
 #[cfg(feature = "learner")]
 pub mod learner;
 pub mod model;
