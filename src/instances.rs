@@ -14,10 +14,9 @@
 //! each generated the whole training stack for two backends) this took the binaries from about
 //! 1700 to 330 compile-seconds and added about 230 to the library. Release builds do not share
 //! generics, so the feature only costs them time.
-#![cfg_attr(
-    not(any(feature = "ndarray", feature = "wgpu", feature = "cuda")),
-    allow(dead_code, unused_imports)
-)]
+//!
+//! Compiled only with a backend feature (`ndarray`, `wgpu` or `cuda`): without one there is
+//! nothing to instantiate.
 
 use std::path::Path;
 

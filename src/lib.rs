@@ -12,7 +12,11 @@ pub mod config;
 pub mod data;
 pub mod error;
 pub mod generate;
-#[cfg(all(feature = "shared-instances", not(test)))]
+#[cfg(all(
+    feature = "shared-instances",
+    any(feature = "ndarray", feature = "wgpu", feature = "cuda"),
+    not(test)
+))]
 #[doc(hidden)]
 pub mod instances;
 #[cfg(feature = "learner")]
