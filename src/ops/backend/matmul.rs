@@ -2,6 +2,12 @@
 //! (`gemm-f32`, what several Rust ML libraries use: register-blocked, AVX-512 / AVX2+FMA / NEON
 //! chosen at run time, threads from rayon's pool for large products).
 
+// Without a CPU backend (ndarray, flex) no backend reaches the host kernels: compiled, unused.
+#![cfg_attr(
+    not(any(feature = "ndarray", feature = "flex")),
+    allow(dead_code, unused_imports)
+)]
+
 /// Products with at least this many multiply-adds use rayon's thread pool; smaller ones stay on
 /// the calling thread, where handing work to the pool would cost more than it saves.
 const MIN_PARALLEL_FLOPS: usize = 1 << 21;

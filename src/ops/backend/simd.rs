@@ -10,6 +10,12 @@
 //! instruction set (Rust never contracts `a * b + c` into a fused multiply-add on its own), so the
 //! host kernels give bit-identical results on every CPU.
 
+// Without a CPU backend (ndarray, flex) no backend reaches the host kernels: compiled, unused.
+#![cfg_attr(
+    not(any(feature = "ndarray", feature = "flex")),
+    allow(dead_code, unused_imports)
+)]
+
 pub(crate) use pulp::{Scalar, Simd, WithSimd};
 
 /// Runs `op` with the widest SIMD instruction set this CPU has (AVX-512, AVX2+FMA, or one lane at

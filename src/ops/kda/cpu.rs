@@ -24,6 +24,12 @@
 //! The loops over the state are compiled once per SIMD instruction set and chosen at run time
 //! ([`crate::ops::backend::simd`]); results are the same bits on every CPU.
 
+// Without a CPU backend (ndarray, flex) no backend reaches the host kernels: compiled, unused.
+#![cfg_attr(
+    not(any(feature = "ndarray", feature = "flex")),
+    allow(dead_code, unused_imports)
+)]
+
 use std::ops::Range;
 
 use crate::ops::backend::host::{

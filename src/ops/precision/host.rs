@@ -15,6 +15,12 @@
 //! `1 − σ` and `1 − tanh²` are never formed by a subtraction: near saturation that subtraction
 //! returns rounding noise (σ(−20) ≈ 2e−9 is below f32's spacing at ½).
 
+// Without a CPU backend (ndarray, flex) no backend reaches the host kernels: compiled, unused.
+#![cfg_attr(
+    not(any(feature = "ndarray", feature = "flex")),
+    allow(dead_code, unused_imports)
+)]
+
 use crate::ops::backend::host::{HostArray, HostOp};
 use crate::ops::backend::simd::{
     exp_expm1_nonpositive_lane, exp_lane, map, map_many_into, Elementwise, ElementwiseMany,
