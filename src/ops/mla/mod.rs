@@ -153,7 +153,7 @@ pub fn causal_attention<B: Backend>(
     let (q, k, v, key_padding) = if kind == AttentionKind::Fused {
         match kernel_attention(q, k, v, key_padding, scale) {
             Ok(o) => return o,
-            Err(op) => (op.q, op.k, op.v, op.pad.map(|p| p.bool())),
+            Err(op) => (op.q, op.k, op.v, op.pad),
         }
     } else {
         (q, k, v, key_padding)
@@ -205,7 +205,7 @@ fn kernel_attention<B: Backend>(
         q,
         k,
         v,
-        pad: key_padding.map(|p| p.int()),
+        pad: key_padding,
         scale,
     };
     if !suits {
@@ -263,7 +263,8 @@ struct AttentionOp<B: Backend> {
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
-    pad: Option<Tensor<B, 2, Int>>,
+    /// `[B, T]`, `true`: padding (handed to the kernels as ints).
+    pad: Option<Tensor<B, 2, Bool>>,
     scale: f64,
 }
 
@@ -278,7 +279,7 @@ impl<B: Backend> KernelOp<B> for AttentionOp<B> {
         };
         let pad = self
             .pad
-            .map(|p| same::<Tensor<B, 2, Int>, Tensor<K, 2, Int>>(p).into_primitive());
+            .map(|p| same::<Tensor<B, 2, Int>, Tensor<K, 2, Int>>(p.int()).into_primitive());
         let (o, _lse) =
             K::attention_forward(float(self.q), float(self.k), float(self.v), pad, self.scale);
         same(Tensor::<K, 4>::from_primitive(TensorPrimitive::Float(o)))
