@@ -207,6 +207,142 @@ fn bench_gpu_experts<G: burn::tensor::backend::Backend>(
     group.finish();
 }
 
+/// The MoE layer's forward against the sum of its matrix products on a GPU backend `G`, in the
+/// same run, at a shape large enough for a data-centre GPU to be busy (issue: the layer forward
+/// within 1.3× of its matmuls). `matmuls` runs every product of the layer's forward through
+/// Burn's own matmul, at its real shape and with an even split of the routed rows over the
+/// experts (one batched product per expert layer): the router, `W_down`, the experts' gate|up
+/// and down, `W_up`, and the shared expert's gate|up and down. The layer also routes, sorts the
+/// pairs, applies SiTU-GLU and gathers: the ratio is what all of that costs on top.
+#[cfg(feature = "cuda")]
+fn bench_gpu_vs_matmuls<G: burn::tensor::backend::Backend>(c: &mut Criterion, name: &str) {
+    let device = G::Device::default();
+    let (tokens, d, n, k, l, me, sh) = (8192, 2048, 64, 8, 1024, 1024, 2048);
+    let cfg = LatentMoeConfig::new(d, n, k, me)
+        .with_layout(MoeLayout::StableLatent { dim: l })
+        .with_n_shared(1)
+        .with_shared_hidden(Some(sh))
+        .with_balancer(BalancerKind::quantile());
+    let moe = cfg.init::<G>(&device);
+    let x = Tensor::<G, 3>::random([1, tokens, d], Distribution::Normal(0.0, 1.0), &device);
+    let mut group = c.benchmark_group(format!(
+        "{name}_moe_vs_matmuls_n{n}_k{k}_d{d}_l{l}_me{me}_sh{sh}_{tokens}tok"
+    ));
+    group.sample_size(10);
+    group.bench_function("layer_forward", |b| {
+        b.iter(|| {
+            let out = moe.forward(x.clone());
+            G::sync(&device).unwrap();
+            out.loads.on_device()
+        })
+    });
+    let rand =
+        |dims: [usize; 2]| Tensor::<G, 2>::random(dims, Distribution::Normal(0.0, 0.02), &device);
+    let rand3 =
+        |dims: [usize; 3]| Tensor::<G, 3>::random(dims, Distribution::Normal(0.0, 0.02), &device);
+    let flat = x.clone().reshape([tokens, d]);
+    let (router, down, up) = (rand([d, n]), rand([d, l]), rand([l, d]));
+    let (shared_in, shared_out) = (rand([d, 2 * sh]), rand([sh, d]));
+    let rows = tokens * k / n;
+    let (experts_in, experts_out) = (rand3([n, l, 2 * me]), rand3([n, me, l]));
+    let h_rows = rand3([n, rows, l]);
+    let a_rows = rand3([n, rows, me]);
+    let u = rand([tokens, l]);
+    let s = rand([tokens, sh]);
+    group.bench_function("matmuls", |b| {
+        b.iter(|| {
+            let outs = (
+                flat.clone().matmul(router.clone()),
+                flat.clone().matmul(down.clone()),
+                h_rows.clone().matmul(experts_in.clone()),
+                a_rows.clone().matmul(experts_out.clone()),
+                u.clone().matmul(up.clone()),
+                flat.clone().matmul(shared_in.clone()),
+                s.clone().matmul(shared_out.clone()),
+            );
+            G::sync(&device).unwrap();
+            outs
+        })
+    });
+    group.finish();
+    bench_gpu_experts_dtypes::<G>(c, name, [tokens, n, k, l, me]);
+}
+
+/// The routed experts alone (`dispatch_fused`: sort, grouped matmuls with the fused SiTU-GLU,
+/// gather-sum) against Burn's batched matmul of the same products (an even split of the rows),
+/// forward, in f32 and in bf16 storage; bf16 with the tensor cores on and off. On CUDA this is
+/// the grouped matmul against cubek's matmul, and the matrix units against the scalar loop.
+#[cfg(feature = "cuda")]
+fn bench_gpu_experts_dtypes<G: burn::tensor::backend::Backend>(
+    c: &mut Criterion,
+    name: &str,
+    [tokens, n, k, l, me]: [usize; 5],
+) {
+    use burn::tensor::{FloatDType, Int, TensorData};
+    use kimi_burn::nn::GluActivation;
+    use kimi_burn::ops::moe::dispatch::{dispatch_fused, StackedExperts};
+    use kimi_burn::ops::with_tensor_cores;
+    let device = G::Device::default();
+    // Expert of pair (t, j): (t + j·n/k) mod n, an even split with k distinct experts per token.
+    let indices: Vec<i64> = (0..tokens * k)
+        .map(|i| ((i / k + (i % k) * (n / k)) % n) as i64)
+        .collect();
+    let indices = Tensor::<G, 2, Int>::from_data(TensorData::new(indices, [tokens, k]), &device);
+    let rows = tokens * k / n;
+    let mut group = c.benchmark_group(format!("{name}_experts_n{n}_k{k}_l{l}_me{me}_{tokens}tok"));
+    group.sample_size(10);
+    for (dtype_name, dtype) in [("f32", FloatDType::F32), ("bf16", FloatDType::BF16)] {
+        let rand = |dims: [usize; 3]| {
+            Tensor::<G, 3>::random(dims, Distribution::Normal(0.0, 0.02), &device).cast(dtype)
+        };
+        let h = Tensor::<G, 2>::random([tokens, l], Distribution::Normal(0.0, 1.0), &device)
+            .cast(dtype);
+        let weights = Tensor::<G, 2>::random([tokens, k], Distribution::Uniform(0.1, 0.5), &device)
+            .cast(dtype);
+        let experts = StackedExperts {
+            w1: rand([n, l, me]),
+            w3: rand([n, l, me]),
+            w2: rand([n, me, l]),
+            activation: GluActivation::Situ {
+                beta1: 4.0,
+                beta2: Some(25.0),
+            },
+            hidden_quant: None,
+        };
+        let cores: &[(&str, bool)] = if dtype == FloatDType::F32 {
+            &[("", true)]
+        } else {
+            &[("", true), ("_scalar", false)]
+        };
+        for &(suffix, on) in cores {
+            group.bench_function(format!("fused_{dtype_name}{suffix}"), |b| {
+                b.iter(|| {
+                    with_tensor_cores(on, || {
+                        let y = dispatch_fused(&h, &indices, &weights, None, &experts)
+                            .expect("kernel path");
+                        G::sync(&device).unwrap();
+                        y
+                    })
+                })
+            });
+        }
+        let w13 = Tensor::cat(vec![experts.w1.clone(), experts.w3.clone()], 2);
+        let h_rows = rand([n, rows, l]);
+        let a_rows = rand([n, rows, me]);
+        group.bench_function(format!("matmuls_{dtype_name}"), |b| {
+            b.iter(|| {
+                let outs = (
+                    h_rows.clone().matmul(w13.clone()),
+                    a_rows.clone().matmul(experts.w2.clone()),
+                );
+                G::sync(&device).unwrap();
+                outs
+            })
+        });
+    }
+    group.finish();
+}
+
 #[cfg(feature = "wgpu")]
 fn bench_wgpu(c: &mut Criterion) {
     bench_gpu::<burn::backend::Wgpu>(c, "wgpu", 512);
@@ -217,6 +353,7 @@ fn bench_wgpu(c: &mut Criterion) {
 fn bench_cuda(c: &mut Criterion) {
     bench_gpu::<burn::backend::Cuda>(c, "cuda", 4096);
     bench_gpu_experts::<burn::backend::Cuda>(c, "cuda", 4096);
+    bench_gpu_vs_matmuls::<burn::backend::Cuda>(c, "cuda");
 }
 
 #[cfg(not(any(feature = "wgpu", feature = "cuda")))]

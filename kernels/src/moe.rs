@@ -34,6 +34,9 @@ pub const EPILOGUE_PLAIN: u32 = 0;
 pub const EPILOGUE_GLU: u32 = 1;
 /// [`grouped_matmul`](fn@grouped_matmul)'s epilogue: the fused first layer's backward.
 pub const EPILOGUE_GLU_BACKWARD: u32 = 2;
+/// The plane width the tensor-core path of [`grouped_matmul`](fn@grouped_matmul) is laid out for:
+/// its `GMM_CUBE²` = 256 units are eight planes, each owning two 16 × 16 blocks of the tile.
+pub const MMA_PLANE: u32 = 32;
 /// Marks a pair that is not dispatched (its token is masked) in `inv`.
 pub const NONE: u32 = u32::MAX;
 
@@ -271,6 +274,12 @@ fn lanes_below(start: usize, end: usize) -> usize {
 ///   `dp[pos · col_tiles + tile_y]` (a fixed-order sum across the cube's units, so the result
 ///   is reproducible; the caller sums the column tiles).
 ///
+/// With `mma` (half storage on a device with `16×16×16` cooperative matrices for `F × F → f32`
+/// and planes of [`MMA_PLANE`] units, i.e. tensor cores on CUDA) the products run on the
+/// matrix units: the slices are staged in `F` in shared memory, each plane multiplies its two
+/// `16 × 16` blocks with f32 accumulation, and the blocks go through shared memory into the same
+/// 4×4 micro-tiles, so the epilogues are unchanged. Without it, the scalar f32 loop above.
+///
 /// Products are rounded to `F` before the activation math, as the unfused path stores them, so
 /// the forward gives the same bits as separate launches in every storage type. No
 /// `[pairs, cols]` intermediate goes through memory. Arrays an epilogue does not use are not
@@ -306,6 +315,7 @@ pub fn grouped_matmul<F: Float>(
     #[comptime] epilogue: u32,
     #[comptime] mode: u32,
     #[comptime] save: bool,
+    #[comptime] mma: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let tile = CUBE_POS_X + tile_base;
@@ -334,15 +344,17 @@ pub fn grouped_matmul<F: Float>(
     let w_base = e * kdim * cols;
 
     // sa[kk·q + r4]: rows 4·r4..4·r4+4 at depth kk; sb[kk·q + c4]: columns 4·c4..4·c4+4.
-    let mut sa = SharedMemory::<V4>::new(TILE_K as usize * (TILE / 4) as usize);
-    let mut sb = SharedMemory::<V4>::new(TILE_K as usize * (TILE / 4) as usize);
-    // The up projection's slice and accumulator (one element when not `glu`).
+    // (One element each on the tensor-core path, which stages its slices in `F`.)
     let glu = comptime!(epilogue == EPILOGUE_GLU);
-    let mut sb3 = SharedMemory::<V4>::new(comptime!(if glu {
-        TILE_K as usize * (TILE / 4) as usize
-    } else {
+    let scalar_len = comptime!(if mma {
         1usize
-    }));
+    } else {
+        TILE_K as usize * (TILE / 4) as usize
+    });
+    let mut sa = SharedMemory::<V4>::new(scalar_len);
+    let mut sb = SharedMemory::<V4>::new(scalar_len);
+    // The up projection's slice and accumulator (one element when not `glu`).
+    let mut sb3 = SharedMemory::<V4>::new(comptime!(if glu { scalar_len } else { 1usize }));
     let mut acc = zero_4x4();
     let mut acc3 = zero_4x4();
 
@@ -362,43 +374,51 @@ pub fn grouped_matmul<F: Float>(
     }
     let c_lanes = lanes_below(col0 + 4 * tx, cols);
 
-    let mut k0 = 0usize;
-    while k0 < kdim {
-        #[unroll]
-        for s in 0..(TILE_K / GMM_CUBE) as usize {
-            let ka = k0 + s * GMM_CUBE as usize + tx;
-            let mut av = V4::new(0.0f32);
+    if comptime!(mma) {
+        grouped_mma::<F>(
+            a, w, w3, &arows, a_lanes, c_lanes, w_base, col0, kdim, cols, &mut acc, &mut acc3,
+            transposed, glu,
+        );
+    } else {
+        let mut k0 = 0usize;
+        while k0 < kdim {
             #[unroll]
-            for j in 0..4usize {
-                av[j] = load_f32::<F>(a, arows[j] * kdim + ka, j < a_lanes && ka < kdim);
+            for s in 0..(TILE_K / GMM_CUBE) as usize {
+                let ka = k0 + s * GMM_CUBE as usize + tx;
+                let mut av = V4::new(0.0f32);
+                #[unroll]
+                for j in 0..4usize {
+                    av[j] = load_f32::<F>(a, arows[j] * kdim + ka, j < a_lanes && ka < kdim);
+                }
+                sa[(s * GMM_CUBE as usize + tx) * q + ty] = av;
+                let kb = k0 + s * GMM_CUBE as usize + ty;
+                let mut count = 0usize;
+                if kb < kdim {
+                    count = c_lanes;
+                }
+                let mut base = w_base + kb * cols + col0 + 4 * tx;
+                let mut stride = 1usize;
+                if comptime!(transposed) {
+                    base = w_base + (col0 + 4 * tx) * kdim + kb;
+                    stride = kdim;
+                }
+                sb[(s * GMM_CUBE as usize + ty) * q + tx] = load_v4::<F>(w, base, stride, count);
+                if comptime!(glu) {
+                    sb3[(s * GMM_CUBE as usize + ty) * q + tx] =
+                        load_v4::<F>(w3, base, stride, count);
+                }
             }
-            sa[(s * GMM_CUBE as usize + tx) * q + ty] = av;
-            let kb = k0 + s * GMM_CUBE as usize + ty;
-            let mut count = 0usize;
-            if kb < kdim {
-                count = c_lanes;
+            sync_cube();
+            for kk in 0..tk {
+                let av = sa[kk * q + ty];
+                fma_4x4(&mut acc, av, sb[kk * q + tx]);
+                if comptime!(glu) {
+                    fma_4x4(&mut acc3, av, sb3[kk * q + tx]);
+                }
             }
-            let mut base = w_base + kb * cols + col0 + 4 * tx;
-            let mut stride = 1usize;
-            if comptime!(transposed) {
-                base = w_base + (col0 + 4 * tx) * kdim + kb;
-                stride = kdim;
-            }
-            sb[(s * GMM_CUBE as usize + ty) * q + tx] = load_v4::<F>(w, base, stride, count);
-            if comptime!(glu) {
-                sb3[(s * GMM_CUBE as usize + ty) * q + tx] = load_v4::<F>(w3, base, stride, count);
-            }
+            sync_cube();
+            k0 += tk;
         }
-        sync_cube();
-        for kk in 0..tk {
-            let av = sa[kk * q + ty];
-            fma_4x4(&mut acc, av, sb[kk * q + tx]);
-            if comptime!(glu) {
-                fma_4x4(&mut acc3, av, sb3[kk * q + tx]);
-            }
-        }
-        sync_cube();
-        k0 += tk;
     }
 
     if comptime!(epilogue == EPILOGUE_GLU_BACKWARD) {
@@ -484,6 +504,219 @@ pub fn grouped_matmul<F: Float>(
     }
 }
 
+/// The main loop of [`grouped_matmul`](fn@grouped_matmul) on the matrix units (its `mma`
+/// path): fills the unit's 4×4 micro-tiles `acc` (and `acc3` with `glu`) with the same
+/// products as the scalar loop, accumulated in f32.
+///
+/// Per `TILE_K` step the cube stages the `a` rows as `[TILE, TILE_K]` and the `w` (and `w3`)
+/// columns as `[TILE_K, TILE]`, row-major in `F`, with the scalar loop's load pattern (zeros
+/// outside the segment and the matrix); plane `p` of the eight multiplies rows
+/// `16·(p / 2)..` by the two column blocks `32·(p % 2)..`. After the loop each accumulator
+/// block goes to a shared f32 `[TILE, TILE]` tile, which the units read back as their
+/// micro-tiles (`w3`'s blocks after `w`'s, through the same tile).
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn grouped_mma<F: Float>(
+    a: &Array<F>,
+    w: &Array<F>,
+    w3: &Array<F>,
+    arows: &Array<usize>,
+    a_lanes: usize,
+    c_lanes: usize,
+    w_base: usize,
+    col0: usize,
+    kdim: usize,
+    cols: usize,
+    acc: &mut Array<V4>,
+    acc3: &mut Array<V4>,
+    #[comptime] transposed: bool,
+    #[comptime] glu: bool,
+) {
+    let t = TILE as usize;
+    let tk = TILE_K as usize;
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    let mut ha = SharedMemory::<F>::new_aligned(t * tk, 32usize);
+    let mut hb = SharedMemory::<F>::new_aligned(t * tk, 32usize);
+    let mut hb3 =
+        SharedMemory::<F>::new_aligned(comptime!(if glu { t * tk } else { 1usize }), 32usize);
+    let plane = (UNIT_POS / MMA_PLANE) as usize;
+    let a_off = (plane / 2) * 16 * tk;
+    let b_off = (plane % 2) * 32;
+    let c_off = (plane / 2) * 16 * t + b_off;
+    let m0 = cmma::Matrix::<f32>::from_value(
+        cmma::MatrixIdent::Accumulator,
+        16usize,
+        16usize,
+        16usize,
+        cmma::MatrixLayout::Undefined,
+        0.0f32,
+    );
+    let m1 = cmma::Matrix::<f32>::from_value(
+        cmma::MatrixIdent::Accumulator,
+        16usize,
+        16usize,
+        16usize,
+        cmma::MatrixLayout::Undefined,
+        0.0f32,
+    );
+    let u0 = cmma::Matrix::<f32>::from_value(
+        cmma::MatrixIdent::Accumulator,
+        16usize,
+        16usize,
+        16usize,
+        cmma::MatrixLayout::Undefined,
+        0.0f32,
+    );
+    let u1 = cmma::Matrix::<f32>::from_value(
+        cmma::MatrixIdent::Accumulator,
+        16usize,
+        16usize,
+        16usize,
+        cmma::MatrixLayout::Undefined,
+        0.0f32,
+    );
+    let zero = F::cast_from(0.0f32);
+    let mut k0 = 0usize;
+    while k0 < kdim {
+        let ka = k0 + tx;
+        #[unroll]
+        for j in 0..4usize {
+            let mut v = zero;
+            if j < a_lanes && ka < kdim {
+                v = a[arows[j] * kdim + ka];
+            }
+            ha[(4 * ty + j) * tk + tx] = v;
+        }
+        let kb = k0 + ty;
+        #[unroll]
+        for j in 0..4usize {
+            let c = col0 + 4 * tx + j;
+            let mut index = w_base + kb * cols + c;
+            if comptime!(transposed) {
+                index = w_base + c * kdim + kb;
+            }
+            let inside = j < c_lanes && kb < kdim;
+            let mut v = zero;
+            if inside {
+                v = w[index];
+            }
+            hb[ty * t + 4 * tx + j] = v;
+            if comptime!(glu) {
+                let mut v3 = zero;
+                if inside {
+                    v3 = w3[index];
+                }
+                hb3[ty * t + 4 * tx + j] = v3;
+            }
+        }
+        sync_cube();
+        let am = cmma::Matrix::<F>::from_slice(
+            cmma::MatrixIdent::A,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::RowMajor,
+            &ha.slice(a_off, t * tk),
+            tk as u32,
+        );
+        let b0 = cmma::Matrix::<F>::from_slice(
+            cmma::MatrixIdent::B,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::RowMajor,
+            &hb.slice(b_off, t * tk),
+            t as u32,
+        );
+        let b1 = cmma::Matrix::<F>::from_slice(
+            cmma::MatrixIdent::B,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::RowMajor,
+            &hb.slice(b_off + 16, t * tk),
+            t as u32,
+        );
+        cmma::execute::<F, F, f32, f32>(&am, &b0, &m0, &m0);
+        cmma::execute::<F, F, f32, f32>(&am, &b1, &m1, &m1);
+        if comptime!(glu) {
+            let b30 = cmma::Matrix::<F>::from_slice(
+                cmma::MatrixIdent::B,
+                16usize,
+                16usize,
+                16usize,
+                cmma::MatrixLayout::RowMajor,
+                &hb3.slice(b_off, t * tk),
+                t as u32,
+            );
+            let b31 = cmma::Matrix::<F>::from_slice(
+                cmma::MatrixIdent::B,
+                16usize,
+                16usize,
+                16usize,
+                cmma::MatrixLayout::RowMajor,
+                &hb3.slice(b_off + 16, t * tk),
+                t as u32,
+            );
+            cmma::execute::<F, F, f32, f32>(&am, &b30, &u0, &u0);
+            cmma::execute::<F, F, f32, f32>(&am, &b31, &u1, &u1);
+        }
+        sync_cube();
+        k0 += tk;
+    }
+    let mut tile = SharedMemory::<f32>::new_aligned(t * t, 32usize);
+    cmma::store(
+        &mut tile.slice_mut(c_off, t * t),
+        &m0,
+        t as u32,
+        cmma::MatrixLayout::RowMajor,
+    );
+    cmma::store(
+        &mut tile.slice_mut(c_off + 16, t * t),
+        &m1,
+        t as u32,
+        cmma::MatrixLayout::RowMajor,
+    );
+    sync_cube();
+    read_micro_tile(&tile, acc);
+    if comptime!(glu) {
+        sync_cube();
+        cmma::store(
+            &mut tile.slice_mut(c_off, t * t),
+            &u0,
+            t as u32,
+            cmma::MatrixLayout::RowMajor,
+        );
+        cmma::store(
+            &mut tile.slice_mut(c_off + 16, t * t),
+            &u1,
+            t as u32,
+            cmma::MatrixLayout::RowMajor,
+        );
+        sync_cube();
+        read_micro_tile(&tile, acc3);
+    }
+}
+
+/// The unit's 4×4 micro-tile (rows `4·ty..`, columns `4·tx..`) of a shared `[TILE, TILE]` f32
+/// tile.
+#[cube]
+fn read_micro_tile(tile: &SharedMemory<f32>, acc: &mut Array<V4>) {
+    let t = TILE as usize;
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    #[unroll]
+    for i in 0..4usize {
+        let mut v = V4::new(0.0f32);
+        #[unroll]
+        for j in 0..4usize {
+            v[j] = tile[(4 * ty + i) * t + 4 * tx + j];
+        }
+        acc[i] = v;
+    }
+}
+
 /// Grouped weight gradient, one launch for all experts:
 ///
 /// ```text
@@ -493,7 +726,8 @@ pub fn grouped_matmul<F: Float>(
 /// `a: [*, adim]`, `b: [*, bdim]`, `out: [n, adim, bdim]`; `arow(pos) = rows[pos]` when
 /// `gather_a` else `pos`, likewise `brow`. Experts with an empty segment get zeros. Both shared
 /// slices hold `TILE_K` pairs × `TILE` features as [`V4`]s of four consecutive features (one
-/// contiguous load from a row of `a` or `b`); each unit owns a 4×4 micro-tile. Grid:
+/// contiguous load from a row of `a` or `b`); each unit owns a 4×4 micro-tile. With `mma`
+/// (as in [`grouped_matmul`](fn@grouped_matmul)) the products run on the matrix units. Grid:
 /// `(ceil(adim / TILE), ceil(bdim / TILE), n)`; cube `GMM_CUBE × GMM_CUBE`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
@@ -507,6 +741,7 @@ pub fn grouped_matmul_wgrad<F: Float>(
     bdim: usize,
     #[comptime] gather_a: bool,
     #[comptime] gather_b: bool,
+    #[comptime] mma: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let e = CUBE_POS_Z as usize;
@@ -521,43 +756,56 @@ pub fn grouped_matmul_wgrad<F: Float>(
     let a_lanes = lanes_below(r0 + 4 * tx, adim);
     let b_lanes = lanes_below(c0 + 4 * tx, bdim);
 
-    let mut sa = SharedMemory::<V4>::new(TILE_K as usize * (TILE / 4) as usize);
-    let mut sb = SharedMemory::<V4>::new(TILE_K as usize * (TILE / 4) as usize);
+    // (One element each on the tensor-core path, which stages its slices in `F`.)
+    let scalar_len = comptime!(if mma {
+        1usize
+    } else {
+        TILE_K as usize * (TILE / 4) as usize
+    });
+    let mut sa = SharedMemory::<V4>::new(scalar_len);
+    let mut sb = SharedMemory::<V4>::new(scalar_len);
     let mut acc = zero_4x4();
 
-    let mut p0 = start;
-    while p0 < end {
-        #[unroll]
-        for s in 0..(TILE_K / GMM_CUBE) as usize {
-            // Unit (tx, ty) loads features 4·tx.. of pair p0 + ty (+ s·GMM_CUBE).
-            let kk = s * GMM_CUBE as usize + ty;
-            let pos = p0 + kk;
-            let inside = pos < end;
-            let mut arow = pos;
-            let mut brow = pos;
-            if inside {
-                if comptime!(gather_a) {
-                    arow = rows[pos] as usize;
+    if comptime!(mma) {
+        wgrad_mma::<F>(
+            a, b, rows, start, end, r0, c0, adim, bdim, a_lanes, b_lanes, &mut acc, gather_a,
+            gather_b,
+        );
+    } else {
+        let mut p0 = start;
+        while p0 < end {
+            #[unroll]
+            for s in 0..(TILE_K / GMM_CUBE) as usize {
+                // Unit (tx, ty) loads features 4·tx.. of pair p0 + ty (+ s·GMM_CUBE).
+                let kk = s * GMM_CUBE as usize + ty;
+                let pos = p0 + kk;
+                let inside = pos < end;
+                let mut arow = pos;
+                let mut brow = pos;
+                if inside {
+                    if comptime!(gather_a) {
+                        arow = rows[pos] as usize;
+                    }
+                    if comptime!(gather_b) {
+                        brow = rows[pos] as usize;
+                    }
                 }
-                if comptime!(gather_b) {
-                    brow = rows[pos] as usize;
+                let mut na = 0usize;
+                let mut nb = 0usize;
+                if inside {
+                    na = a_lanes;
+                    nb = b_lanes;
                 }
+                sa[kk * q + tx] = load_v4::<F>(a, arow * adim + r0 + 4 * tx, 1usize, na);
+                sb[kk * q + tx] = load_v4::<F>(b, brow * bdim + c0 + 4 * tx, 1usize, nb);
             }
-            let mut na = 0usize;
-            let mut nb = 0usize;
-            if inside {
-                na = a_lanes;
-                nb = b_lanes;
+            sync_cube();
+            for kk in 0..tk {
+                fma_4x4(&mut acc, sa[kk * q + ty], sb[kk * q + tx]);
             }
-            sa[kk * q + tx] = load_v4::<F>(a, arow * adim + r0 + 4 * tx, 1usize, na);
-            sb[kk * q + tx] = load_v4::<F>(b, brow * bdim + c0 + 4 * tx, 1usize, nb);
+            sync_cube();
+            p0 += tk;
         }
-        sync_cube();
-        for kk in 0..tk {
-            fma_4x4(&mut acc, sa[kk * q + ty], sb[kk * q + tx]);
-        }
-        sync_cube();
-        p0 += tk;
     }
 
     let out_lanes = lanes_below(r0 + 4 * ty, adim);
@@ -572,6 +820,135 @@ pub fn grouped_matmul_wgrad<F: Float>(
             }
         }
     }
+}
+
+/// The main loop of [`grouped_matmul_wgrad`](fn@grouped_matmul_wgrad) on the matrix units:
+/// `acc` gets the unit's 4×4 micro-tile of `Σ_pos a[arow(pos)]ᵀ · b[brow(pos)]`, accumulated
+/// in f32. Per `TILE_K` pairs the cube stages `a`'s and `b`'s features as `[TILE_K, TILE]`
+/// row-major in `F` (zeros past the segment and the widths); `a`'s slice is the `A` operand
+/// read column-major. Plane `p` of the eight owns rows `16·(p / 2)..` and the column blocks
+/// `32·(p % 2)..`, as in [`grouped_mma`].
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn wgrad_mma<F: Float>(
+    a: &Array<F>,
+    b: &Array<F>,
+    rows: &Array<u32>,
+    start: usize,
+    end: usize,
+    r0: usize,
+    c0: usize,
+    adim: usize,
+    bdim: usize,
+    a_lanes: usize,
+    b_lanes: usize,
+    acc: &mut Array<V4>,
+    #[comptime] gather_a: bool,
+    #[comptime] gather_b: bool,
+) {
+    let t = TILE as usize;
+    let tk = TILE_K as usize;
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    let mut ha = SharedMemory::<F>::new_aligned(t * tk, 32usize);
+    let mut hb = SharedMemory::<F>::new_aligned(t * tk, 32usize);
+    let plane = (UNIT_POS / MMA_PLANE) as usize;
+    let a_off = (plane / 2) * 16;
+    let b_off = (plane % 2) * 32;
+    let c_off = (plane / 2) * 16 * t + b_off;
+    let m0 = cmma::Matrix::<f32>::from_value(
+        cmma::MatrixIdent::Accumulator,
+        16usize,
+        16usize,
+        16usize,
+        cmma::MatrixLayout::Undefined,
+        0.0f32,
+    );
+    let m1 = cmma::Matrix::<f32>::from_value(
+        cmma::MatrixIdent::Accumulator,
+        16usize,
+        16usize,
+        16usize,
+        cmma::MatrixLayout::Undefined,
+        0.0f32,
+    );
+    let zero = F::cast_from(0.0f32);
+    let mut p0 = start;
+    while p0 < end {
+        // Unit (tx, ty) stages features 4·tx.. of pair p0 + ty.
+        let pos = p0 + ty;
+        let inside = pos < end;
+        let mut arow = pos;
+        let mut brow = pos;
+        if inside {
+            if comptime!(gather_a) {
+                arow = rows[pos] as usize;
+            }
+            if comptime!(gather_b) {
+                brow = rows[pos] as usize;
+            }
+        }
+        #[unroll]
+        for j in 0..4usize {
+            let mut va = zero;
+            if inside && j < a_lanes {
+                va = a[arow * adim + r0 + 4 * tx + j];
+            }
+            ha[ty * t + 4 * tx + j] = va;
+            let mut vb = zero;
+            if inside && j < b_lanes {
+                vb = b[brow * bdim + c0 + 4 * tx + j];
+            }
+            hb[ty * t + 4 * tx + j] = vb;
+        }
+        sync_cube();
+        let am = cmma::Matrix::<F>::from_slice(
+            cmma::MatrixIdent::A,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::ColMajor,
+            &ha.slice(a_off, t * tk),
+            t as u32,
+        );
+        let b0 = cmma::Matrix::<F>::from_slice(
+            cmma::MatrixIdent::B,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::RowMajor,
+            &hb.slice(b_off, t * tk),
+            t as u32,
+        );
+        let b1 = cmma::Matrix::<F>::from_slice(
+            cmma::MatrixIdent::B,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::RowMajor,
+            &hb.slice(b_off + 16, t * tk),
+            t as u32,
+        );
+        cmma::execute::<F, F, f32, f32>(&am, &b0, &m0, &m0);
+        cmma::execute::<F, F, f32, f32>(&am, &b1, &m1, &m1);
+        sync_cube();
+        p0 += tk;
+    }
+    let mut tile = SharedMemory::<f32>::new_aligned(t * t, 32usize);
+    cmma::store(
+        &mut tile.slice_mut(c_off, t * t),
+        &m0,
+        t as u32,
+        cmma::MatrixLayout::RowMajor,
+    );
+    cmma::store(
+        &mut tile.slice_mut(c_off + 16, t * t),
+        &m1,
+        t as u32,
+        cmma::MatrixLayout::RowMajor,
+    );
+    sync_cube();
+    read_micro_tile(&tile, acc);
 }
 
 /// The un-permute: `out[t, c] = Σ_{q<k} y[inv[t·k + q], c]` over the dispatched pairs of token

@@ -16,15 +16,20 @@ pub type CpuAd = Autodiff<Cpu>;
 pub type Cpu64 = NdArray<f64>;
 /// CPU backend in f64 with autodiff.
 pub type Cpu64Ad = Autodiff<Cpu64>;
-/// The wgpu backend (software Vulkan in CI).
+/// The GPU backend under test: wgpu (software Vulkan in CI), or CUDA in a build with `cuda` and
+/// without `wgpu` (`scripts/cuda-check.sh`), so the same kernel checks run on both.
 #[cfg(feature = "wgpu")]
 pub type Gpu = burn::backend::Wgpu<f32, i32>;
-/// The wgpu backend with autodiff.
-#[cfg(feature = "wgpu")]
+/// See the wgpu variant.
+#[cfg(all(feature = "cuda", not(feature = "wgpu")))]
+pub type Gpu = burn::backend::Cuda<f32, i32>;
+/// The GPU backend under test with autodiff.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub type GpuAd = Autodiff<Gpu>;
 
 /// Runs a generic check `fn f<B: AutodiffBackend>(device: &B::Device)` on ndarray and, with the
-/// `wgpu` feature, on the wgpu device. The wgpu test fails (never skips) when no adapter exists.
+/// `wgpu` feature, on the wgpu device (on CUDA in a `cuda` build without `wgpu`: the test keeps its
+/// name). The GPU test fails (never skips) when no adapter exists.
 macro_rules! on_backends {
     ($name:ident, $check:ident) => {
         mod $name {
@@ -32,7 +37,7 @@ macro_rules! on_backends {
             fn ndarray() {
                 super::$check::<crate::common::CpuAd>(&Default::default());
             }
-            #[cfg(feature = "wgpu")]
+            #[cfg(any(feature = "wgpu", feature = "cuda"))]
             #[test]
             fn wgpu() {
                 super::$check::<crate::common::GpuAd>(&Default::default());

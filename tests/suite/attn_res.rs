@@ -123,7 +123,7 @@ on_backends!(attn_res_gradients, attn_res_parameters_learn);
 /// The fused kernels (CubeCL backends) against the tensor-op reference of the same op: the mix
 /// and the gradients of every input, for several source counts and a width that is not a
 /// multiple of the cube, and bit-identical reruns.
-#[cfg(feature = "wgpu")]
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod kernel {
     use super::*;
     use crate::common::GpuAd;

@@ -1191,7 +1191,7 @@ fn bad_input_gives_clear_errors() {
 // Half-precision inputs: computed in f32, output in the input dtype, state in f32 (wgpu only:
 // Burn's ndarray backend has no f16).
 
-#[cfg(feature = "wgpu")]
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 fn check_half_inputs<B: Backend>(device: &B::Device) {
     use burn::tensor::{DType, FloatDType};
     let x = inputs::<B>(
@@ -1276,7 +1276,7 @@ fn small_layer_checks<B: AutodiffBackend>(device: &B::Device) {
 }
 on_backends!(layer_on_backends, small_layer_checks);
 
-#[cfg(feature = "wgpu")]
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 #[test]
 fn half_inputs_on_wgpu() {
     check_half_inputs::<Gpu>(&Default::default());

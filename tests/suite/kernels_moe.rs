@@ -503,7 +503,13 @@ mod dispatch {
                     c.act.apply(g, u).matmul(pick(&w2, me, l))
                 })
             };
-            let grads = out.clone().mul(probe.clone()).sum().backward();
+            // The probe in the output's storage type (half storage runs end to end in it).
+            let fd = match out.dtype() {
+                DType::F16 => FloatDType::F16,
+                DType::BF16 => FloatDType::BF16,
+                _ => FloatDType::F32,
+            };
+            let grads = out.clone().mul(probe.clone().cast(fd)).sum().backward();
             vec![
                 host(out),
                 host(h.grad(&grads).unwrap()),
@@ -654,6 +660,77 @@ mod dispatch {
             assert_eq!(a, b, "{name}");
         }
     }
+
+    /// Half storage through the grouped matmuls (forward, the fused backward and the weight
+    /// gradients) against the f32 reference `dispatch` on the same rounded values, at design §0's
+    /// half tolerances. Where the device has matrix units for the type (tensor cores on CUDA) the
+    /// products must have run on them, and the scalar path must agree too; elsewhere (lavapipe)
+    /// no launch may claim them.
+    fn half_storage_in(name: &str, dtype: DType, fdtype: FloatDType) {
+        use kimi_burn::ops::{tensor_core_launches, with_tensor_cores};
+        let device = Default::default();
+        require_dtype::<Gpu>(&device, dtype);
+        let c = case(150, 5, 2, 70, 80, false, 1);
+        let half = |t: &Tensor<GpuAd, 2>| t.clone().cast(fdtype);
+        let half3 = |t: &Tensor<GpuAd, 3>| t.clone().cast(fdtype);
+        let rounded = Case {
+            h: half(&c.h),
+            p: half(&c.p),
+            w1: half3(&c.w1),
+            w3: half3(&c.w3),
+            w2: half3(&c.w2),
+            sel: c.sel.clone(),
+            valid: None,
+            act: c.act,
+        };
+        let up = |t: &Tensor<GpuAd, 2>| t.clone().cast(FloatDType::F32);
+        let up3 = |t: &Tensor<GpuAd, 3>| t.clone().cast(FloatDType::F32);
+        let reference = run(
+            &Case {
+                h: up(&rounded.h),
+                p: up(&rounded.p),
+                w1: up3(&rounded.w1),
+                w3: up3(&rounded.w3),
+                w2: up3(&rounded.w2),
+                sel: c.sel.clone(),
+                valid: None,
+                act: c.act,
+            },
+            false,
+        );
+        let before = tensor_core_launches();
+        let fast = with_tensor_cores(true, || run(&rounded, true));
+        let matrix_units = tensor_core_launches() - before;
+        let before = tensor_core_launches();
+        let scalar = with_tensor_cores(false, || run(&rounded, true));
+        assert_eq!(
+            tensor_core_launches(),
+            before,
+            "{name}: switched off, yet ran on them"
+        );
+        if cfg!(feature = "cuda") {
+            // Forward (first layer, second layer) and backward (dgrad of both layers).
+            assert!(
+                matrix_units >= 4,
+                "{name}: CUDA has tensor cores for this type, the grouped matmuls ran {matrix_units} launches on them"
+            );
+        } else {
+            assert_eq!(matrix_units, 0, "{name}: this device has no matrix units");
+        }
+        let tolerances = [5e-3, 8e-3, 2e-2, 8e-3, 8e-3, 8e-3];
+        for (path, out) in [("matrix units", &fast), ("scalar", &scalar)] {
+            for (i, what) in ["out", "dh", "dp", "dW1", "dW3", "dW2"].iter().enumerate() {
+                assert_close(
+                    &format!("{name} {what} ({path})"),
+                    &reference[i],
+                    &out[i],
+                    tolerances[i],
+                );
+            }
+        }
+    }
+
+    crate::common::half_storage_tests!(half_storage_f16, half_storage_bf16, half_storage_in);
 
     /// Same input twice: bit-identical output and gradients.
     #[test]

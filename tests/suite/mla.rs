@@ -566,7 +566,7 @@ fn the_cache_buffers_grow_and_hold_exactly_the_appended_tokens() {
 /// output and the gradients of `q`, `k` and `v`, with key padding (a query that sees no key
 /// included), widths that are not multiples of a plane, more rows than a cube, f16 storage and
 /// bit-identical reruns.
-#[cfg(feature = "wgpu")]
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod kernel {
     use super::*;
     use crate::common::GpuAd;

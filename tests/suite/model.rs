@@ -475,7 +475,7 @@ fn optimiser_roles_follow_spec_8_and_leave_the_balance_bias_alone() {
 }
 
 /// Logits and every parameter's gradient of one training forward and backward.
-#[cfg(feature = "wgpu")]
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub(crate) fn logits_and_grads<B: AutodiffBackend>(
     model: &KimiForCausalLM<B>,
     ids: &[i64],
@@ -495,7 +495,7 @@ pub(crate) fn logits_and_grads<B: AutodiffBackend>(
 /// kernels and on the tensor-op reference, against the same weights on ndarray: logits and every
 /// parameter's gradient. A defect of any op on one backend shows here even where the op-level
 /// tests compare two paths on that same backend. 1e-4: the errors of every block add up.
-#[cfg(feature = "wgpu")]
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 #[test]
 fn the_model_on_wgpu_matches_ndarray_on_both_paths() {
     check_wgpu_matches_ndarray(&small(), "plain", 1e-4);
@@ -503,7 +503,7 @@ fn the_model_on_wgpu_matches_ndarray_on_both_paths() {
 
 /// [`the_model_on_wgpu_matches_ndarray_on_both_paths`] for `config`, logits and every gradient
 /// within `tol`; `tag` keeps its files apart.
-#[cfg(feature = "wgpu")]
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub(crate) fn check_wgpu_matches_ndarray(config: &KimiConfig, tag: &str, tol: f64) {
     let cpu_device = Default::default();
     let reference_model = config.init::<CpuAd>(&cpu_device);

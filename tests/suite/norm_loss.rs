@@ -146,7 +146,7 @@ fn cross_entropy_formula_and_gradient<B: AutodiffBackend>(device: &B::Device) {
 on_backends!(cross_entropy_formula, cross_entropy_formula_and_gradient);
 
 /// The fused kernels against the tensor-op reference on the same backend.
-#[cfg(feature = "wgpu")]
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod kernel {
     use super::*;
     use crate::common::GpuAd;

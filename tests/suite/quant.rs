@@ -343,11 +343,11 @@ fn non_finite_input_and_a_bad_axis_are_errors() {
 
 /// Whether `B` is the wgpu test backend (where the kernels must run).
 fn is_gpu<B: 'static>() -> bool {
-    #[cfg(feature = "wgpu")]
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
     {
         std::any::TypeId::of::<B>() == std::any::TypeId::of::<GpuAd>()
     }
-    #[cfg(not(feature = "wgpu"))]
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
     {
         false
     }
@@ -355,7 +355,7 @@ fn is_gpu<B: 'static>() -> bool {
 
 /// The kernel on random rows of every length from 1 to 70 (full, partial and single-value blocks)
 /// and with values that sit exactly on rounding ties, against the host loop, bit for bit.
-#[cfg(feature = "wgpu")]
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 #[test]
 fn the_kernel_matches_the_host_loop_on_ties_and_ragged_rows() {
     let cpu = Default::default();
@@ -451,7 +451,7 @@ fn qat_quantises_each_matmul_along_its_reduction_dimension() {
 /// wgpu, with the kernels and on the reference, against ndarray: logits and every gradient. Both
 /// backends load the same weights, so their quantised values agree to the bit and the model keeps
 /// the unquantised model's tolerance.
-#[cfg(feature = "wgpu")]
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 #[test]
 fn the_weight_quantised_model_on_wgpu_matches_ndarray_on_both_paths() {
     let mut config = crate::model::small();
@@ -469,7 +469,7 @@ fn the_weight_quantised_model_on_wgpu_matches_ndarray_on_both_paths() {
 /// one flip among the thousands of hidden values gives a relative error of order 1e-4 (seen:
 /// 1.5e-4 on a shared-expert gradient). The tolerance admits a handful of flips and still fails
 /// on any systematic difference (a wrong axis, block or scale is an error of order 1e-1).
-#[cfg(feature = "wgpu")]
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 #[test]
 fn the_qat_model_on_wgpu_matches_ndarray_on_both_paths() {
     let mut config = crate::model::small();

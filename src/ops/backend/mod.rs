@@ -136,6 +136,48 @@ thread_local! {
     static CALLS: Cell<[u64; N_OPS]> = const { Cell::new([0; N_OPS]) };
     static LAST: Cell<[Option<KernelPath>; N_OPS]> = const { Cell::new([None; N_OPS]) };
     static THREAD_SWITCH: Cell<Option<bool>> = const { Cell::new(None) };
+    static TENSOR_CORES: Cell<Option<bool>> = const { Cell::new(None) };
+    static TENSOR_CORE_LAUNCHES: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Runs `f` with the kernels' tensor-core (cooperative matrix) paths switched on or off on this
+/// thread, whatever `KIMI_BURN_TENSOR_CORES` says. Where they are on, they run wherever the
+/// device has them for the storage type (f16 and bf16 storage on CUDA); off, the same kernels
+/// take their scalar f32 loops, the path every device runs.
+///
+/// They are **off by default** for now: the matrix-unit paths compile and are tested against the
+/// scalar path and the reference (`scripts/cuda-check.sh`), but have not yet run on a GPU with
+/// matrix units. `KIMI_BURN_TENSOR_CORES=1` switches them on for a whole process.
+pub fn with_tensor_cores<T>(enabled: bool, f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<bool>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            TENSOR_CORES.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(TENSOR_CORES.with(|s| s.replace(Some(enabled))));
+    f()
+}
+
+/// Whether the kernels may use the device's matrix units on this thread now: the innermost
+/// [`with_tensor_cores`] scope, else `KIMI_BURN_TENSOR_CORES` (`1` or `true`: on; default off).
+pub fn tensor_cores_enabled() -> bool {
+    static FROM_ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    TENSOR_CORES.with(Cell::get).unwrap_or_else(|| {
+        *FROM_ENV.get_or_init(|| {
+            std::env::var("KIMI_BURN_TENSOR_CORES").is_ok_and(|v| v == "1" || v == "true")
+        })
+    })
+}
+
+/// How many kernel launches on this thread ran on the matrix units (tensor cores).
+pub fn tensor_core_launches() -> u64 {
+    TENSOR_CORE_LAUNCHES.with(Cell::get)
+}
+
+/// Counts one launch on the matrix units ([`tensor_core_launches`]).
+pub(crate) fn record_tensor_core_launch() {
+    TENSOR_CORE_LAUNCHES.with(|c| c.set(c.get() + 1));
 }
 
 /// 0: not decided (read `KIMI_BURN_REFERENCE`), 1: kernels on, 2: off.

@@ -558,9 +558,13 @@ fn launch_grouped<R: CubeRuntime>(
         None if mode.glu.is_some() => (kmoe::EPILOGUE_GLU, out.clone(), out.clone(), dummy_f32(a)),
         None => (kmoe::EPILOGUE_PLAIN, out.clone(), out.clone(), dummy_f32(a)),
     };
+    let mma = matrix_units(a);
     let mut base = 0u32;
     while base < tiles {
         let x = (tiles - base).min(max_x);
+        if mma {
+            crate::ops::backend::record_tensor_core_launch();
+        }
         // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
         unsafe {
             kmoe::grouped_matmul::launch_unchecked::<R>(
@@ -592,11 +596,42 @@ fn launch_grouped<R: CubeRuntime>(
                 epilogue,
                 act_mode,
                 save,
+                mma,
                 a.dtype.into(),
             )
         };
         base += x;
     }
+}
+
+/// Whether `kmoe::grouped_matmul` runs its products on the matrix units for `a`'s storage
+/// type: f16 or bf16, tensor cores switched on ([`crate::ops::with_tensor_cores`]), a device
+/// with `16×16×16` cooperative matrices for that type with f32 accumulation, and planes of
+/// exactly [`kmoe::MMA_PLANE`] units (the kernel's layout).
+fn matrix_units<R: CubeRuntime>(a: &T<R>) -> bool {
+    use cubecl::ir::features::MmaConfig;
+    use cubecl::ir::{ElemType, FloatKind, StorageType};
+    let kind = match a.dtype {
+        DType::F16 => FloatKind::F16,
+        DType::BF16 => FloatKind::BF16,
+        _ => return false,
+    };
+    if !crate::ops::tensor_cores_enabled() {
+        return false;
+    }
+    let hardware = &a.client.properties().hardware;
+    if hardware.plane_size_min != kmoe::MMA_PLANE || hardware.plane_size_max != kmoe::MMA_PLANE {
+        return false;
+    }
+    let half: StorageType = ElemType::Float(kind).into();
+    a.client.features().matmul.cmma.contains(&MmaConfig {
+        a_type: half,
+        b_type: half,
+        cd_type: ElemType::Float(FloatKind::F32).into(),
+        m: 16,
+        k: 16,
+        n: 16,
+    })
 }
 
 /// `out[e] = Σ_{pos ∈ segment e} a[arow(pos)]ᵀ · b[brow(pos)]`: `[n, adim, bdim]`.
@@ -613,6 +648,10 @@ fn grouped_wgrad<R: CubeRuntime>(
     let out = empty(a, [plan.n, adim, bdim], a.dtype);
     if plan.n * adim * bdim > 0 {
         let tile = kmoe::TILE as usize;
+        let mma = matrix_units(a);
+        if mma {
+            crate::ops::backend::record_tensor_core_launch();
+        }
         // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
         unsafe {
             kmoe::grouped_matmul_wgrad::launch_unchecked::<R>(
@@ -632,6 +671,7 @@ fn grouped_wgrad<R: CubeRuntime>(
                 bdim,
                 gather.0,
                 gather.1,
+                mma,
                 a.dtype.into(),
             )
         };
