@@ -12,6 +12,9 @@ use super::LOOP_BUDGET;
 /// chunks of `chunk` tokens and a state tile `[kdim, vt]`.
 pub fn chunk_state_window(kdim: usize, vt: usize, chunk: usize) -> usize {
     let cube = STATE_CUBE as usize;
+    // An upper bound: counted as if each unit took one `Vn` entry and one state entry per
+    // round; the kernels take four columns (and two `Vn` rows) per unit, so they loop at most
+    // this often (the windows, and the tests that cross them, stay as they were).
     let v_rounds = (chunk * vt).div_ceil(cube);
     let s_rounds = (kdim * vt).div_ceil(cube);
     // The backward's pass has the larger loops: `kdim + chunk` per `Vn` entry and `2·chunk` per
@@ -328,12 +331,15 @@ pub fn kda_chunk_state(
     let n = nh / heads;
     let h = nh % heads;
     let cube = STATE_CUBE as usize;
-    // Each phase walks a comptime count of strided entries; a unit's loop iterations per chunk
-    // stay small (see `chunk_state_window`).
-    let s_rounds = comptime!((kdim * vt).div_ceil(STATE_CUBE as usize));
-    let v_rounds = comptime!((chunk * vt).div_ceil(STATE_CUBE as usize));
-    let mut s = SharedMemory::<f32>::new(kdim * vt);
-    let mut vn = SharedMemory::<f32>::new(chunk * vt);
+    // The tiles hold four consecutive columns per entry ([`V4`]); each unit computes two rows of
+    // four `Vn` columns, then one state row of four columns, so one shared read feeds four (or
+    // eight) multiply-adds. Each phase walks a comptime count of strided entries; a unit's loop
+    // iterations per chunk stay small (see `chunk_state_window`).
+    let q = comptime!(vt / 4);
+    let s_rounds = comptime!((kdim * vt / 4).div_ceil(STATE_CUBE as usize));
+    let v_rounds = comptime!((chunk.div_ceil(2) * vt / 4).div_ceil(STATE_CUBE as usize));
+    let mut s = SharedMemory::<V4>::new(kdim * q);
+    let mut vn = SharedMemory::<V4>::new(chunk.div_ceil(2) * 2 * q);
     let s_base = nh * kdim * vdim;
     load_state_tile(state, &mut s, s_base, col0, vdim, kdim, vt);
     let seq_last = seq_chunk[n + 1] as usize;
@@ -345,38 +351,48 @@ pub fn kda_chunk_state(
         let len = chunk_len[ch] as usize;
         for r in 0..v_rounds {
             let e = r * cube + unit;
-            let i = e / vt;
-            let c = e % vt;
-            if i < len {
-                let col = col0 + c;
-                let mut x = 0.0f32;
-                if col < vdim {
-                    x = u[(ch_h * chunk + i) * vdim + col];
+            let i0 = 2 * (e / q);
+            let cq = e % q;
+            if i0 < len {
+                // Row i0 + 1 may lie past the chunk's length: it is computed from a row of `w`
+                // inside the chunk's buffer and never stored.
+                let two = i0 + 1 < len;
+                let col = col0 + 4 * cq;
+                let row0 = (ch_h * chunk + i0) * vdim;
+                let mut x0 = load_cols(u, row0, col, vdim);
+                let mut x1 = V4::new(0.0f32);
+                if two {
+                    x1 = load_cols(u, row0 + vdim, col, vdim);
                 }
-                let w_row = (ch_h * chunk + i) * kdim;
+                let w0 = (ch_h * chunk + i0) * kdim;
+                let mut w1 = w0;
+                if i0 + 1 < chunk {
+                    w1 = w0 + kdim;
+                }
                 for d in 0..kdim {
-                    x -= w[w_row + d] * s[d * vt + c];
+                    let sv = s[d * q + cq];
+                    x0 -= V4::new(w[w0 + d]) * sv;
+                    x1 -= V4::new(w[w1 + d]) * sv;
                 }
-                vn[e] = x;
-                if col < vdim {
-                    vn_out[(ch_h * chunk + i) * vdim + col] = x;
+                vn[i0 * q + cq] = x0;
+                store_cols(vn_out, row0, col, vdim, x0);
+                if two {
+                    vn[(i0 + 1) * q + cq] = x1;
+                    store_cols(vn_out, row0 + vdim, col, vdim, x1);
                 }
             }
         }
         sync_cube();
         for r in 0..s_rounds {
             let e = r * cube + unit;
-            if e < kdim * vt {
-                let d = e / vt;
-                let c = e % vt;
-                let col = col0 + c;
+            if e < kdim * q {
+                let d = e / q;
+                let cq = e % q;
                 let old = s[e];
-                if col < vdim {
-                    states[(ch_h * kdim + d) * vdim + col] = old;
-                }
-                let mut x = decay[ch_h * kdim + d] * old;
+                store_cols(states, (ch_h * kdim + d) * vdim, col0 + 4 * cq, vdim, old);
+                let mut x = V4::new(decay[ch_h * kdim + d]) * old;
                 for i in 0..len {
-                    x += ke[((tok0 + i) * heads + h) * kdim + d] * vn[i * vt + c];
+                    x += V4::new(ke[((tok0 + i) * heads + h) * kdim + d]) * vn[i * q + cq];
                 }
                 s[e] = x;
             }
@@ -386,28 +402,51 @@ pub fn kda_chunk_state(
     store_state_tile(&s, state, s_base, col0, vdim, kdim, vt);
 }
 
+/// Four f32 columns, the entries of the sequential passes' shared tiles.
+pub type V4 = Vector<f32, Const<4>>;
+
+/// `src[base + col + j]` for the four columns `col + j` below `vdim` (zeros past it).
+#[cube]
+pub(super) fn load_cols(src: &Array<f32>, base: usize, col: usize, vdim: usize) -> V4 {
+    let mut v = V4::new(0.0f32);
+    #[unroll]
+    for j in 0..4usize {
+        if col + j < vdim {
+            v[j] = src[base + col + j];
+        }
+    }
+    v
+}
+
+/// Writes the columns of `v` below `vdim` to `dst[base + col + j]`.
+#[cube]
+pub(super) fn store_cols(dst: &mut Array<f32>, base: usize, col: usize, vdim: usize, v: V4) {
+    #[unroll]
+    for j in 0..4usize {
+        if col + j < vdim {
+            dst[base + col + j] = v[j];
+        }
+    }
+}
+
 /// Loads columns `[col0, col0 + vt)` of the `[kdim, vdim]` state at `base` into the shared tile
-/// `[kdim, vt]` (zeros past `vdim`), spread over the cube, then synchronises it.
+/// of [`V4`]s `[kdim, vt / 4]` (zeros past `vdim`), spread over the cube, then synchronises it.
 #[cube]
 pub(super) fn load_state_tile(
     src: &Array<f32>,
-    tile: &mut SharedMemory<f32>,
+    tile: &mut SharedMemory<V4>,
     base: usize,
     col0: usize,
     vdim: usize,
     #[comptime] kdim: usize,
     #[comptime] vt: usize,
 ) {
-    let rounds = comptime!((kdim * vt).div_ceil(STATE_CUBE as usize));
+    let q = comptime!(vt / 4);
+    let rounds = comptime!((kdim * vt / 4).div_ceil(STATE_CUBE as usize));
     for r in 0..rounds {
         let e = r * STATE_CUBE as usize + UNIT_POS as usize;
-        if e < kdim * vt {
-            let col = col0 + e % vt;
-            let mut x = 0.0f32;
-            if col < vdim {
-                x = src[base + (e / vt) * vdim + col];
-            }
-            tile[e] = x;
+        if e < kdim * q {
+            tile[e] = load_cols(src, base + (e / q) * vdim, col0 + 4 * (e % q), vdim);
         }
     }
     sync_cube();
@@ -417,7 +456,7 @@ pub(super) fn load_state_tile(
 /// dropped). The tile must be synchronised.
 #[cube]
 pub(super) fn store_state_tile(
-    tile: &SharedMemory<f32>,
+    tile: &SharedMemory<V4>,
     dst: &mut Array<f32>,
     base: usize,
     col0: usize,
@@ -425,12 +464,18 @@ pub(super) fn store_state_tile(
     #[comptime] kdim: usize,
     #[comptime] vt: usize,
 ) {
-    let rounds = comptime!((kdim * vt).div_ceil(STATE_CUBE as usize));
+    let q = comptime!(vt / 4);
+    let rounds = comptime!((kdim * vt / 4).div_ceil(STATE_CUBE as usize));
     for r in 0..rounds {
         let e = r * STATE_CUBE as usize + UNIT_POS as usize;
-        let col = col0 + e % vt;
-        if e < kdim * vt && col < vdim {
-            dst[base + (e / vt) * vdim + col] = tile[e];
+        if e < kdim * q {
+            store_cols(
+                dst,
+                base + (e / q) * vdim,
+                col0 + 4 * (e % q),
+                vdim,
+                tile[e],
+            );
         }
     }
 }

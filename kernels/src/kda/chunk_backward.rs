@@ -18,7 +18,9 @@
 
 use cubecl::prelude::*;
 
-use super::chunk::{load_state_tile, store_state_tile, SOLVE_CUBE, STATE_CUBE, SUB};
+use super::chunk::{
+    load_cols, load_state_tile, store_cols, store_state_tile, SOLVE_CUBE, STATE_CUBE, SUB, V4,
+};
 
 /// The reverse sequential pass, one cube of [`STATE_CUBE`] units per (value tile,
 /// sequence·head), `dS` tile `[kdim, vt]` and the tile of `dVn` in shared memory. It stores `dVn`
@@ -63,10 +65,13 @@ pub fn kda_chunk_state_backward(
     let n = nh / heads;
     let h = nh % heads;
     let cube = STATE_CUBE as usize;
-    let s_rounds = comptime!((kdim * vt).div_ceil(STATE_CUBE as usize));
-    let v_rounds = comptime!((chunk * vt).div_ceil(STATE_CUBE as usize));
-    let mut ds = SharedMemory::<f32>::new(kdim * vt);
-    let mut dvn = SharedMemory::<f32>::new(chunk * vt);
+    // As in the forward pass: tiles of [`V4`]s (four consecutive columns), each unit two rows of
+    // four `dVn` columns, then one row of four `dS` columns.
+    let q = comptime!(vt / 4);
+    let s_rounds = comptime!((kdim * vt / 4).div_ceil(STATE_CUBE as usize));
+    let v_rounds = comptime!((chunk.div_ceil(2) * vt / 4).div_ceil(STATE_CUBE as usize));
+    let mut ds = SharedMemory::<V4>::new(kdim * q);
+    let mut dvn = SharedMemory::<V4>::new(chunk.div_ceil(2) * 2 * q);
     let s_base = nh * kdim * vdim;
     load_state_tile(d_state, &mut ds, s_base, col0, vdim, kdim, vt);
     let first = seq_chunk[n] as usize;
@@ -80,43 +85,60 @@ pub fn kda_chunk_state_backward(
         let len = chunk_len[ch] as usize;
         for r in 0..v_rounds {
             let e = r * cube + unit;
-            let i = e / vt;
-            let c = e % vt;
-            if i < len {
-                let col = col0 + c;
-                let row = (tok0 + i) * heads + h;
-                let mut x = 0.0f32;
+            let i0 = 2 * (e / q);
+            let cq = e % q;
+            if i0 < len {
+                // Row i0 + 1 may lie past the chunk's length: computed, never stored.
+                let two = i0 + 1 < len;
+                let col = col0 + 4 * cq;
+                let k0 = ((tok0 + i0) * heads + h) * kdim;
+                let mut k1 = k0;
+                if two {
+                    k1 = k0 + heads * kdim;
+                }
+                let mut x0 = V4::new(0.0f32);
+                let mut x1 = V4::new(0.0f32);
                 for d in 0..kdim {
-                    x += ke[row * kdim + d] * ds[d * vt + c];
+                    let sv = ds[d * q + cq];
+                    x0 += V4::new(ke[k0 + d]) * sv;
+                    x1 += V4::new(ke[k1 + d]) * sv;
                 }
-                if col < vdim {
-                    for j in i..len {
-                        let row_j = (tok0 + j) * heads + h;
-                        x += a_qk[(ch_h * chunk + j) * chunk + i] * d_out[row_j * vdim + col];
+                // A_qk is lower triangular: row i0 + 1 starts at j = i0 + 1.
+                let a = ch_h * chunk * chunk;
+                let row_i0 = (tok0 + i0) * heads + h;
+                x0 +=
+                    V4::new(a_qk[a + i0 * chunk + i0]) * load_cols(d_out, row_i0 * vdim, col, vdim);
+                for j in i0 + 1..len {
+                    let dov = load_cols(d_out, ((tok0 + j) * heads + h) * vdim, col, vdim);
+                    x0 += V4::new(a_qk[a + j * chunk + i0]) * dov;
+                    if two {
+                        x1 += V4::new(a_qk[a + j * chunk + i0 + 1]) * dov;
                     }
-                    d_vn[(ch_h * chunk + i) * vdim + col] = x;
                 }
-                dvn[e] = x;
+                dvn[i0 * q + cq] = x0;
+                store_cols(d_vn, (ch_h * chunk + i0) * vdim, col, vdim, x0);
+                if two {
+                    dvn[(i0 + 1) * q + cq] = x1;
+                    store_cols(d_vn, (ch_h * chunk + i0 + 1) * vdim, col, vdim, x1);
+                }
             }
         }
         sync_cube();
         for r in 0..s_rounds {
             let e = r * cube + unit;
-            if e < kdim * vt {
-                let d = e / vt;
-                let c = e % vt;
-                let col = col0 + c;
+            if e < kdim * q {
+                let d = e / q;
+                let cq = e % q;
+                let col = col0 + 4 * cq;
                 let old = ds[e];
-                let mut x = decay[ch_h * kdim + d] * old;
-                if col < vdim {
-                    d_after[(ch_h * kdim + d) * vdim + col] = old;
-                    for i in 0..len {
-                        let row = (tok0 + i) * heads + h;
-                        x += qe[row * kdim + d] * d_out[row * vdim + col];
-                    }
+                let mut x = V4::new(decay[ch_h * kdim + d]) * old;
+                store_cols(d_after, (ch_h * kdim + d) * vdim, col, vdim, old);
+                for i in 0..len {
+                    let row = (tok0 + i) * heads + h;
+                    x += V4::new(qe[row * kdim + d]) * load_cols(d_out, row * vdim, col, vdim);
                 }
                 for i in 0..len {
-                    x -= w[(ch_h * chunk + i) * kdim + d] * dvn[i * vt + c];
+                    x -= V4::new(w[(ch_h * chunk + i) * kdim + d]) * dvn[i * q + cq];
                 }
                 ds[e] = x;
             }
