@@ -339,7 +339,7 @@ pub fn kda_chunk_akk_backward(
 }
 
 /// The within-chunk matrices differentiated through their factors `E_ij = exp(G_i − G_j)` (per
-/// key channel), one unit per (chunk·head, row `i`, channel `d`):
+/// key channel), one unit per (chunk·head, row `i`, four channels `d`):
 ///
 /// ```text
 /// rq[i] = Σ_{j≤i} dA_qk[i,j] k_j E_ij        rk[i] = Σ_{j<i} dA_kk[i,j] k_j E_ij
@@ -377,13 +377,16 @@ pub fn kda_chunk_intra_backward(
     #[comptime] kdim: usize,
     #[comptime] chunk: usize,
 ) {
+    // One unit per (chunk·head, row i, four key channels d0..d0 + 4): the channels are the lanes
+    // of a [`V4`] (zeros past `kdim`), so each `dA` entry read feeds four channels.
+    let quads = comptime!(kdim.div_ceil(4));
     let pos = ABSOLUTE_POS;
-    if pos >= chunks * heads * chunk * kdim {
+    if pos >= chunks * heads * chunk * quads {
         terminate!();
     }
-    let d = pos % kdim;
-    let i = (pos / kdim) % chunk;
-    let ch_h = pos / (kdim * chunk);
+    let d0 = 4 * (pos % quads);
+    let i = (pos / quads) % chunk;
+    let ch_h = pos / (quads * chunk);
     let h = ch_h % heads;
     let ch = ch_h / heads;
     let len = chunk_len[ch] as usize;
@@ -392,82 +395,81 @@ pub fn kda_chunk_intra_backward(
     }
     let tok0 = chunk_tok[ch] as usize;
     let subs = chunk / SUB;
-    // Index of row t of this chunk at channel d.
+    // Row t of this chunk starts at `base + t · stride`; its channels d0.. at `+ d0`.
     let stride = heads * kdim;
-    let off = (tok0 * heads + h) * kdim + d;
+    let base = (tok0 * heads + h) * kdim;
     let bi = i / SUB;
     let a_base = ch_h * chunk * chunk;
+    let decay_base = ch_h * subs * kdim;
     // exp(P_i): the gates from the start of i's sub-chunk up to i.
-    let mut p = 0.0f32;
+    let mut p = V4::new(0.0f32);
     for t in bi * SUB..i + 1 {
-        p += g[off + t * stride];
+        p += load_cols(g, base + t * stride, d0, kdim);
     }
-    let ep = f32::exp(p);
+    let ep = V4::exp(p);
     // Rows j ≤ i, walking back from i: `s` is the sum of the gates in (j, i] while j is in i's
     // sub-chunk; earlier sub-chunks use the anchored factors.
-    let mut sq = 0.0f32;
-    let mut sk = 0.0f32;
-    let mut s = 0.0f32;
+    let mut sq = V4::new(0.0f32);
+    let mut sk = V4::new(0.0f32);
+    let mut s = V4::new(0.0f32);
     for r in 0..i + 1 {
         let j = i - r;
         if r > 0 {
-            s += g[off + (j + 1) * stride];
+            s += load_cols(g, base + (j + 1) * stride, d0, kdim);
         }
         let bj = j / SUB;
         let kj = if bj == bi {
-            k[off + j * stride] * f32::exp(s)
+            load_cols(k, base + j * stride, d0, kdim) * V4::exp(s)
         } else {
-            let mut m = ks[off + j * stride];
+            let mut m = load_cols(ks, base + j * stride, d0, kdim);
             for b in bj + 1..bi {
-                m *= sub_decay[(ch_h * subs + b) * kdim + d];
+                m *= load_cols(sub_decay, decay_base + b * kdim, d0, kdim);
             }
             ep * m
         };
-        sq += d_aqk[a_base + i * chunk + j] * kj;
-        sk += d_akk[a_base + i * chunk + j] * kj;
+        sq += V4::new(d_aqk[a_base + i * chunk + j]) * kj;
+        sk += V4::new(d_akk[a_base + i * chunk + j]) * kj;
     }
-    rq[off + i * stride] = sq;
-    rk[off + i * stride] = sk;
+    store_cols(rq, base + i * stride, d0, kdim, sq);
+    store_cols(rk, base + i * stride, d0, kdim, sk);
     // Rows i' ≥ i: `s` is the sum of the gates in (i, i'] while i' is in i's sub-chunk.
     let sub_end = usize::min(bi * SUB + SUB, len);
-    let mut x = 0.0f32;
+    let mut x = V4::new(0.0f32);
     for t in i + 1..sub_end {
-        x += g[off + t * stride];
+        x += load_cols(g, base + t * stride, d0, kdim);
     }
-    let ex = f32::exp(x);
-    let mut c = 0.0f32;
-    s = 0.0f32;
+    let ex = V4::exp(x);
+    let mut c = V4::new(0.0f32);
+    s = V4::new(0.0f32);
     for i2 in i..len {
         if i2 > i {
-            s += g[off + i2 * stride];
+            s += load_cols(g, base + i2 * stride, d0, kdim);
         }
         let b2 = i2 / SUB;
-        // f: exp(G_i2 − G_i), read as one factor, times q or k of row i2 (anchored form
-        // across sub-chunks).
-        let f = if b2 == bi {
-            f32::exp(s)
+        // exp(G_i2 − G_i), read as one factor, times q or k of row i2 (anchored form across
+        // sub-chunks).
+        let row2 = base + i2 * stride;
+        let (fq, fk) = if b2 == bi {
+            let f = V4::exp(s);
+            (
+                load_cols(q, row2, d0, kdim) * f,
+                load_cols(k, row2, d0, kdim) * f,
+            )
         } else {
             let mut m = ex;
             for b in bi + 1..b2 {
-                m *= sub_decay[(ch_h * subs + b) * kdim + d];
+                m *= load_cols(sub_decay, decay_base + b * kdim, d0, kdim);
             }
-            m
+            (
+                load_cols(qp, row2, d0, kdim) * m,
+                load_cols(kp, row2, d0, kdim) * m,
+            )
         };
-        let fq = if b2 == bi {
-            q[off + i2 * stride] * f
-        } else {
-            qp[off + i2 * stride] * f
-        };
-        let fk = if b2 == bi {
-            k[off + i2 * stride] * f
-        } else {
-            kp[off + i2 * stride] * f
-        };
-        let row2 = (tok0 + i2) * heads + h;
-        c += d_aqk[a_base + i2 * chunk + i] * fq;
-        c += d_akk[a_base + i2 * chunk + i] * beta[row2] * fk;
+        let beta2 = beta[(tok0 + i2) * heads + h];
+        c += V4::new(d_aqk[a_base + i2 * chunk + i]) * fq;
+        c += V4::new(d_akk[a_base + i2 * chunk + i] * beta2) * fk;
     }
-    cc[off + i * stride] = c;
+    store_cols(cc, base + i * stride, d0, kdim, c);
 }
 
 /// The gate-side gradients, one unit per (chunk·head, key channel `d`), walking the chunk's rows

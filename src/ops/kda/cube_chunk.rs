@@ -573,7 +573,8 @@ pub(super) fn backward<R: CubeRuntime>(
     let rq = work.scratch(vec![tokens, h, kd]);
     let rk = work.scratch(vec![tokens, h, kd]);
     let cc = work.scratch(vec![tokens, h, kd]);
-    let (count, dim) = work.elemwise(chunks * h * chunk * kd);
+    // One unit per four key channels.
+    let (count, dim) = work.elemwise(chunks * h * chunk * kd.div_ceil(4));
     // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
     unsafe {
         kkda::kda_chunk_intra_backward::launch_unchecked::<R>(
