@@ -544,38 +544,10 @@ fn grouped_mma<F: Float>(
     let a_off = (plane / 2) * 16 * tk;
     let b_off = (plane % 2) * 32;
     let c_off = (plane / 2) * 16 * t + b_off;
-    let m0 = cmma::Matrix::<f32>::from_value(
-        cmma::MatrixIdent::Accumulator,
-        16usize,
-        16usize,
-        16usize,
-        cmma::MatrixLayout::Undefined,
-        0.0f32,
-    );
-    let m1 = cmma::Matrix::<f32>::from_value(
-        cmma::MatrixIdent::Accumulator,
-        16usize,
-        16usize,
-        16usize,
-        cmma::MatrixLayout::Undefined,
-        0.0f32,
-    );
-    let u0 = cmma::Matrix::<f32>::from_value(
-        cmma::MatrixIdent::Accumulator,
-        16usize,
-        16usize,
-        16usize,
-        cmma::MatrixLayout::Undefined,
-        0.0f32,
-    );
-    let u1 = cmma::Matrix::<f32>::from_value(
-        cmma::MatrixIdent::Accumulator,
-        16usize,
-        16usize,
-        16usize,
-        cmma::MatrixLayout::Undefined,
-        0.0f32,
-    );
+    let m0 = zero_block();
+    let m1 = zero_block();
+    let u0 = zero_block();
+    let u1 = zero_block();
     let zero = F::cast_from(0.0f32);
     let mut k0 = 0usize;
     while k0 < kdim {
@@ -620,83 +592,94 @@ fn grouped_mma<F: Float>(
             &ha.slice(a_off, t * tk),
             tk as u32,
         );
-        let b0 = cmma::Matrix::<F>::from_slice(
-            cmma::MatrixIdent::B,
-            16usize,
-            16usize,
-            16usize,
-            cmma::MatrixLayout::RowMajor,
-            &hb.slice(b_off, t * tk),
-            t as u32,
-        );
-        let b1 = cmma::Matrix::<F>::from_slice(
-            cmma::MatrixIdent::B,
-            16usize,
-            16usize,
-            16usize,
-            cmma::MatrixLayout::RowMajor,
-            &hb.slice(b_off + 16, t * tk),
-            t as u32,
-        );
-        cmma::execute::<F, F, f32, f32>(&am, &b0, &m0, &m0);
-        cmma::execute::<F, F, f32, f32>(&am, &b1, &m1, &m1);
+        multiply_pair::<F>(&am, &hb, b_off, &m0, &m1);
         if comptime!(glu) {
-            let b30 = cmma::Matrix::<F>::from_slice(
-                cmma::MatrixIdent::B,
-                16usize,
-                16usize,
-                16usize,
-                cmma::MatrixLayout::RowMajor,
-                &hb3.slice(b_off, t * tk),
-                t as u32,
-            );
-            let b31 = cmma::Matrix::<F>::from_slice(
-                cmma::MatrixIdent::B,
-                16usize,
-                16usize,
-                16usize,
-                cmma::MatrixLayout::RowMajor,
-                &hb3.slice(b_off + 16, t * tk),
-                t as u32,
-            );
-            cmma::execute::<F, F, f32, f32>(&am, &b30, &u0, &u0);
-            cmma::execute::<F, F, f32, f32>(&am, &b31, &u1, &u1);
+            multiply_pair::<F>(&am, &hb3, b_off, &u0, &u1);
         }
         sync_cube();
         k0 += tk;
     }
     let mut tile = SharedMemory::<f32>::new_aligned(t * t, 32usize);
-    cmma::store(
-        &mut tile.slice_mut(c_off, t * t),
-        &m0,
-        t as u32,
-        cmma::MatrixLayout::RowMajor,
-    );
-    cmma::store(
-        &mut tile.slice_mut(c_off + 16, t * t),
-        &m1,
-        t as u32,
-        cmma::MatrixLayout::RowMajor,
-    );
+    store_pair(&mut tile, c_off, &m0, &m1);
     sync_cube();
     read_micro_tile(&tile, acc);
     if comptime!(glu) {
         sync_cube();
-        cmma::store(
-            &mut tile.slice_mut(c_off, t * t),
-            &u0,
-            t as u32,
-            cmma::MatrixLayout::RowMajor,
-        );
-        cmma::store(
-            &mut tile.slice_mut(c_off + 16, t * t),
-            &u1,
-            t as u32,
-            cmma::MatrixLayout::RowMajor,
-        );
+        store_pair(&mut tile, c_off, &u0, &u1);
         sync_cube();
         read_micro_tile(&tile, acc3);
     }
+}
+
+/// A zeroed `16 × 16` f32 accumulator block of the matrix units.
+#[cube]
+fn zero_block() -> cmma::Matrix<f32> {
+    cmma::Matrix::<f32>::from_value(
+        cmma::MatrixIdent::Accumulator,
+        16usize,
+        16usize,
+        16usize,
+        cmma::MatrixLayout::Undefined,
+        0.0f32,
+    )
+}
+
+/// `acc0 += a · B₀` and `acc1 += a · B₁` on the matrix units, with `B₀`, `B₁` the `16 × 16`
+/// blocks at columns `off..` and `off + 16..` of the row-major `[TILE_K, TILE]` stage `b`.
+#[cube]
+fn multiply_pair<F: Float>(
+    a: &cmma::Matrix<F>,
+    b: &SharedMemory<F>,
+    off: usize,
+    acc0: &cmma::Matrix<f32>,
+    acc1: &cmma::Matrix<f32>,
+) {
+    let t = TILE as usize;
+    let len = t * TILE_K as usize;
+    let b0 = cmma::Matrix::<F>::from_slice(
+        cmma::MatrixIdent::B,
+        16usize,
+        16usize,
+        16usize,
+        cmma::MatrixLayout::RowMajor,
+        &b.slice(off, len),
+        t as u32,
+    );
+    let b1 = cmma::Matrix::<F>::from_slice(
+        cmma::MatrixIdent::B,
+        16usize,
+        16usize,
+        16usize,
+        cmma::MatrixLayout::RowMajor,
+        &b.slice(off + 16, len),
+        t as u32,
+    );
+    cmma::execute::<F, F, f32, f32>(a, &b0, acc0, acc0);
+    cmma::execute::<F, F, f32, f32>(a, &b1, acc1, acc1);
+}
+
+/// Stores two accumulator blocks side by side at `off` and `off + 16` of the shared row-major
+/// `[TILE, TILE]` f32 tile.
+#[cube]
+fn store_pair(
+    tile: &mut SharedMemory<f32>,
+    off: usize,
+    acc0: &cmma::Matrix<f32>,
+    acc1: &cmma::Matrix<f32>,
+) {
+    let t = TILE as usize;
+    cmma::store(
+        &mut tile.slice_mut(off, t * t),
+        acc0,
+        t as u32,
+        cmma::MatrixLayout::RowMajor,
+    );
+    cmma::store(
+        &mut tile.slice_mut(off + 16, t * t),
+        acc1,
+        t as u32,
+        cmma::MatrixLayout::RowMajor,
+    );
 }
 
 /// The unit's 4×4 micro-tile (rows `4·ty..`, columns `4·tx..`) of a shared `[TILE, TILE]` f32
@@ -856,22 +839,8 @@ fn wgrad_mma<F: Float>(
     let a_off = (plane / 2) * 16;
     let b_off = (plane % 2) * 32;
     let c_off = (plane / 2) * 16 * t + b_off;
-    let m0 = cmma::Matrix::<f32>::from_value(
-        cmma::MatrixIdent::Accumulator,
-        16usize,
-        16usize,
-        16usize,
-        cmma::MatrixLayout::Undefined,
-        0.0f32,
-    );
-    let m1 = cmma::Matrix::<f32>::from_value(
-        cmma::MatrixIdent::Accumulator,
-        16usize,
-        16usize,
-        16usize,
-        cmma::MatrixLayout::Undefined,
-        0.0f32,
-    );
+    let m0 = zero_block();
+    let m1 = zero_block();
     let zero = F::cast_from(0.0f32);
     let mut p0 = start;
     while p0 < end {
@@ -911,42 +880,12 @@ fn wgrad_mma<F: Float>(
             &ha.slice(a_off, t * tk),
             t as u32,
         );
-        let b0 = cmma::Matrix::<F>::from_slice(
-            cmma::MatrixIdent::B,
-            16usize,
-            16usize,
-            16usize,
-            cmma::MatrixLayout::RowMajor,
-            &hb.slice(b_off, t * tk),
-            t as u32,
-        );
-        let b1 = cmma::Matrix::<F>::from_slice(
-            cmma::MatrixIdent::B,
-            16usize,
-            16usize,
-            16usize,
-            cmma::MatrixLayout::RowMajor,
-            &hb.slice(b_off + 16, t * tk),
-            t as u32,
-        );
-        cmma::execute::<F, F, f32, f32>(&am, &b0, &m0, &m0);
-        cmma::execute::<F, F, f32, f32>(&am, &b1, &m1, &m1);
+        multiply_pair::<F>(&am, &hb, b_off, &m0, &m1);
         sync_cube();
         p0 += tk;
     }
     let mut tile = SharedMemory::<f32>::new_aligned(t * t, 32usize);
-    cmma::store(
-        &mut tile.slice_mut(c_off, t * t),
-        &m0,
-        t as u32,
-        cmma::MatrixLayout::RowMajor,
-    );
-    cmma::store(
-        &mut tile.slice_mut(c_off + 16, t * t),
-        &m1,
-        t as u32,
-        cmma::MatrixLayout::RowMajor,
-    );
+    store_pair(&mut tile, c_off, &m0, &m1);
     sync_cube();
     read_micro_tile(&tile, acc);
 }

@@ -445,6 +445,24 @@ mod dispatch {
         act: GluActivation,
     }
 
+    impl Case {
+        /// The same case with every float tensor cast to `dtype`.
+        fn cast(&self, dtype: FloatDType) -> Case {
+            let two = |t: &Tensor<GpuAd, 2>| t.clone().cast(dtype);
+            let three = |t: &Tensor<GpuAd, 3>| t.clone().cast(dtype);
+            Case {
+                h: two(&self.h),
+                p: two(&self.p),
+                w1: three(&self.w1),
+                w3: three(&self.w3),
+                w2: three(&self.w2),
+                sel: self.sel.clone(),
+                valid: self.valid.clone(),
+                act: self.act,
+            }
+        }
+    }
+
     fn case(m: usize, n: usize, k: usize, l: usize, me: usize, masked: bool, seed: u64) -> Case {
         let device = Default::default();
         let mut r = rng(seed);
@@ -671,33 +689,8 @@ mod dispatch {
         let device = Default::default();
         require_dtype::<Gpu>(&device, dtype);
         let c = case(150, 5, 2, 70, 80, false, 1);
-        let half = |t: &Tensor<GpuAd, 2>| t.clone().cast(fdtype);
-        let half3 = |t: &Tensor<GpuAd, 3>| t.clone().cast(fdtype);
-        let rounded = Case {
-            h: half(&c.h),
-            p: half(&c.p),
-            w1: half3(&c.w1),
-            w3: half3(&c.w3),
-            w2: half3(&c.w2),
-            sel: c.sel.clone(),
-            valid: None,
-            act: c.act,
-        };
-        let up = |t: &Tensor<GpuAd, 2>| t.clone().cast(FloatDType::F32);
-        let up3 = |t: &Tensor<GpuAd, 3>| t.clone().cast(FloatDType::F32);
-        let reference = run(
-            &Case {
-                h: up(&rounded.h),
-                p: up(&rounded.p),
-                w1: up3(&rounded.w1),
-                w3: up3(&rounded.w3),
-                w2: up3(&rounded.w2),
-                sel: c.sel.clone(),
-                valid: None,
-                act: c.act,
-            },
-            false,
-        );
+        let rounded = c.cast(fdtype);
+        let reference = run(&rounded.cast(FloatDType::F32), false);
         let before = tensor_core_launches();
         let fast = with_tensor_cores(true, || run(&rounded, true));
         let matrix_units = tensor_core_launches() - before;

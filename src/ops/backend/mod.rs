@@ -149,13 +149,26 @@ thread_local! {
 /// scalar path and the reference (`scripts/cuda-check.sh`), but have not yet run on a GPU with
 /// matrix units. `KIMI_BURN_TENSOR_CORES=1` switches them on for a whole process.
 pub fn with_tensor_cores<T>(enabled: bool, f: impl FnOnce() -> T) -> T {
-    struct Restore(Option<bool>);
+    with_switch(&TENSOR_CORES, enabled, f)
+}
+
+/// Runs `f` with the thread's `switch` set to `enabled`, and restores it afterwards (also when
+/// `f` panics).
+fn with_switch<T>(
+    switch: &'static std::thread::LocalKey<Cell<Option<bool>>>,
+    enabled: bool,
+    f: impl FnOnce() -> T,
+) -> T {
+    struct Restore(
+        &'static std::thread::LocalKey<Cell<Option<bool>>>,
+        Option<bool>,
+    );
     impl Drop for Restore {
         fn drop(&mut self) {
-            TENSOR_CORES.with(|s| s.set(self.0));
+            self.0.with(|s| s.set(self.1));
         }
     }
-    let _restore = Restore(TENSOR_CORES.with(|s| s.replace(Some(enabled))));
+    let _restore = Restore(switch, switch.with(|s| s.replace(Some(enabled))));
     f()
 }
 
@@ -192,14 +205,7 @@ pub fn set_kernels(enabled: bool) {
 /// Runs `f` with the fused kernels switched on or off on this thread only (tests run in parallel
 /// threads, so they compare both paths this way without disturbing each other).
 pub fn with_kernels<T>(enabled: bool, f: impl FnOnce() -> T) -> T {
-    struct Restore(Option<bool>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            THREAD_SWITCH.with(|s| s.set(self.0));
-        }
-    }
-    let _restore = Restore(THREAD_SWITCH.with(|s| s.replace(Some(enabled))));
-    f()
+    with_switch(&THREAD_SWITCH, enabled, f)
 }
 
 /// Whether the ops may use the fused kernels on this thread now.
