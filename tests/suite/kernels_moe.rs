@@ -701,6 +701,7 @@ mod dispatch {
             before,
             "{name}: switched off, yet ran on them"
         );
+        // This file's `Gpu` is CUDA whenever the `cuda` feature is on.
         if cfg!(feature = "cuda") {
             // Forward (first layer, second layer) and backward (dgrad of both layers).
             assert!(

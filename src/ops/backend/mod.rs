@@ -148,6 +148,9 @@ thread_local! {
 /// They are **off by default** for now: the matrix-unit paths compile and are tested against the
 /// scalar path and the reference (`scripts/cuda-check.sh`), but have not yet run on a GPU with
 /// matrix units. `KIMI_BURN_TENSOR_CORES=1` switches them on for a whole process.
+///
+/// The choice is made when a kernel is launched: on a `Fusion` backend that is when the fused
+/// stream runs, which may be outside this scope, so use the environment variable there.
 pub fn with_tensor_cores<T>(enabled: bool, f: impl FnOnce() -> T) -> T {
     with_switch(&TENSOR_CORES, enabled, f)
 }
