@@ -39,3 +39,8 @@ pub mod mx;
 pub mod qb_histogram;
 pub mod rms_norm;
 pub mod situ;
+
+/// Four f32 lanes: the register-blocked kernels keep shared tiles and accumulators in these, so
+/// one memory read feeds four multiply-adds (the grouped matmuls' micro-tiles, the KDA state
+/// passes' columns, the within-chunk backward's key channels).
+pub type V4 = cubecl::prelude::Vector<f32, cubecl::prelude::Const<4>>;

@@ -19,6 +19,7 @@
 use cubecl::prelude::*;
 
 use crate::situ::{glu_a, glu_b, glu_backward};
+use crate::V4;
 
 /// Pairs per block of the plan's counting sort (= the cube size of [`moe_block_ranks`](fn@moe_block_ranks)).
 pub const PLAN_BLOCK: u32 = 256;
@@ -194,10 +195,6 @@ fn load_f32<F: Float>(m: &Array<F>, index: usize, inside: bool) -> f32 {
     }
     v
 }
-
-/// Four f32 lanes: the grouped matmuls keep their shared tiles and accumulators in these, so one
-/// shared-memory read feeds four multiply-adds.
-pub type V4 = Vector<f32, Const<4>>;
 
 /// Loads `m[base + j·stride]` for the lanes `j < 4` with `j < count` as an f32 [`V4`]; lanes at
 /// or past `count` (and all lanes when `count` is 0) are 0.

@@ -6,6 +6,7 @@
 use cubecl::prelude::*;
 
 use super::LOOP_BUDGET;
+pub(super) use crate::V4;
 
 /// Chunks per launch of [`kda_chunk_state`](fn@kda_chunk_state) and
 /// [`kda_chunk_state_backward`](fn@super::kda_chunk_state_backward) (see [`LOOP_BUDGET`]) for
@@ -25,6 +26,7 @@ pub fn chunk_state_window(kdim: usize, vt: usize, chunk: usize) -> usize {
 
 /// Value columns per cube of [`kda_chunk_state`](fn@kda_chunk_state): its shared state tile `[k,
 /// vt]` and `Vn` tile `[chunk, vt]` (f32) stay within 16 KiB.
+/// Always a multiple of 4 (32, 16, 8 or 4): the state passes keep four columns per tile entry.
 pub fn chunk_state_columns(k: usize, chunk: usize) -> usize {
     let mut vt = 32;
     while vt > 4 && (k + chunk) * vt * 4 > 16 * 1024 {
@@ -401,9 +403,6 @@ pub fn kda_chunk_state(
     }
     store_state_tile(&s, state, s_base, col0, vdim, kdim, vt);
 }
-
-/// Four f32 columns, the entries of the sequential passes' shared tiles.
-pub type V4 = Vector<f32, Const<4>>;
 
 /// `src[base + col + j]` for the four columns `col + j` below `vdim` (zeros past it).
 #[cube]
