@@ -27,8 +27,13 @@ pub const PLAN_BLOCK: u32 = 256;
 pub const TILE: u32 = 64;
 /// Depth of one shared-memory slice of the grouped matmul.
 pub const TILE_K: u32 = 16;
-/// The grouped matmuls run on a `GMM_CUBE × GMM_CUBE` cube, each unit owning a 4×4 micro-tile.
+/// The grouped matmuls' tensor-core layout (and [`grouped_matmul_wgrad`](fn@grouped_matmul_wgrad)'s):
+/// a `GMM_CUBE × GMM_CUBE` cube, each unit owning a 4×4 micro-tile.
 pub const GMM_CUBE: u32 = 16;
+/// Rows and columns of a unit's micro-tile in the scalar loop of
+/// [`grouped_matmul`](fn@grouped_matmul): an 8×8 block, so per depth step four [`V4`] reads
+/// from shared memory feed 64 multiply-adds (128 with the GLU epilogue's second product).
+pub const GMM_MICRO: u32 = 8;
 /// [`grouped_matmul`](fn@grouped_matmul)'s epilogue: the product itself.
 pub const EPILOGUE_PLAIN: u32 = 0;
 /// [`grouped_matmul`](fn@grouped_matmul)'s epilogue: the experts' fused first layer.
@@ -210,24 +215,52 @@ fn load_v4<F: Float>(m: &Array<F>, base: usize, stride: usize, count: usize) -> 
     v
 }
 
-/// `acc[i] += a[i] · b` for the four rows `i` of a unit's 4×4 micro-tile.
+/// `acc[r · mc/4 + j4] += a_reg[r / 4][r % 4] · b_reg[j4]`: one depth step of a unit's
+/// `mr × mc` micro-tile, with the `a` column of its rows in `a_reg` and the `b` row of its columns
+/// in `b_reg`.
 #[cube]
-fn fma_4x4(acc: &mut Array<V4>, a: V4, b: V4) {
+fn fma_micro(
+    acc: &mut Array<V4>,
+    a_reg: &Array<V4>,
+    b_reg: &Array<V4>,
+    #[comptime] mr: u32,
+    #[comptime] mc4: u32,
+) {
     #[unroll]
-    for i in 0..4usize {
-        acc[i] += V4::new(a[i]) * b;
+    for r in 0..mr as usize {
+        let ar = V4::new(a_reg[r / 4][r % 4]);
+        #[unroll]
+        for j4 in 0..mc4 as usize {
+            acc[r * mc4 as usize + j4] += ar * b_reg[j4];
+        }
     }
 }
 
-/// A fresh 4×4 micro-tile of zeros.
+/// A fresh micro-tile of `len` zero [`V4`]s.
 #[cube]
-fn zero_4x4() -> Array<V4> {
-    let mut acc = Array::<V4>::new(4usize);
+fn zero_micro_tile(#[comptime] len: u32) -> Array<V4> {
+    let mut acc = Array::<V4>::new(len as usize);
     #[unroll]
-    for i in 0..4usize {
+    for i in 0..len as usize {
         acc[i] = V4::new(0.0f32);
     }
     acc
+}
+
+/// Rows (= columns) of a unit's micro-tile in [`grouped_matmul`](fn@grouped_matmul): 4 on the
+/// tensor-core layout, [`GMM_MICRO`] in the scalar loop.
+pub const fn micro_rows(mma: bool) -> u32 {
+    if mma {
+        4
+    } else {
+        GMM_MICRO
+    }
+}
+
+/// The cube of [`grouped_matmul`](fn@grouped_matmul) (`x` along the tile's columns, `y` along
+/// its rows): one unit per micro-tile of the `TILE × TILE` output tile.
+pub const fn grouped_matmul_cube(mma: bool) -> (u32, u32) {
+    (TILE / micro_rows(mma), TILE / micro_rows(mma))
 }
 
 /// How many of the 4 lanes starting at `start` lie below `end`.
@@ -251,10 +284,12 @@ fn lanes_below(start: usize, end: usize) -> usize {
 /// `accumulate` adds to `out` instead of overwriting it. f32 accumulation. Each cube computes a
 /// `TILE × TILE` output tile from `TILE_K`-deep slices in shared memory, stored as [`V4`]s
 /// (`a` as four consecutive rows at one depth, `w` as four consecutive columns), and each unit a
-/// 4×4 micro-tile of consecutive rows and columns: per depth step two shared reads feed sixteen
-/// multiply-adds. Grid: `x` = tiles (at least `ceil(pairs / TILE) + n` in all; spare cubes
-/// exit; launches past the grid limit continue at `tile_base`), `y` = `ceil(cols / TILE)`; cube
-/// `GMM_CUBE × GMM_CUBE`.
+/// [`GMM_MICRO`]² micro-tile of consecutive rows and columns: per depth step four shared reads
+/// feed 64 multiply-adds (on lavapipe, which runs every shared read as a loop over the SIMD
+/// lanes, the reads set the speed: 8×8 halved the time of 4×4 in the training step). Grid:
+/// `x` = tiles (at least `ceil(pairs / TILE) + n` in all; spare cubes exit; launches past the
+/// grid limit continue at `tile_base`), `y` = `ceil(cols / TILE)`; cube
+/// [`grouped_matmul_cube`]`(mma)`.
 ///
 /// The `epilogue` decides what is done with the product:
 ///
@@ -339,78 +374,140 @@ pub fn grouped_matmul<F: Float>(
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
     let w_base = e * kdim * cols;
+    // The unit's micro-tile: `mr` rows by `mc` columns, as `mr · mc / 4` V4s
+    // (`acc[r · mc/4 + j4]` holds row `r`, columns `4·j4..4·j4 + 4`).
+    let mr = comptime!(micro_rows(mma) as usize);
+    let mc = mr;
+    let mc4 = comptime!(micro_rows(mma) as usize / 4);
+    let ux = comptime!((TILE / micro_rows(mma)) as usize);
 
-    // sa[kk·q + r4]: rows 4·r4..4·r4+4 at depth kk; sb[kk·q + c4]: columns 4·c4..4·c4+4.
-    // (One element each on the tensor-core path, which stages its slices in `F`.)
     let glu = comptime!(epilogue == EPILOGUE_GLU);
-    let scalar_len = comptime!(if mma {
-        1usize
+    let mut acc = zero_micro_tile(comptime!(micro_rows(mma) * micro_rows(mma) / 4));
+    let mut acc3 = zero_micro_tile(comptime!(if glu {
+        micro_rows(mma) * micro_rows(mma) / 4
     } else {
-        TILE_K as usize * (TILE / 4) as usize
-    });
-    let mut sa = SharedMemory::<V4>::new(scalar_len);
-    let mut sb = SharedMemory::<V4>::new(scalar_len);
-    // The up projection's slice and accumulator (one element when not `glu`).
-    let mut sb3 = SharedMemory::<V4>::new(comptime!(if glu { scalar_len } else { 1usize }));
-    let mut acc = zero_4x4();
-    let mut acc3 = zero_4x4();
-
-    // This unit's loads: the four rows 4·ty.. at depth tx, the four columns 4·tx.. at depth ty.
-    let mut arows = Array::<usize>::new(4usize);
-    let a_lanes = lanes_below(row0 + 4 * ty, row_end);
-    #[unroll]
-    for j in 0..4usize {
-        let pos = row0 + 4 * ty + j;
-        let mut r = pos;
-        if comptime!(gather) {
-            if j < a_lanes {
-                r = rows[pos] as usize;
-            }
-        }
-        arows[j] = r;
-    }
-    let c_lanes = lanes_below(col0 + 4 * tx, cols);
+        1u32
+    }));
 
     if comptime!(mma) {
+        // The tensor-core layout: a 16 × 16 cube staging four rows and four columns per unit.
+        let mut arows = Array::<usize>::new(4usize);
+        let a_lanes = lanes_below(row0 + 4 * ty, row_end);
+        #[unroll]
+        for j in 0..4usize {
+            let pos = row0 + 4 * ty + j;
+            let mut r = pos;
+            if comptime!(gather) {
+                if j < a_lanes {
+                    r = rows[pos] as usize;
+                }
+            }
+            arows[j] = r;
+        }
+        let c_lanes = lanes_below(col0 + 4 * tx, cols);
         grouped_mma::<F>(
             a, w, w3, &arows, a_lanes, c_lanes, w_base, col0, kdim, cols, &mut acc, &mut acc3,
             transposed, glu,
         );
     } else {
+        // sa[kk·q + r4]: rows 4·r4..4·r4+4 at depth kk; sb[kk·q + c4]: columns 4·c4..4·c4+4.
+        let mut sa = SharedMemory::<V4>::new(tk * q);
+        let mut sb = SharedMemory::<V4>::new(tk * q);
+        // The up projection's slice (one element when not `glu`).
+        let mut sb3 = SharedMemory::<V4>::new(comptime!(if glu {
+            (TILE_K * TILE / 4) as usize
+        } else {
+            1usize
+        }));
+        // Staging: the cube's `units` units fill the `tk · q` entries of each slice, entry
+        // `unit + s · units` for `s < stage`: `a` at depth `unit % tk` of the row groups
+        // `unit / tk + s · units / tk`, `w` at column group `unit % q` of the depths
+        // `unit / q + s · units / q`. The staged rows (gathered once) and their counts:
+        let units = comptime!(((TILE / micro_rows(mma)) * (TILE / micro_rows(mma))) as usize);
+        let stage = comptime!(
+            (TILE_K * TILE / 4 / ((TILE / micro_rows(mma)) * (TILE / micro_rows(mma)))) as usize
+        );
+        let unit = ty * ux + tx;
+        let ka0 = unit % tk;
+        let kb0 = unit / q;
+        let cb = col0 + 4 * (unit % q);
+        let b_lanes = lanes_below(cb, cols);
+        let mut srows = Array::<usize>::new(comptime!(
+            (4 * TILE_K * TILE / 4 / ((TILE / micro_rows(mma)) * (TILE / micro_rows(mma))))
+                as usize
+        ));
+        let mut slanes = Array::<usize>::new(comptime!(
+            (TILE_K * TILE / 4 / ((TILE / micro_rows(mma)) * (TILE / micro_rows(mma)))) as usize
+        ));
+        #[unroll]
+        for s in 0..stage {
+            let first = row0 + 4 * (unit / tk + s * (units / tk));
+            let lanes = lanes_below(first, row_end);
+            slanes[s] = lanes;
+            #[unroll]
+            for j in 0..4usize {
+                let pos = first + j;
+                let mut r = pos;
+                if comptime!(gather) {
+                    if j < lanes {
+                        r = rows[pos] as usize;
+                    }
+                }
+                srows[4 * s + j] = r;
+            }
+        }
+        let mut a_reg = Array::<V4>::new(comptime!((micro_rows(mma) / 4) as usize));
+        let mut b_reg = Array::<V4>::new(comptime!((micro_rows(mma) / 4) as usize));
+        let mut b3_reg = Array::<V4>::new(comptime!(if glu {
+            (micro_rows(mma) / 4) as usize
+        } else {
+            1usize
+        }));
         let mut k0 = 0usize;
         while k0 < kdim {
             #[unroll]
-            for s in 0..(TILE_K / GMM_CUBE) as usize {
-                let ka = k0 + s * GMM_CUBE as usize + tx;
-                let mut av = V4::new(0.0f32);
+            for s in 0..stage {
+                let ka = k0 + ka0;
+                let mut v = V4::new(0.0f32);
                 #[unroll]
                 for j in 0..4usize {
-                    av[j] = load_f32::<F>(a, arows[j] * kdim + ka, j < a_lanes && ka < kdim);
+                    v[j] =
+                        load_f32::<F>(a, srows[4 * s + j] * kdim + ka, j < slanes[s] && ka < kdim);
                 }
-                sa[(s * GMM_CUBE as usize + tx) * q + ty] = av;
-                let kb = k0 + s * GMM_CUBE as usize + ty;
+                sa[ka0 * q + unit / tk + s * (units / tk)] = v;
+                let kb = k0 + kb0 + s * (units / q);
                 let mut count = 0usize;
                 if kb < kdim {
-                    count = c_lanes;
+                    count = b_lanes;
                 }
-                let mut base = w_base + kb * cols + col0 + 4 * tx;
+                let mut base = w_base + kb * cols + cb;
                 let mut stride = 1usize;
                 if comptime!(transposed) {
-                    base = w_base + (col0 + 4 * tx) * kdim + kb;
+                    base = w_base + cb * kdim + kb;
                     stride = kdim;
                 }
-                sb[(s * GMM_CUBE as usize + ty) * q + tx] = load_v4::<F>(w, base, stride, count);
+                let slot = (kb0 + s * (units / q)) * q + unit % q;
+                sb[slot] = load_v4::<F>(w, base, stride, count);
                 if comptime!(glu) {
-                    sb3[(s * GMM_CUBE as usize + ty) * q + tx] =
-                        load_v4::<F>(w3, base, stride, count);
+                    sb3[slot] = load_v4::<F>(w3, base, stride, count);
                 }
             }
             sync_cube();
             for kk in 0..tk {
-                let av = sa[kk * q + ty];
-                fma_4x4(&mut acc, av, sb[kk * q + tx]);
+                #[unroll]
+                for j4 in 0..mc4 {
+                    b_reg[j4] = sb[kk * q + mc4 * tx + j4];
+                    if comptime!(glu) {
+                        b3_reg[j4] = sb3[kk * q + mc4 * tx + j4];
+                    }
+                }
+                #[unroll]
+                for i4 in 0..mc4 {
+                    a_reg[i4] = sa[kk * q + mc4 * ty + i4];
+                }
+                fma_micro(&mut acc, &a_reg, &b_reg, mr as u32, mc4 as u32);
                 if comptime!(glu) {
-                    fma_4x4(&mut acc3, av, sb3[kk * q + tx]);
+                    fma_micro(&mut acc3, &a_reg, &b3_reg, mr as u32, mc4 as u32);
                 }
             }
             sync_cube();
@@ -419,81 +516,92 @@ pub fn grouped_matmul<F: Float>(
     }
 
     if comptime!(epilogue == EPILOGUE_GLU_BACKWARD) {
-        // Per row, this unit's partial Σ d·A·B; then unit tx = 0 sums the row's 16 partials.
-        let mut rowsum = SharedMemory::<f32>::new((TILE * GMM_CUBE) as usize);
+        // Per row, this unit's partial Σ d·A·B; then unit tx = 0 sums the row's `ux` partials.
+        let mut rowsum =
+            SharedMemory::<f32>::new(comptime!((TILE * (TILE / micro_rows(mma))) as usize));
         #[unroll]
-        for i in 0..4usize {
-            let pos = row0 + 4 * ty + i;
-            let v = acc[i];
+        for r in 0..mr {
+            let pos = row0 + mr * ty + r;
+            let row_in = pos < row_end;
             let mut p = 0.0f32;
-            if i < a_lanes {
+            if row_in {
                 p = weight[pos];
             }
             let mut part = 0.0f32;
             #[unroll]
-            for j in 0..4usize {
-                if i < a_lanes && j < c_lanes {
-                    let o = pos * cols + col0 + 4 * tx + j;
-                    let d = f32::cast_from(F::cast_from(v[j]));
-                    let g = f32::cast_from(gate[o]);
-                    let u = f32::cast_from(up[o]);
-                    let (dg, du, av, bv) = glu_backward(g, u, d, p, beta1, beta2, mode);
-                    part += d * av * bv;
-                    out[o] = F::cast_from(dg);
-                    hidden[o] = F::cast_from(du);
-                    // The forward's activation, same bits (`p·A·B` from the same `F` values).
-                    act[o] = F::cast_from(p * av * bv);
+            for j4 in 0..mc4 {
+                let v = acc[r * mc4 + j4];
+                #[unroll]
+                for j in 0..4usize {
+                    let col = col0 + mc * tx + 4 * j4 + j;
+                    if row_in && col < cols {
+                        let o = pos * cols + col;
+                        let d = f32::cast_from(F::cast_from(v[j]));
+                        let g = f32::cast_from(gate[o]);
+                        let u = f32::cast_from(up[o]);
+                        let (dg, du, av, bv) = glu_backward(g, u, d, p, beta1, beta2, mode);
+                        part += d * av * bv;
+                        out[o] = F::cast_from(dg);
+                        hidden[o] = F::cast_from(du);
+                        // The forward's activation, same bits (`p·A·B` from the same `F` values).
+                        act[o] = F::cast_from(p * av * bv);
+                    }
                 }
             }
-            rowsum[(4 * ty + i) * GMM_CUBE as usize + tx] = part;
+            rowsum[(mr * ty + r) * ux + tx] = part;
         }
         sync_cube();
         if tx == 0 {
             #[unroll]
-            for i in 0..4usize {
-                if i < a_lanes {
-                    let r = 4 * ty + i;
+            for r in 0..mr {
+                let pos = row0 + mr * ty + r;
+                if pos < row_end {
                     let mut total = 0.0f32;
-                    for t in 0..GMM_CUBE as usize {
-                        total += rowsum[r * GMM_CUBE as usize + t];
+                    for t in 0..ux {
+                        total += rowsum[(mr * ty + r) * ux + t];
                     }
-                    dp[(row0 + r) * CUBE_COUNT_Y as usize + CUBE_POS_Y as usize] = total;
+                    dp[pos * CUBE_COUNT_Y as usize + CUBE_POS_Y as usize] = total;
                 }
             }
         }
     } else {
         #[unroll]
-        for i in 0..4usize {
-            let pos = row0 + 4 * ty + i;
-            let v = acc[i];
-            let v3 = acc3[i];
+        for r in 0..mr {
+            let pos = row0 + mr * ty + r;
+            let row_in = pos < row_end;
             let mut p = 1.0f32;
             if comptime!(glu) {
-                if i < a_lanes {
+                if row_in {
                     p = weight[pos];
                 }
             }
             #[unroll]
-            for j in 0..4usize {
-                if i < a_lanes && j < c_lanes {
-                    let o = pos * cols + col0 + 4 * tx + j;
-                    if comptime!(glu) {
-                        let g = F::cast_from(v[j]);
-                        let u = F::cast_from(v3[j]);
-                        if comptime!(save) {
-                            gate[o] = g;
-                            up[o] = u;
+            for j4 in 0..mc4 {
+                let v = acc[r * mc4 + j4];
+                let v3 = acc3[comptime!(if glu { 1usize } else { 0usize }) * (r * mc4 + j4)];
+                #[unroll]
+                for j in 0..4usize {
+                    let col = col0 + mc * tx + 4 * j4 + j;
+                    if row_in && col < cols {
+                        let o = pos * cols + col;
+                        if comptime!(glu) {
+                            let g = F::cast_from(v[j]);
+                            let u = F::cast_from(v3[j]);
+                            if comptime!(save) {
+                                gate[o] = g;
+                                up[o] = u;
+                            }
+                            let y = p
+                                * glu_a(f32::cast_from(g), beta1, mode)
+                                * glu_b(f32::cast_from(u), beta2, mode);
+                            out[o] = F::cast_from(y);
+                        } else {
+                            let mut x = v[j];
+                            if comptime!(accumulate) {
+                                x += f32::cast_from(out[o]);
+                            }
+                            out[o] = F::cast_from(x);
                         }
-                        let y = p
-                            * glu_a(f32::cast_from(g), beta1, mode)
-                            * glu_b(f32::cast_from(u), beta2, mode);
-                        out[o] = F::cast_from(y);
-                    } else {
-                        let mut x = v[j];
-                        if comptime!(accumulate) {
-                            x += f32::cast_from(out[o]);
-                        }
-                        out[o] = F::cast_from(x);
                     }
                 }
             }
@@ -706,9 +814,10 @@ fn read_micro_tile(tile: &SharedMemory<f32>, acc: &mut Array<V4>) {
 /// `a: [*, adim]`, `b: [*, bdim]`, `out: [n, adim, bdim]`; `arow(pos) = rows[pos]` when
 /// `gather_a` else `pos`, likewise `brow`. Experts with an empty segment get zeros. Both shared
 /// slices hold `TILE_K` pairs × `TILE` features as [`V4`]s of four consecutive features (one
-/// contiguous load from a row of `a` or `b`); each unit owns a 4×4 micro-tile. With `mma`
-/// (as in [`grouped_matmul`](fn@grouped_matmul)) the products run on the matrix units. Grid:
-/// `(ceil(adim / TILE), ceil(bdim / TILE), n)`; cube `GMM_CUBE × GMM_CUBE`.
+/// contiguous load from a row of `a` or `b`); each unit owns a [`GMM_MICRO`]² micro-tile (4×4
+/// with `mma`). With `mma` (as in [`grouped_matmul`](fn@grouped_matmul)) the products run on the
+/// matrix units. Grid: `(ceil(adim / TILE), ceil(bdim / TILE), n)`; cube
+/// [`grouped_matmul_cube`]`(mma)`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn grouped_matmul_wgrad<F: Float>(
@@ -733,31 +842,39 @@ pub fn grouped_matmul_wgrad<F: Float>(
     let end = offsets[e + 1] as usize;
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
-    let a_lanes = lanes_below(r0 + 4 * tx, adim);
-    let b_lanes = lanes_below(c0 + 4 * tx, bdim);
-
-    // (One element each on the tensor-core path, which stages its slices in `F`.)
-    let scalar_len = comptime!(if mma {
-        1usize
-    } else {
-        TILE_K as usize * (TILE / 4) as usize
-    });
-    let mut sa = SharedMemory::<V4>::new(scalar_len);
-    let mut sb = SharedMemory::<V4>::new(scalar_len);
-    let mut acc = zero_4x4();
+    // The unit's `mr × mr` micro-tile, as in `grouped_matmul`.
+    let mr = comptime!(micro_rows(mma) as usize);
+    let mc4 = comptime!(micro_rows(mma) as usize / 4);
+    let mut acc = zero_micro_tile(comptime!(micro_rows(mma) * micro_rows(mma) / 4));
 
     if comptime!(mma) {
+        let a_lanes = lanes_below(r0 + 4 * tx, adim);
+        let b_lanes = lanes_below(c0 + 4 * tx, bdim);
         wgrad_mma::<F>(
             a, b, rows, start, end, r0, c0, adim, bdim, a_lanes, b_lanes, &mut acc, gather_a,
             gather_b,
         );
     } else {
+        // Both slices hold `tk` pairs × `TILE` features as V4s; entry `unit + s · units` of
+        // each (`s < stage`) is loaded by `unit`: features `4 · (unit % q)..` of the pair
+        // `unit / q + s · units / q`.
+        let mut sa = SharedMemory::<V4>::new(tk * q);
+        let mut sb = SharedMemory::<V4>::new(tk * q);
+        let units = comptime!(((TILE / micro_rows(mma)) * (TILE / micro_rows(mma))) as usize);
+        let stage = comptime!(
+            (TILE_K * TILE / 4 / ((TILE / micro_rows(mma)) * (TILE / micro_rows(mma)))) as usize
+        );
+        let unit = ty * comptime!((TILE / micro_rows(mma)) as usize) + tx;
+        let f4 = unit % q;
+        let a_lanes = lanes_below(r0 + 4 * f4, adim);
+        let b_lanes = lanes_below(c0 + 4 * f4, bdim);
+        let mut a_reg = Array::<V4>::new(comptime!((micro_rows(mma) / 4) as usize));
+        let mut b_reg = Array::<V4>::new(comptime!((micro_rows(mma) / 4) as usize));
         let mut p0 = start;
         while p0 < end {
             #[unroll]
-            for s in 0..(TILE_K / GMM_CUBE) as usize {
-                // Unit (tx, ty) loads features 4·tx.. of pair p0 + ty (+ s·GMM_CUBE).
-                let kk = s * GMM_CUBE as usize + ty;
+            for s in 0..stage {
+                let kk = unit / q + s * (units / q);
                 let pos = p0 + kk;
                 let inside = pos < end;
                 let mut arow = pos;
@@ -776,27 +893,35 @@ pub fn grouped_matmul_wgrad<F: Float>(
                     na = a_lanes;
                     nb = b_lanes;
                 }
-                sa[kk * q + tx] = load_v4::<F>(a, arow * adim + r0 + 4 * tx, 1usize, na);
-                sb[kk * q + tx] = load_v4::<F>(b, brow * bdim + c0 + 4 * tx, 1usize, nb);
+                sa[kk * q + f4] = load_v4::<F>(a, arow * adim + r0 + 4 * f4, 1usize, na);
+                sb[kk * q + f4] = load_v4::<F>(b, brow * bdim + c0 + 4 * f4, 1usize, nb);
             }
             sync_cube();
             for kk in 0..tk {
-                fma_4x4(&mut acc, sa[kk * q + ty], sb[kk * q + tx]);
+                #[unroll]
+                for i4 in 0..mc4 {
+                    a_reg[i4] = sa[kk * q + mc4 * ty + i4];
+                    b_reg[i4] = sb[kk * q + mc4 * tx + i4];
+                }
+                fma_micro(&mut acc, &a_reg, &b_reg, mr as u32, mc4 as u32);
             }
             sync_cube();
             p0 += tk;
         }
     }
 
-    let out_lanes = lanes_below(r0 + 4 * ty, adim);
     #[unroll]
-    for i in 0..4usize {
-        let r = r0 + 4 * ty + i;
-        let v = acc[i];
+    for i in 0..mr {
+        let r = r0 + mr * ty + i;
         #[unroll]
-        for j in 0..4usize {
-            if i < out_lanes && j < b_lanes {
-                out[e * adim * bdim + r * bdim + c0 + 4 * tx + j] = F::cast_from(v[j]);
+        for j4 in 0..mc4 {
+            let v = acc[i * mc4 + j4];
+            #[unroll]
+            for j in 0..4usize {
+                let c = c0 + 4 * (mc4 * tx + j4) + j;
+                if r < adim && c < bdim {
+                    out[e * adim * bdim + r * bdim + c] = F::cast_from(v[j]);
+                }
             }
         }
     }

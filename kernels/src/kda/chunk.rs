@@ -132,7 +132,8 @@ pub fn kda_chunk_gates(
 }
 
 /// Chunked KDA, steps 1 and 4a (design §4.3): the within-chunk matrices, one cube of
-/// [`INTRA_CUBE`] units per (chunk, head), each unit a fixed set of entries `(i, j)`:
+/// [`INTRA_CUBE`] units per (chunk, head), each unit a fixed set of entry groups `(i, j0..j0 + 4)`
+/// (four columns share the reads of row `i`, the decays and the gate sums):
 ///
 /// ```text
 /// A_qk[i,j] = Σ_d q_i k_j exp(G_i − G_j)          (j ≤ i)
@@ -174,46 +175,78 @@ pub fn kda_chunk_intra(
     let len = chunk_len[ch] as usize;
     let subs = chunk / SUB;
     let base = ch_h * chunk * chunk;
-    let per_unit = comptime!(chunk * chunk / INTRA_CUBE as usize);
+    // Four consecutive columns `j0..j0 + 4` per entry group (one sub-chunk: SUB is a multiple of
+    // 4), so the row `i`'s reads, the shared sub-chunk decays and the gate sums serve four entries.
+    let qc = chunk / 4;
+    let per_unit = comptime!((chunk * chunk / 4).div_ceil(INTRA_CUBE as usize));
     for r in 0..per_unit {
         let e = r * INTRA_CUBE as usize + UNIT_POS as usize;
-        let i = e / chunk;
-        let j = e % chunk;
-        let mut aqk = 0.0f32;
-        let mut akk = 0.0f32;
-        if j <= i && i < len {
+        let i = e / qc;
+        let j0 = 4 * (e % qc);
+        let mut aqk = V4::new(0.0f32);
+        let mut akk = V4::new(0.0f32);
+        if i < chunk && j0 <= i && i < len {
             let row_i = (tok0 + i) * heads + h;
-            let row_j = (tok0 + j) * heads + h;
             let bi = i / SUB;
-            let bj = j / SUB;
+            let bj = j0 / SUB;
             if bi == bj {
                 for d in 0..kdim {
-                    let mut s = 0.0f32;
-                    for u in j + 1..i + 1 {
-                        s += g[((tok0 + u) * heads + h) * kdim + d];
+                    // Lane `l` sums the gates `u = j0 + l + 1 ..= i` in ascending order.
+                    let mut s = V4::new(0.0f32);
+                    for u in j0 + 1..i + 1 {
+                        let gu = g[((tok0 + u) * heads + h) * kdim + d];
+                        #[unroll]
+                        for l in 0..4usize {
+                            if u > j0 + l {
+                                s[l] += gu;
+                            }
+                        }
                     }
-                    let kj = k[row_j * kdim + d] * f32::exp(s);
-                    aqk += q[row_i * kdim + d] * kj;
-                    akk += k[row_i * kdim + d] * kj;
+                    let qi = q[row_i * kdim + d];
+                    let ki = k[row_i * kdim + d];
+                    #[unroll]
+                    for l in 0..4usize {
+                        if j0 + l <= i {
+                            let kj = k[((tok0 + j0 + l) * heads + h) * kdim + d] * f32::exp(s[l]);
+                            aqk[l] += qi * kj;
+                            akk[l] += ki * kj;
+                        }
+                    }
                 }
             } else {
                 for d in 0..kdim {
-                    let mut m = ks[row_j * kdim + d];
-                    for b in bj + 1..bi {
-                        m *= sub_decay[(ch_h * subs + b) * kdim + d];
+                    let mut m = V4::new(0.0f32);
+                    #[unroll]
+                    for l in 0..4usize {
+                        m[l] = ks[((tok0 + j0 + l) * heads + h) * kdim + d];
                     }
-                    aqk += qp[row_i * kdim + d] * m;
-                    akk += kp[row_i * kdim + d] * m;
+                    for b in bj + 1..bi {
+                        m *= V4::new(sub_decay[(ch_h * subs + b) * kdim + d]);
+                    }
+                    aqk += V4::new(qp[row_i * kdim + d]) * m;
+                    akk += V4::new(kp[row_i * kdim + d]) * m;
                 }
             }
-            if j < i {
-                akk *= beta[row_i];
-            } else {
-                akk = 0.0f32;
+            let b_i = beta[row_i];
+            #[unroll]
+            for l in 0..4usize {
+                if j0 + l < i {
+                    akk[l] *= b_i;
+                } else {
+                    akk[l] = 0.0f32;
+                }
+                if j0 + l > i {
+                    aqk[l] = 0.0f32;
+                }
             }
         }
-        a_qk[base + i * chunk + j] = aqk;
-        a_kk[base + i * chunk + j] = akk;
+        if i < chunk {
+            #[unroll]
+            for l in 0..4usize {
+                a_qk[base + i * chunk + j0 + l] = aqk[l];
+                a_kk[base + i * chunk + j0 + l] = akk[l];
+            }
+        }
     }
 }
 

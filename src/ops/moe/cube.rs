@@ -559,6 +559,7 @@ fn launch_grouped<R: CubeRuntime>(
         None => (kmoe::EPILOGUE_PLAIN, out.clone(), out.clone(), dummy_f32(a)),
     };
     let mma = matrix_units(a);
+    let cube = kmoe::grouped_matmul_cube(mma);
     let mut base = 0u32;
     while base < tiles {
         let x = (tiles - base).min(max_x);
@@ -570,7 +571,7 @@ fn launch_grouped<R: CubeRuntime>(
             kmoe::grouped_matmul::launch_unchecked::<R>(
                 &a.client,
                 CubeCount::Static(x, col_tiles, 1),
-                CubeDim::new_2d(kmoe::GMM_CUBE, kmoe::GMM_CUBE),
+                CubeDim::new_2d(cube.0, cube.1),
                 a.clone().into_array_arg(),
                 w.clone().into_array_arg(),
                 w3.clone().into_array_arg(),
@@ -652,6 +653,7 @@ fn grouped_wgrad<R: CubeRuntime>(
         if mma {
             crate::ops::backend::record_tensor_core_launch();
         }
+        let cube = kmoe::grouped_matmul_cube(mma);
         // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
         unsafe {
             kmoe::grouped_matmul_wgrad::launch_unchecked::<R>(
@@ -661,7 +663,7 @@ fn grouped_wgrad<R: CubeRuntime>(
                     bdim.div_ceil(tile) as u32,
                     plan.n as u32,
                 ),
-                CubeDim::new_2d(kmoe::GMM_CUBE, kmoe::GMM_CUBE),
+                CubeDim::new_2d(cube.0, cube.1),
                 a.clone().into_array_arg(),
                 b.into_array_arg(),
                 plan.sorted_token.clone().into_array_arg(),
