@@ -5,8 +5,12 @@
 #                                       needed: cudarc loads the driver and NVRTC at run time) and
 #                                       copy them, stripped and xz-compressed, to DIR (default:
 #                                       cuda-bin/)
-#   scripts/cuda-check.sh run [DIR]     on the GPU machine: run them from DIR in one go; logs and a
-#                                       summary go to $OUT (default: ./cuda-out)
+#   scripts/cuda-check.sh run [DIR] [PART]
+#                                       on the GPU machine: run them from DIR; logs and a summary
+#                                       go to $OUT (default: ./cuda-out). PART: `tests` (about 5
+#                                       minutes on an H200), `bench` (the benches, train_tiny and
+#                                       its profile, about 5 minutes), or `all` (default; over 10
+#                                       minutes, so two calls where one command is limited to 10)
 #   scripts/cuda-check.sh               both, on a machine that has the GPU and the toolchain
 #
 # What runs, all on `Cuda` (a build with `cuda` and without `wgpu` runs the suite's GPU tests on
@@ -30,8 +34,13 @@ cd "$(dirname "$0")/.."
 
 mode="${1:-all}"
 dir="${2:-cuda-bin}"
+part="${3:-all}"
 out="${OUT:-cuda-out}"
 features=cuda,autodiff,shared-instances
+# cudarc picks its CUDA API version from `nvcc` at build time, or the newest it knows (13.4) where
+# there is none. Binaries built for a newer API than the GPU machine's driver may ask it for entry
+# points it lacks, so pin the version to the driver's (CUDA 13.0 for driver 580) unless set.
+export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13000}"
 
 # The executable of cargo target `$1` from cargo's JSON messages on stdin.
 executable() {
@@ -56,9 +65,57 @@ build() {
     ls -la "$dir"
 }
 
+# cudarc opens NVRTC (`libnvrtc.so.13`) at run time and CubeCL compiles its kernels with CUDA's
+# headers: where the loader does not find the library, look for it in the usual places (the CUDA
+# toolkit, NVIDIA's Python wheels) and add its folder to LD_LIBRARY_PATH; CUDA_PATH names the toolkit.
+cuda_libraries() {
+    local major="${CUDARC_CUDA_VERSION:0:2}" d
+    export CUDA_PATH="${CUDA_PATH:-/usr/local/cuda}"
+    if ! ldconfig -p | grep -q "libnvrtc.so.$major"; then
+        for d in $(find "$CUDA_PATH/" /usr/local /opt /usr/lib -name "libnvrtc.so.$major*" -printf '%h\n' 2>/dev/null | sort -u); do
+            LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        done
+        export LD_LIBRARY_PATH
+    fi
+    echo "CUDA_PATH=$CUDA_PATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+}
+
+# The failing tests' messages as they happen (`--nocapture`), so that a run stopped by its timeout
+# still says why; and one training step's kernel times from the two profiles: the launches of the
+# 6-step run past those of the 2-step run, over 4, without first launches (their time includes
+# NVRTC's compilation).
+step_profile() {
+    python3 - "$1" "$2" <<'PY'
+import collections, re, sys
+def launches(path):
+    unit = {"ms": 1e-3, "µs": 1e-6, "ns": 1e-9, "s": 1.0}
+    out = []
+    for line in open(path, errors="replace"):
+        m = re.match(r"\| ([0-9.]+)(ms|µs|ns|s)\s*\| (\S+)", line)
+        if m:
+            out.append((float(m.group(1)) * unit[m.group(2)], m.group(3)))
+    return out
+short, long = launches(sys.argv[1]), launches(sys.argv[2])
+seen = {name for _, name in short}
+time, count, compiled = collections.defaultdict(float), collections.Counter(), 0.0
+for t, name in long[len(short):]:
+    if name not in seen or t > 0.005:
+        seen.add(name)
+        compiled += t
+        continue
+    time[name] += t
+    count[name] += 1
+print(f"one step: {sum(time.values()) / 4 * 1e3:.1f} ms of kernels in {sum(count.values()) / 4:.0f} launches"
+      f" (left out: {compiled:.2f} s of first or > 5 ms launches)")
+for name in sorted(time, key=time.get, reverse=True)[:25]:
+    print(f"{time[name] / 4 * 1e3:9.2f} ms {count[name] / 4:6.0f}  {name}")
+PY
+}
+
 run() {
-    # Everything is written under $out/w, then packed into $out/logs.tar.gz beside the summary.
-    local final="$out" bin
+    # Everything is written under $out/w, then packed into $out/logs-$part.tar.gz beside the summary.
+    local final bin work status=0
+    final=$(realpath -m "$out")
     mkdir -p "$final"
     out="$final/w"
     mkdir -p "$out"
@@ -73,30 +130,46 @@ run() {
         chmod +x "$bin/$name"
     done
     nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
-    local status=0
-    timeout 150 "$bin/suite" kernels_moe:: kernels_kda:: ::kernel:: ::wgpu on_wgpu_matches \
-        half_inputs_on_wgpu the_kernel_matches_the_host_loop --test-threads=8 >"$out/kernels.log" 2>&1 || status=$?
-    echo "kernel tests exit status: $status" >"$out/summary.txt"
-    grep -E "^test .*(FAILED|ignored)|^failures|panicked|test result" "$out/kernels.log" >>"$out/summary.txt" || true
-    # Criterion: short measurements, only the CUDA groups.
-    for bench in moe kda; do
-        timeout "$([ "$bench" = moe ] && echo 60 || echo 90)" "$bin/bench_$bench" --bench cuda --warm-up-time 0.5 --measurement-time 2 \
-            >"$out/bench_$bench.log" 2>&1 || echo "bench $bench exit status: $?" >>"$out/summary.txt"
-        grep -E "^cuda|time:" "$out/bench_$bench.log" >>"$out/summary.txt" || true
-    done
-    # The tiny model's training step; then one step's kernels from the profile (6 minus 2 steps).
-    local tt=(--backend cuda --checkpoint-every 0 --short-fraction 0 --test-sequences 16)
-    timeout 45 "$bin/train_tiny" "${tt[@]}" --steps 40 --out "$out/tt40" >"$out/train_tiny.log" 2>&1 ||
-        echo "train_tiny exit status: $?" >>"$out/summary.txt"
-    tail -n 5 "$out/train_tiny.log" >>"$out/summary.txt" || true
-    for steps in 2 6; do
-        CUBECL_DEBUG_LOG="$out/profile_$steps.log" CUBECL_DEBUG_OPTION=profile timeout 30 \
-            "$bin/train_tiny" "${tt[@]}" --steps "$steps" --out "$out/tt$steps" >/dev/null 2>&1 ||
-            echo "profile $steps exit status: $?" >>"$out/summary.txt"
-    done
-    cp "$out/summary.txt" "$final/summary.txt"
-    (cd "$out" && tar czf "$final/logs.tar.gz" .) && rm -rf "$out"
-    cat "$final/summary.txt"
+    cuda_libraries >>"$out/nvidia-smi.txt"
+    # NVRTC compiles every kernel variant once per process, about 0.1 s each (about 30 s before
+    # train_tiny's first step): keep compiled kernels and autotune results on disk, so the
+    # processes after the first reuse them.
+    work=$(mktemp -d)
+    printf '[compilation]\ncache = "local"\n\n[autotune]\ncache = "local"\n' >"$work/cubecl.toml"
+    cd "$work"
+    : >"$out/summary.txt"
+    if [ "$part" = all ] || [ "$part" = tests ]; then
+        # About 5 minutes on an H200 with 12 threads, most of it NVRTC and Burn's matmul autotune.
+        timeout 420 "$bin/suite" kernels_moe:: kernels_kda:: ::kernel:: ::wgpu on_wgpu_matches \
+            half_inputs_on_wgpu the_kernel_matches_the_host_loop --test-threads=12 --nocapture \
+            >"$out/kernels.log" 2>&1 || status=$?
+        echo "kernel tests exit status: $status" >>"$out/summary.txt"
+        grep -E "^test .*(FAILED|ignored)|panicked|exceeds|^assertion|test result" "$out/kernels.log" >>"$out/summary.txt" || true
+        grep -cE "^test .* ok$" "$out/kernels.log" | sed 's/$/ tests passed/' >>"$out/summary.txt" || true
+    fi
+    if [ "$part" = all ] || [ "$part" = bench ]; then
+        # Criterion: short measurements, only the CUDA groups.
+        for bench in moe kda; do
+            timeout "$([ "$bench" = moe ] && echo 90 || echo 150)" "$bin/bench_$bench" --bench cuda --warm-up-time 0.5 --measurement-time 2 \
+                >"$out/bench_$bench.log" 2>&1 || echo "bench $bench exit status: $?" >>"$out/summary.txt"
+            grep -E "^Benchmarking .*: Analyzing|time:" "$out/bench_$bench.log" | sed 's/^Benchmarking \(.*\): Analyzing/\1/' >>"$out/summary.txt" || true
+        done
+        # The tiny model's training step; then one step's kernels from the profile (6 minus 2 steps).
+        local tt=(--backend cuda --checkpoint-every 0 --short-fraction 0 --test-sequences 16)
+        timeout 60 "$bin/train_tiny" "${tt[@]}" --steps 40 --out "$out/tt40" >"$out/train_tiny.log" 2>&1 ||
+            echo "train_tiny exit status: $?" >>"$out/summary.txt"
+        tail -n 5 "$out/train_tiny.log" >>"$out/summary.txt" || true
+        for steps in 2 6; do
+            CUBECL_DEBUG_LOG="$out/profile_$steps.log" CUBECL_DEBUG_OPTION=profile timeout 60 \
+                "$bin/train_tiny" "${tt[@]}" --steps "$steps" --out "$out/tt$steps" >/dev/null 2>&1 ||
+                echo "profile $steps exit status: $?" >>"$out/summary.txt"
+        done
+        step_profile "$out/profile_2.log" "$out/profile_6.log" >>"$out/summary.txt" 2>&1 || true
+    fi
+    cd - >/dev/null
+    cp "$out/summary.txt" "$final/summary-$part.txt"
+    (cd "$out" && tar czf "$final/logs-$part.tar.gz" .) && rm -rf "$out"
+    cat "$final/summary-$part.txt"
     return "$status"
 }
 
@@ -105,7 +178,7 @@ build) build ;;
 run) run ;;
 all) build && run ;;
 *)
-    echo "usage: $0 [build|run|all] [DIR]" >&2
+    echo "usage: $0 [build|run|all] [DIR] [tests|bench|all]" >&2
     exit 2
     ;;
 esac

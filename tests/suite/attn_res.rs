@@ -130,24 +130,25 @@ mod kernel {
     use burn::tensor::{DType, FloatDType};
     use kimi_burn::ops::{kernel_calls, with_kernels, FusedOp};
 
-    /// `[out, d sources…, d w_proj, d w_norm]` on one path, with a fixed random output gradient.
-    fn run(
+    /// `[out, d sources…, d w_proj, d w_norm]` on one path of `B`, with a fixed random output
+    /// gradient; the same seed gives the same inputs on every backend.
+    fn run_on<B: AutodiffBackend>(
         n: usize,
         shape: [usize; 3],
         seed: u64,
         kernel: bool,
         dtype: FloatDType,
     ) -> Vec<Vec<f64>> {
-        let device = Default::default();
+        let device: B::Device = Default::default();
         let mut rng = rng(seed);
         let d = shape[2];
-        let sources: Vec<Tensor<GpuAd, 3>> = random_sources::<GpuAd>(&mut rng, n, shape, &device)
+        let sources: Vec<Tensor<B, 3>> = random_sources::<B>(&mut rng, n, shape, &device)
             .into_iter()
             .map(|s| s.cast(dtype).require_grad())
             .collect();
-        let w_proj = randn::<GpuAd, 1>(&mut rng, [d], 1.0, &device).require_grad();
-        let w_norm = uniform::<GpuAd, 1>(&mut rng, [d], 0.5, 2.0, &device).require_grad();
-        let weights = randn::<GpuAd, 3>(&mut rng, shape, 1.0, &device);
+        let w_proj = randn::<B, 1>(&mut rng, [d], 1.0, &device).require_grad();
+        let w_norm = uniform::<B, 1>(&mut rng, [d], 0.5, 2.0, &device).require_grad();
+        let weights = randn::<B, 3>(&mut rng, shape, 1.0, &device);
         let (partial, blocks) = sources.split_last().expect("n ≥ 1");
         let (calls, back_calls) = (
             kernel_calls(FusedOp::AttnRes),
@@ -192,6 +193,19 @@ mod kernel {
         all
     }
 
+    /// [`run_on`] on the GPU backend under test.
+    fn run(
+        n: usize,
+        shape: [usize; 3],
+        seed: u64,
+        kernel: bool,
+        dtype: FloatDType,
+    ) -> Vec<Vec<f64>> {
+        run_on::<GpuAd>(n, shape, seed, kernel, dtype)
+    }
+
+    /// The kernel path and the reference path on the GPU, each against the reference path on
+    /// ndarray, so that a failure names the side that is wrong.
     #[test]
     fn matches_the_reference_forward_and_backward() {
         for (n, shape) in [
@@ -200,10 +214,14 @@ mod kernel {
             (3, [2, 7, 40]),
             (5, [3, 4, 33]),
         ] {
-            let kernel = run(n, shape, 40 + n as u64, true, FloatDType::F32);
-            let reference = run(n, shape, 40 + n as u64, false, FloatDType::F32);
-            for (i, (r, k)) in reference.iter().zip(&kernel).enumerate() {
-                assert_close(&format!("{n} sources, output {i}"), r, k, 1e-5);
+            let seed = 40 + n as u64;
+            let cpu = run_on::<CpuAd>(n, shape, seed, false, FloatDType::F32);
+            let kernel = run(n, shape, seed, true, FloatDType::F32);
+            let reference = run(n, shape, seed, false, FloatDType::F32);
+            for (i, ((c, k), r)) in cpu.iter().zip(&kernel).zip(&reference).enumerate() {
+                let what = format!("{n} sources, output {i}");
+                assert_close(&format!("{what}: kernel vs ndarray"), c, k, 1e-5);
+                assert_close(&format!("{what}: reference path vs ndarray"), c, r, 1e-5);
             }
         }
     }

@@ -180,6 +180,8 @@ fn reference<B: Backend>(
 
 /// The expanded forward (both attention kinds) equals the host reference, with padding.
 fn expanded_matches_reference<B: AutodiffBackend>(device: &B::Device) {
+    // Projections through Burn's matmul: TF32 on CUDA.
+    let tol = matmul_tol::<B>(device, TOL);
     let mut rng = rng(11);
     let [batch, seq] = [2, 7];
     // Left padding in row 0, right padding in row 1.
@@ -195,13 +197,13 @@ fn expanded_matches_reference<B: AutodiffBackend>(device: &B::Device) {
             let mut mla = mla.clone();
             mla.attention = kind;
             let y = host(mla.forward(x.clone(), Some(mask(&pad, [batch, seq], device))));
-            assert_close(&format!("{config:?} {kind:?}"), &expected, &y, TOL);
+            assert_close(&format!("{config:?} {kind:?}"), &expected, &y, tol);
             outputs.push(y);
         }
-        assert_close("fused vs plain", &outputs[1], &outputs[0], TOL);
+        assert_close("fused vs plain", &outputs[1], &outputs[0], tol);
         let no_pad = vec![false; batch * seq];
         let expected = reference(&mla, &config, &host(x.clone()), [batch, seq, 24], &no_pad);
-        assert_close("no padding", &expected, &host(mla.forward(x, None)), TOL);
+        assert_close("no padding", &expected, &host(mla.forward(x, None)), tol);
     }
 }
 on_backends!(expanded_vs_host_reference, expanded_matches_reference);
@@ -211,6 +213,8 @@ on_backends!(expanded_vs_host_reference, expanded_matches_reference);
 /// Prefill T1 tokens into an empty cache, then decode T2 tokens one by one: every output equals
 /// the expanded forward over T1 + T2 at the same position (absorbed vs expanded form).
 fn absorbed_decode_matches_expanded<B: AutodiffBackend>(device: &B::Device) {
+    // Projections through Burn's matmul: TF32 on CUDA.
+    let tol = matmul_tol::<B>(device, TOL);
     let mut rng = rng(12);
     let [batch, t1, t2] = [2, 5, 3];
     for config in variants() {
@@ -230,7 +234,7 @@ fn absorbed_decode_matches_expanded<B: AutodiffBackend>(device: &B::Device) {
                 &format!("prefill {what}"),
                 &rows(&full, batch, t1 + t2, 24, 0..t1),
                 &host(prefill),
-                TOL,
+                tol,
             );
             for i in t1..t1 + t2 {
                 let y = mla.forward_cached(x.clone().narrow(1, i, 1), None, &mut cache);
@@ -238,7 +242,7 @@ fn absorbed_decode_matches_expanded<B: AutodiffBackend>(device: &B::Device) {
                     &format!("decode {i} {what}"),
                     &rows(&full, batch, t1 + t2, 24, i..i + 1),
                     &host(y),
-                    TOL,
+                    tol,
                 );
             }
             assert_eq!(cache.len(), t1 + t2);
@@ -260,6 +264,8 @@ on_backends!(
 
 /// Chunked prefill (several tokens into a non-empty cache) with padding kept in the cache.
 fn chunked_prefill_with_padding<B: AutodiffBackend>(device: &B::Device) {
+    // Projections through Burn's matmul: TF32 on CUDA.
+    let tol = matmul_tol::<B>(device, TOL);
     let mut rng = rng(13);
     let [batch, seq] = [2, 9];
     let config = small(Some(7), true);
@@ -282,7 +288,7 @@ fn chunked_prefill_with_padding<B: AutodiffBackend>(device: &B::Device) {
             &format!("chunk at {start}"),
             &rows(&full, batch, seq, 24, start..start + len),
             &host(y),
-            TOL,
+            tol,
         );
         start += len;
     }
@@ -294,6 +300,8 @@ on_backends!(chunked_prefill_padding, chunked_prefill_with_padding);
 /// tokens (a shift alone cannot tell it from RoPE, which is relative): reversing them leaves the
 /// last token's output unchanged, and with RoPE switched on it must change (the check can fail).
 fn nope_is_position_free<B: AutodiffBackend>(device: &B::Device) {
+    // Projections through Burn's matmul: TF32 on CUDA.
+    let tol = matmul_tol::<B>(device, TOL);
     let mut rng = rng(14);
     let [seq, prefix] = [6, 3];
     for use_nope in [true, false] {
@@ -311,7 +319,7 @@ fn nope_is_position_free<B: AutodiffBackend>(device: &B::Device) {
         let last = rows(&plain, 1, seq, 24, seq - 1..seq);
         let last_reversed = rows(&host(mla.forward(reversed, None)), 1, seq, 24, seq - 1..seq);
         if use_nope {
-            assert_close("NoPE order", &last, &last_reversed, TOL);
+            assert_close("NoPE order", &last, &last_reversed, tol);
             let junk = randn::<B, 3>(&mut rng, [1, prefix, 24], 3.0, device);
             let shifted = Tensor::cat(vec![junk, x.clone()], 1);
             let pad: Vec<bool> = (0..prefix + seq).map(|i| i < prefix).collect();
@@ -321,7 +329,7 @@ fn nope_is_position_free<B: AutodiffBackend>(device: &B::Device) {
                 "NoPE shift",
                 &plain,
                 &rows(&moved, 1, prefix + seq, 24, prefix..prefix + seq),
-                TOL,
+                tol,
             );
             // The same through the cache, which remembers the padding.
             let mut cache = MlaCache::new();
@@ -336,7 +344,7 @@ fn nope_is_position_free<B: AutodiffBackend>(device: &B::Device) {
                 "NoPE shift, cached",
                 &rows(&plain, 1, seq, 24, 2..seq),
                 &host(rest),
-                TOL,
+                tol,
             );
         } else {
             assert!(
@@ -351,7 +359,7 @@ fn nope_is_position_free<B: AutodiffBackend>(device: &B::Device) {
                 "RoPE cached",
                 &rows(&plain, 1, seq, 24, 2..seq),
                 &host(rest),
-                TOL,
+                tol,
             );
         }
     }
@@ -649,7 +657,8 @@ mod kernel {
                     &format!("{shape:?}, padding {}: {name}", pad.is_some()),
                     r,
                     k,
-                    1e-5,
+                    // The plain form's matmuls: TF32 on CUDA.
+                    matmul_tol::<GpuAd>(&Default::default(), 1e-5),
                 );
             }
         }

@@ -96,7 +96,9 @@ pub(crate) fn check_prefill_then_decode_equals_one_pass<B: AutodiffBackend>(devi
     }
     assert_eq!(cache.len(), t1 + t2);
     let stepped = host(Tensor::cat(parts, 1));
-    assert_close("prefill + decode vs one pass", &full, &stepped, 1e-4);
+    // Prefill and decode multiply different shapes with Burn's matmul (TF32 on CUDA).
+    let tol = matmul_tol::<B>(device, 1e-4);
+    assert_close("prefill + decode vs one pass", &full, &stepped, tol);
 }
 on_backends!(
     prefill_then_decode_equals_one_pass,
@@ -518,6 +520,8 @@ pub(crate) fn check_wgpu_matches_ndarray(config: &KimiConfig, tag: &str, tol: f6
         .collect();
     let (logits_ref, grads_ref) = logits_and_grads(&reference_model, &ids, [batch, t], &cpu_device);
     let device = Default::default();
+    // The projections and the reference path use Burn's matmul on the GPU (TF32 on CUDA).
+    let tol = matmul_tol::<GpuAd>(&device, tol);
     for kernels in [true, false] {
         let model = KimiForCausalLM::<GpuAd>::from_safetensors(config, &file, &device).unwrap();
         let (logits, grads) = kimi_burn::ops::with_kernels(kernels, || {

@@ -145,9 +145,10 @@ thread_local! {
 /// device has them for the storage type (f16 and bf16 storage on CUDA); off, the same kernels
 /// take their scalar f32 loops, the path every device runs.
 ///
-/// They are **off by default** for now: the matrix-unit paths compile and are tested against the
-/// scalar path and the reference (`scripts/cuda-check.sh`), but have not yet run on a GPU with
-/// matrix units. `KIMI_BURN_TENSOR_CORES=1` switches them on for a whole process.
+/// They are **off by default** for now: the matrix-unit paths have tests against the scalar path
+/// and the reference (`scripts/cuda-check.sh`) that have not yet run on a GPU with matrix units
+/// (on an H200 the bf16 path has run in the benches, 1.32× as fast as the scalar loop).
+/// `KIMI_BURN_TENSOR_CORES=1` switches them on for a whole process.
 ///
 /// The choice is made when a kernel is launched: on a `Fusion` backend that is when the fused
 /// stream runs, which may be outside this scope, so use the environment variable there.
