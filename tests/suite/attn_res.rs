@@ -193,17 +193,6 @@ mod kernel {
         all
     }
 
-    /// [`run_on`] on the GPU backend under test.
-    fn run(
-        n: usize,
-        shape: [usize; 3],
-        seed: u64,
-        kernel: bool,
-        dtype: FloatDType,
-    ) -> Vec<Vec<f64>> {
-        run_on::<GpuAd>(n, shape, seed, kernel, dtype)
-    }
-
     /// The kernel path and the reference path on the GPU, each against the reference path on
     /// ndarray, so that a failure names the side that is wrong.
     #[test]
@@ -216,8 +205,8 @@ mod kernel {
         ] {
             let seed = 40 + n as u64;
             let cpu = run_on::<CpuAd>(n, shape, seed, false, FloatDType::F32);
-            let kernel = run(n, shape, seed, true, FloatDType::F32);
-            let reference = run(n, shape, seed, false, FloatDType::F32);
+            let kernel = run_on::<GpuAd>(n, shape, seed, true, FloatDType::F32);
+            let reference = run_on::<GpuAd>(n, shape, seed, false, FloatDType::F32);
             for (i, ((c, k), r)) in cpu.iter().zip(&kernel).zip(&reference).enumerate() {
                 let what = format!("{n} sources, output {i}");
                 assert_close(&format!("{what}: kernel vs ndarray"), c, k, 1e-5);
@@ -228,16 +217,16 @@ mod kernel {
 
     #[test]
     fn repeatable_bit_for_bit() {
-        let a = run(4, [2, 6, 48], 50, true, FloatDType::F32);
-        let b = run(4, [2, 6, 48], 50, true, FloatDType::F32);
+        let a = run_on::<GpuAd>(4, [2, 6, 48], 50, true, FloatDType::F32);
+        let b = run_on::<GpuAd>(4, [2, 6, 48], 50, true, FloatDType::F32);
         assert_eq!(a, b);
     }
 
     /// f16 sources: statistics in f32, output and source gradients rounded to f16.
     #[test]
     fn half_storage() {
-        let kernel = run(3, [2, 5, 40], 60, true, FloatDType::F16);
-        let reference = run(3, [2, 5, 40], 60, false, FloatDType::F16);
+        let kernel = run_on::<GpuAd>(3, [2, 5, 40], 60, true, FloatDType::F16);
+        let reference = run_on::<GpuAd>(3, [2, 5, 40], 60, false, FloatDType::F16);
         for (i, (r, k)) in reference.iter().zip(&kernel).enumerate() {
             assert_close(&format!("f16, output {i}"), r, k, 5e-3);
         }
