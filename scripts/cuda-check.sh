@@ -154,7 +154,7 @@ run() {
     if [ "$part" = all ] || [ "$part" = bench ]; then
         # Criterion: short measurements, only the CUDA groups.
         for bench in moe kda; do
-            timeout "$([ "$bench" = moe ] && echo 90 || echo 150)" "$bin/bench_$bench" --bench cuda --warm-up-time 0.5 --measurement-time 2 \
+            timeout "$([ "$bench" = moe ] && echo 90 || echo 150)" "$bin/bench_$bench" --bench cuda --warm-up-time 1 --measurement-time 2 \
                 >"$out/bench_$bench.log" 2>&1 || echo "bench $bench exit status: $?" >>"$out/summary.txt"
             grep -E "^Benchmarking .*: Analyzing|time:" "$out/bench_$bench.log" | sed 's/^Benchmarking \(.*\): Analyzing/\1/' >>"$out/summary.txt" || true
         done
