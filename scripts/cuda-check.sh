@@ -132,9 +132,11 @@ run() {
     nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
     cuda_libraries >>"$out/nvidia-smi.txt"
     # NVRTC compiles every kernel variant once per process, about 0.1 s each (about 30 s before
-    # train_tiny's first step): keep compiled kernels and autotune results on disk, so the
-    # processes after the first reuse them.
-    work=$(mktemp -d)
+    # train_tiny's first step): keep compiled kernels and autotune results on disk, in one folder
+    # for every call on this machine, so the processes after the first (also those of a later
+    # `run … bench`) reuse them.
+    work="${TMPDIR:-/tmp}/kimi-burn-cuda-check"
+    mkdir -p "$work"
     printf '[compilation]\ncache = "local"\n\n[autotune]\ncache = "local"\n' >"$work/cubecl.toml"
     cd "$work"
     : >"$out/summary.txt"
