@@ -15,8 +15,10 @@
 #
 # What runs, all on `Cuda` (a build with `cuda` and without `wgpu` runs the suite's GPU tests on
 # CUDA: `tests/common` makes `Gpu` the CUDA backend there):
-# - the suite's kernel tests: `kernels_moe::` and `kernels_kda::` (every MoE and KDA kernel against
-#   the reference path on the same device, f32 ≤ 1e-5, f16 and bf16 storage, bit-for-bit
+# - first the tensor-core checks of the grouped matmuls (`kernels_moe::dispatch::half_storage_*`),
+#   then the suite's kernel tests: `kernels_moe::` and `kernels_kda::` (every MoE and KDA kernel
+#   against the reference path on the same device, f32 ≤ 1e-5 — design §0's f16 tolerance where
+#   Burn's own matmul, TF32 on CUDA, ran on one side — f16 and bf16 storage, bit-for-bit
 #   repeatability, exact QB counts, KDA against the naive recurrence on the design §4.5 grid, the
 #   chunked backward against the reference autodiff, prefill then decode, the kernel path checked),
 #   the attention, RMSNorm and Attention-Residuals kernels (`::kernel::`), MXFP quantisation, and

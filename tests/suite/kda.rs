@@ -508,21 +508,23 @@ fn check_grads_against_naive<B: AutodiffBackend>(
         &moved(&d_s, &cpu),
         opts(chunk, &cu),
     );
-    let mut runs = vec![("naive on this backend", naive_recurrent_kda as Op<B>, true)];
+    // (name, op, kernels, tolerance). The chunked backward kernel and the naive recurrence
+    // compute in f32 on every device; the chunked reference form, and the recurrent op with
+    // tracked inputs (which takes it), run Burn's matmuls on `B` (TF32 on CUDA).
+    let (f32_tol, ref_tol) = (1e-5, matmul_tol::<B>(device, 1e-5));
+    let mut runs = vec![(
+        "naive on this backend",
+        naive_recurrent_kda as Op<B>,
+        true,
+        f32_tol,
+    )];
     for kernels in [true, false] {
-        runs.push(("chunk", chunk_kda as Op<B>, kernels));
-        runs.push(("fused", fused_recurrent_kda, kernels));
+        let chunk_tol = if kernels { f32_tol } else { ref_tol };
+        runs.push(("chunk", chunk_kda as Op<B>, kernels, chunk_tol));
+        runs.push(("fused", fused_recurrent_kda, kernels, ref_tol));
     }
-    for (name, op, kernels) in runs {
+    for (name, op, kernels, tol) in runs {
         let got = with_kernels(kernels, || grads(op, &x, &d_o, &d_s, opts(chunk, &cu)));
-        // The chunked backward kernel and the naive recurrence compute in f32 on every device;
-        // the chunked reference form, and the recurrent op with tracked inputs (which takes it),
-        // run Burn's matmuls on `B` (TF32 on CUDA).
-        let tol = if (name == "chunk" && kernels) || name.starts_with("naive") {
-            1e-5
-        } else {
-            matmul_tol::<B>(device, 1e-5)
-        };
         for ((what, r), g) in GRAD_NAMES.iter().zip(&reference).zip(&got) {
             let label = format!("{name} {what} T={t} {gates:?}, kernels {kernels}");
             assert_close(&label, r, g, tol);

@@ -366,6 +366,8 @@ mod chunked {
     #[test]
     fn matches_naive_and_reference_on_the_spec_grid() {
         let device = Default::default();
+        // The reference path's matmuls run on the device (TF32 on CUDA).
+        let tol = matmul_tol::<Gpu>(&device, 1e-5);
         let cases = [
             ([1, 1, 2, 32, 32], Gates::LogSigmoid(1.0), 64),
             ([2, 63, 1, 60, 32], Gates::LogSigmoid(0.1), 64),
@@ -386,8 +388,6 @@ mod chunked {
             let what = format!("{dims:?} {gates:?} C={chunk}");
             assert_close(&format!("o vs naive, {what}"), &host(o_naive), &o, 1e-5);
             assert_close(&format!("S_T vs naive, {what}"), &host(s_naive), &s, 1e-5);
-            // The reference path's matmuls run on the device (TF32 on CUDA).
-            let tol = matmul_tol::<Gpu>(&device, 1e-5);
             assert_close(&format!("o vs chunk_kda, {what}"), &host(o_ref), &o, tol);
             assert_close(&format!("S_T vs chunk_kda, {what}"), &host(s_ref), &s, tol);
         }
@@ -502,6 +502,8 @@ mod chunked {
             ([2, 45, 1, 32, 32], Gates::LogSigmoid(1.0), 16),
             ([1, 77, 2, 60, 60], Gates::Safe, 32),
         ];
+        // The reference path's matmuls run on the device (TF32 on CUDA).
+        let tol = matmul_tol::<GpuAd>(&device, 1e-5);
         for (i, (dims, gates, chunk)) in cases.into_iter().enumerate() {
             let x = Inputs::<GpuAd>::new(&mut rng(300 + i as u64), dims, dims[0], gates, &device);
             let opts = || x.opts().with_chunk_size(chunk);
@@ -509,7 +511,6 @@ mod chunked {
             let kernel = grads(&x, opts, true);
             for ((name, r), k) in GRAD_NAMES.iter().zip(&reference).zip(&kernel) {
                 eprintln!("{dims:?} {gates:?} C={chunk} {name}: {:.2e}", rel_err(r, k));
-                let tol = matmul_tol::<GpuAd>(&device, 1e-5);
                 assert_close(&format!("{name}, {dims:?} {gates:?} C={chunk}"), r, k, tol);
             }
         }
@@ -1007,8 +1008,9 @@ mod layer {
                 "{what}: the fused convolution backward did not run"
             );
             let reference = layer_grads(&layer, forward.as_ref(), false);
+            // The layer's projections and the reference KDA run Burn's matmuls.
+            let tol = matmul_tol::<GpuAd>(&device, 1e-5);
             for (i, (r, k)) in reference.iter().zip(&kernel).enumerate() {
-                let tol = matmul_tol::<GpuAd>(&device, 1e-5);
                 assert_close(&format!("{what}, parameter {i}"), r, k, tol);
             }
         }

@@ -549,6 +549,8 @@ mod dispatch {
     /// no token, padding.
     #[test]
     fn grouped_matmul_dispatch_matches_reference() {
+        // The reference path multiplies with Burn's matmul (TF32 on CUDA).
+        let tol = matmul_tol::<Gpu>(&Default::default(), 1e-5);
         for (m, n, k, l, me, masked, seed) in [
             (150, 5, 2, 70, 80, false, 1),
             (41, 6, 3, 9, 20, true, 2),
@@ -572,8 +574,6 @@ mod dispatch {
                 c.act = act;
                 let (kr, rf) = (run(&c, true), run(&c, false));
                 let what = format!("m {m} n {n} k {k} ℓ {l} m_e {me} masked {masked} {act:?}");
-                // The reference path multiplies with Burn's matmul (TF32 on CUDA).
-                let tol = matmul_tol::<Gpu>(&Default::default(), 1e-5);
                 for (i, name) in ["out", "dh", "dp", "dW1", "dW3", "dW2"].iter().enumerate() {
                     assert_close(&format!("{name} ({what})"), &rf[i], &kr[i], tol);
                 }
@@ -808,13 +808,14 @@ mod dispatch {
                 }
             };
             let (k, rf) = (run(true), run(false));
+            // The reference path multiplies with Burn's matmul (TF32 on CUDA).
+            let tol = matmul_tol::<GpuAd>(&device, 1e-5);
             for ((name, a), (_, b)) in rf.iter().zip(&k) {
                 assert_eq!(
                     a.len(),
                     b.len(),
                     "{name}: gradient present on one path only"
                 );
-                let tol = matmul_tol::<GpuAd>(&device, 1e-5);
                 assert_close(&format!("{name} (padded {padded})"), a, b, tol);
             }
             moe.balance.update();
