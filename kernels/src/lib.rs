@@ -14,6 +14,8 @@
 //! * [`kda`]: Kimi Delta Attention (design §4): the recurrent decode kernel, the chunked forward and
 //!   backward, and the gated output norm forward and backward.
 //! * [`mx`]: MX fake quantisation, one unit per block of 32 (design §9).
+//! * [`optim`]: the optimiser's elementwise updates (AdamW, momentum, the Muon update), one launch
+//!   per parameter.
 //! * [`moe`]: dropless dispatch: a stable device-side sort of the routed pairs by expert, a grouped
 //!   matmul over the expert segments (one launch for all experts) and the un-permute (design §2).
 //!
@@ -36,6 +38,7 @@ pub mod cross_entropy;
 pub mod kda;
 pub mod moe;
 pub mod mx;
+pub mod optim;
 pub mod qb_histogram;
 pub mod rms_norm;
 pub mod situ;

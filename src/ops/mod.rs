@@ -18,6 +18,7 @@ pub mod loss;
 pub mod mla;
 pub mod moe;
 pub mod norm;
+pub mod optim;
 pub mod precision;
 pub mod quant;
 

@@ -10,6 +10,7 @@ use burn::tensor::{backend::Backend, Tensor};
 
 use super::newton_schulz::newton_schulz_batched;
 use super::roles::HeadSplit;
+use crate::ops::optim::scaled_sum;
 
 /// The Moonlight scale `0.2·sqrt(max(A, B))` of an `[A, B]` matrix (or block), which matches the
 /// update RMS of AdamW so both groups can share a learning rate (design §8).
@@ -115,13 +116,10 @@ pub(crate) fn apply_update<B: Backend, const D: usize>(
     lr: LearningRate,
     weight_decay: f32,
 ) -> Tensor<B, D> {
-    let decay = lr * f64::from(weight_decay);
-    let tensor = if decay != 0.0 {
-        tensor.mul_scalar(1.0 - decay)
-    } else {
-        tensor
-    };
-    tensor - update.mul_scalar(lr)
+    // `W·(1 − ηλ) − U·η` as one fused op on the CubeCL backends; the tensor ops elsewhere, which
+    // skip the decay's product when it is exactly 1.
+    let keep = (1.0 - lr * f64::from(weight_decay)) as f32;
+    scaled_sum(tensor, keep, update, -(lr as f32))
 }
 
 /// Muon over head blocks (or stacked matrices): `M ← μM + G` (Nesterov optional),

@@ -9,12 +9,13 @@ use burn::optim::adaptor::{GradAdaptor, OptimizerAdaptor};
 use burn::optim::momentum::{Momentum, MomentumConfig};
 use burn::optim::record::AdaptorRecord;
 use burn::optim::{
-    AdamW, AdamWConfig, GradientsParams, LearningRate, MultiGradientsParams, Muon, MuonState,
-    Optimizer, SimpleOptimizer,
+    AdamWConfig, GradientsParams, LearningRate, MultiGradientsParams, Muon, MuonState, Optimizer,
+    SimpleOptimizer,
 };
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Device, Tensor};
 
+use super::adamw::KimiAdamW;
 use super::head_muon::{apply_update, moonlight_scale, Blocking, HeadMuon};
 use super::newton_schulz::newton_schulz_batched;
 use super::roles::{HeadSplit, ParamRole, ParamRoles};
@@ -90,7 +91,7 @@ impl KimiOptimizerConfig {
             apply: OptimizerAdaptor::from(ApplyUpdate {
                 weight_decay: self.muon_weight_decay as f32,
             }),
-            adamw: self.adamw.init(),
+            adamw: KimiAdamW::init(&self.adamw)?,
             roles,
             config: self.clone(),
         })
@@ -126,7 +127,8 @@ type HeadMuonRecord<M, B> = AdaptorRecordOf<HeadMuon<<B as AutodiffBackend>::Inn
 ///   matrix of a stack, with its own `[A, B]` (per head: reconstruction, design §8). It is the
 ///   update of Burn's `Muon` with `AdjustLrFn::MatchRmsAdamW` for a whole matrix and of
 ///   [`HeadMuon`] for the others;
-/// - everything else: Burn's `AdamW`.
+/// - everything else: AdamW as Burn's `AdamW` computes it ([`KimiAdamW`](super::KimiAdamW): one
+///   fused kernel per parameter on the CubeCL backends, Burn's own tensor ops elsewhere).
 ///
 /// Muon orthogonalises **all blocks of the same shape at once**, across parameters: one batched
 /// Newton–Schulz per distinct block shape (a block and its transpose count as one) and device,
@@ -144,7 +146,7 @@ type HeadMuonRecord<M, B> = AdaptorRecordOf<HeadMuon<<B as AutodiffBackend>::Inn
 /// updated on the device Burn's adaptors would pick, and blocks are batched per device.
 ///
 /// The record is the tuple `(muon, head_muon, adamw)` of per-parameter states, in the formats of
-/// Burn's `Muon`, [`HeadMuon`] and `AdamW` adaptors; [`Optimizer::load_record`] keeps the Muon
+/// Burn's `Muon`, [`HeadMuon`] and `AdamW` adaptors (the AdamW states are Burn's `AdamWState`); [`Optimizer::load_record`] keeps the Muon
 /// states of parameters whose role is still Muon (states of parameters now under AdamW are
 /// dropped).
 pub struct KimiOptimizer<M: AutodiffModule<B>, B: AutodiffBackend> {
@@ -156,7 +158,7 @@ pub struct KimiOptimizer<M: AutodiffModule<B>, B: AutodiffBackend> {
     /// Applies the orthogonalised updates (decay included) through Burn's adaptor, which moves
     /// each parameter to its gradient's device and keeps its autodiff flags.
     apply: OptimizerAdaptor<ApplyUpdate, M, B>,
-    adamw: OptimizerAdaptor<AdamW, M, B>,
+    adamw: OptimizerAdaptor<KimiAdamW, M, B>,
     roles: ParamRoles,
     config: KimiOptimizerConfig,
 }
@@ -232,7 +234,7 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend> Optimizer<M, B> for KimiOptimizer
     type Record = (
         WholeRecord<M, B>,
         HeadMuonRecord<M, B>,
-        AdaptorRecordOf<AdamW, M, B>,
+        AdaptorRecordOf<KimiAdamW, M, B>,
     );
 
     fn step(&mut self, lr: LearningRate, module: M, mut grads: GradientsParams) -> M {

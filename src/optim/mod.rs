@@ -5,7 +5,8 @@
 //!   AdamW; [`ParamRoles::from_module`] is the default grouping of any module.
 //! - [`KimiOptimizer`]: a Burn [`Optimizer`](burn::optim::Optimizer) that routes each gradient by
 //!   role to Muon (whole matrices, head blocks ([`HeadMuon`]'s update, reconstruction) and stacks,
-//!   batched across parameters by block shape) or Burn's `AdamW`.
+//!   batched across parameters by block shape) or AdamW ([`KimiAdamW`]: Burn's `AdamW`, one
+//!   fused kernel per parameter on the CubeCL backends).
 //!
 //! ```rust
 //! use burn::backend::{Autodiff, NdArray};
@@ -30,12 +31,14 @@
 //! # Ok::<(), kimi_burn::Error>(())
 //! ```
 
+mod adamw;
 mod head_muon;
 mod kimi;
 mod model_roles;
 mod newton_schulz;
 mod roles;
 
+pub use adamw::KimiAdamW;
 pub use head_muon::{moonlight_scale, orthogonalised_update, HeadMuon};
 pub use kimi::{KimiOptimizer, KimiOptimizerConfig};
 pub use newton_schulz::{

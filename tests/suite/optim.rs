@@ -785,3 +785,236 @@ fn muon_batched_across_parameters_equals_each_parameter_alone() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// AdamW: the fused step against Burn's `AdamW`.
+
+/// Three steps of Burn's `AdamW` and of `adamw_update` (with zero moments before the first, as
+/// `KimiAdamW` starts) on the same parameter and gradients: `(param, m1, m2)` after each step.
+fn adamw_steps<B: Backend>(
+    ours: bool,
+    shape: [usize; 2],
+    seed: u64,
+    device: &B::Device,
+) -> Vec<[Vec<f64>; 3]> {
+    use burn::optim::{AdamWState, AdaptiveMomentumState};
+    use kimi_burn::ops::optim::{adamw_update, AdamWScalars};
+    let config = AdamWConfig::new()
+        .with_beta_2(0.95)
+        .with_epsilon(1e-8)
+        .with_weight_decay(0.1);
+    let burn = config.build();
+    let mut rng = rng(seed);
+    let mut param = randn::<B, 2>(&mut rng, shape, 0.5, device);
+    let mut state: Option<AdamWState<B, 2>> = None;
+    let mut out = Vec::new();
+    for step in 1..=3 {
+        // Gradients of varied scale, so that ε and the bias corrections matter.
+        let grad = randn::<B, 2>(&mut rng, shape, 10f64.powi(-step), device);
+        let lr = 0.01 * step as f64;
+        if ours {
+            let (time, m1, m2) = match state.take() {
+                Some(s) => (
+                    s.momentum.time + 1,
+                    s.momentum.moment_1,
+                    s.momentum.moment_2,
+                ),
+                None => (1, grad.zeros_like(), grad.zeros_like()),
+            };
+            let s = AdamWScalars::new(0.9, 0.95, 1e-8, 0.1, lr, time as i32);
+            let (p, m1, m2) = adamw_update(param, grad, m1, m2, s);
+            param = p;
+            state = Some(AdamWState::new(AdaptiveMomentumState::new(time, m1, m2)));
+        } else {
+            let (p, s) = burn.step(lr, param, grad, state.take());
+            param = p;
+            state = s;
+        }
+        let m = &state.as_ref().expect("a state after a step").momentum;
+        out.push([
+            host(param.clone()),
+            host(m.moment_1.clone()),
+            host(m.moment_2.clone()),
+        ]);
+    }
+    out
+}
+
+/// On the CPU `adamw_update` runs its tensor-op form, which is Burn's `AdamW` operation for
+/// operation: the same bits.
+#[test]
+fn adamw_update_on_the_cpu_is_burns_adamw_bit_for_bit() {
+    let device = Default::default();
+    let ours = adamw_steps::<Cpu>(true, [7, 13], 40, &device);
+    let burn = adamw_steps::<Cpu>(false, [7, 13], 40, &device);
+    assert_eq!(ours, burn);
+    assert_eq!(
+        kimi_burn::ops::last_path(kimi_burn::ops::FusedOp::AdamW),
+        Some(kimi_burn::ops::KernelPath::Reference)
+    );
+}
+
+/// The fused kernel (one launch per step) against Burn's `AdamW` on the same GPU and on ndarray,
+/// on a shape that is not a multiple of the cube, on the plain `CubeBackend` and on `Fusion`.
+#[cfg(feature = "wgpu")]
+#[test]
+fn adamw_kernel_matches_burns_adamw() {
+    use kimi_burn::backends::{WgpuCube, WgpuFusion};
+    use kimi_burn::ops::{kernel_calls, last_path, FusedOp, KernelPath};
+    let shape = [37, 29];
+    let cpu = adamw_steps::<Cpu>(false, shape, 41, &Default::default());
+    fn on<B: Backend>(shape: [usize; 2]) -> (Vec<[Vec<f64>; 3]>, Vec<[Vec<f64>; 3]>) {
+        let device = Default::default();
+        let before = kernel_calls(FusedOp::AdamW);
+        let ours = adamw_steps::<B>(true, shape, 41, &device);
+        assert_eq!(
+            kernel_calls(FusedOp::AdamW) - before,
+            3,
+            "one kernel per step"
+        );
+        assert_eq!(last_path(FusedOp::AdamW), Some(KernelPath::Kernel));
+        (ours, adamw_steps::<B>(false, shape, 41, &device))
+    }
+    for (name, (ours, burn)) in [
+        ("CubeBackend", on::<WgpuCube>(shape)),
+        ("Fusion", on::<WgpuFusion>(shape)),
+    ] {
+        for (step, ((o, b), c)) in ours.iter().zip(&burn).zip(&cpu).enumerate() {
+            for (i, what) in ["param", "m1", "m2"].iter().enumerate() {
+                let what = format!("{name}, step {step}, {what}");
+                assert_close(
+                    &format!("{what}: kernel vs Burn on the GPU"),
+                    &b[i],
+                    &o[i],
+                    1e-6,
+                );
+                assert_close(&format!("{what}: kernel vs ndarray"), &c[i], &o[i], 1e-6);
+            }
+        }
+    }
+}
+
+/// `KimiAdamW`'s state is Burn's `AdamWState`: a record saved by either adaptor loads into the
+/// other, and the two then step alike.
+#[test]
+fn kimi_adamw_records_are_burns() {
+    use kimi_burn::optim::KimiAdamW;
+    let device = Default::default();
+    let mut rng = rng(42);
+    let module = Tiny::<CpuAd>::new(&mut rng, &device);
+    let config = AdamWConfig::new().with_weight_decay(0.05);
+    let mut ours = KimiAdamW::init::<CpuAd, Tiny<CpuAd>>(&config).unwrap();
+    let mut burn = config.init::<CpuAd, Tiny<CpuAd>>();
+    let grads = grads_of(&module, &mut rng);
+    let copy = copy_grads(&module, &grads);
+    let a = ours.step(LR, module.clone(), grads);
+    let b = burn.step(LR, module, copy);
+    assert_eq!(params(&a), params(&b));
+
+    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+    let ours_bytes = recorder.record(ours.to_record(), ()).unwrap();
+    let burn_bytes = recorder.record(burn.to_record(), ()).unwrap();
+    // The same entries (in the map's own order, which varies from run to run).
+    assert_eq!(ours_bytes.len(), burn_bytes.len());
+    let mut ours = KimiAdamW::init::<CpuAd, Tiny<CpuAd>>(&config)
+        .unwrap()
+        .load_record(recorder.load(burn_bytes, &device).unwrap());
+    let mut burn = config
+        .init::<CpuAd, Tiny<CpuAd>>()
+        .load_record(recorder.load(ours_bytes, &device).unwrap());
+    let grads = grads_of(&a, &mut rng);
+    let copy = copy_grads(&a, &grads);
+    let a = ours.step(LR, a, grads);
+    let b = burn.step(LR, b, copy);
+    assert_eq!(params(&a), params(&b));
+}
+
+/// `scaled_sum`'s kernel against its tensor-op form on ndarray, with a factor of exactly 1 and
+/// without, on the plain `CubeBackend` and on `Fusion`.
+#[cfg(feature = "wgpu")]
+#[test]
+fn scaled_sum_kernel_matches_the_tensor_ops() {
+    use kimi_burn::backends::{WgpuCube, WgpuFusion};
+    use kimi_burn::ops::optim::scaled_sum;
+    use kimi_burn::ops::{kernel_calls, FusedOp};
+    fn run<B: Backend>(a: f32, b: f32) -> Vec<f64> {
+        let device = Default::default();
+        let mut rng = rng(43);
+        let x = randn::<B, 3>(&mut rng, [3, 37, 11], 1.0, &device);
+        let y = randn::<B, 3>(&mut rng, [3, 37, 11], 0.1, &device);
+        host(scaled_sum(x, a, y, b))
+    }
+    for (a, b) in [(0.999, -0.02), (1.0, -0.5), (0.95, 1.0)] {
+        let want = run::<Cpu>(a, b);
+        for (name, got) in [
+            ("CubeBackend", {
+                let before = kernel_calls(FusedOp::ScaledSum);
+                let got = run::<WgpuCube>(a, b);
+                assert_eq!(kernel_calls(FusedOp::ScaledSum) - before, 1, "kernel path");
+                got
+            }),
+            ("Fusion", run::<WgpuFusion>(a, b)),
+        ] {
+            assert_close(&format!("{name}, a = {a}, b = {b}"), &want, &got, 1e-6);
+        }
+    }
+}
+
+/// Three steps of the whole optimiser (Muon whole and per head, AdamW) on a module, the same
+/// inputs on every backend: the parameters after each step.
+fn optimiser_steps<B: burn::tensor::backend::AutodiffBackend>(
+    device: &B::Device,
+) -> Vec<[Vec<f64>; 4]> {
+    let mut rng = rng(44);
+    let mut module = Tiny::<B>::new(&mut rng, device);
+    let roles = ParamRoles::from_module(&module).with(
+        module.q_proj.id,
+        ParamRole::muon_per_head(HeadSplit::columns(HEADS)),
+    );
+    let mut optim = KimiOptimizerConfig::new().init(&module, roles).unwrap();
+    let mut out = Vec::new();
+    for _ in 0..3 {
+        let x = randn::<B, 2>(&mut rng, [5, D_IN], 1.0, device);
+        let grads = GradientsParams::from_grads(module.loss(x).backward(), &module);
+        module = optim.step(LR, module, grads);
+        out.push([
+            host(module.matrix.val().inner()),
+            host(module.q_proj.val().inner()),
+            host(module.vector.val().inner()),
+            host(module.buffer.value().inner()),
+        ]);
+    }
+    out
+}
+
+/// The optimiser on the GPU (its AdamW and Muon updates fused kernels) against ndarray (Burn's
+/// tensor ops).
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+#[test]
+fn the_optimiser_on_the_gpu_matches_ndarray() {
+    use kimi_burn::ops::{kernel_calls, FusedOp};
+    let device = Default::default();
+    let want = optimiser_steps::<CpuAd>(&device);
+    let (adamw, sums) = (
+        kernel_calls(FusedOp::AdamW),
+        kernel_calls(FusedOp::ScaledSum),
+    );
+    let got = optimiser_steps::<GpuAd>(&Default::default());
+    assert_eq!(
+        kernel_calls(FusedOp::AdamW) - adamw,
+        3,
+        "AdamW: one vector, three steps"
+    );
+    assert_eq!(
+        kernel_calls(FusedOp::ScaledSum) - sums,
+        6,
+        "Muon's update: two matrices, three steps"
+    );
+    // The Newton–Schulz products run on Burn's matmul (TF32 on CUDA).
+    let tol = matmul_tol::<GpuAd>(&Default::default(), 1e-5);
+    for (step, (w, g)) in want.iter().zip(&got).enumerate() {
+        for (i, name) in ["matrix", "q_proj", "vector", "buffer"].iter().enumerate() {
+            assert_close(&format!("step {step}: {name}"), &w[i], &g[i], tol);
+        }
+    }
+}

@@ -7,7 +7,7 @@
 //! declared with their shapes and dtypes when the op is called, and when the stream reaches it the
 //! inner backend's implementation of the same trait method runs on the inner tensors. So
 //! `Fusion<B>` implements [`MoeKernels`], [`KdaKernels`], [`AttnResKernels`], [`RmsNormKernels`],
-//! [`CrossEntropyKernels`] and [`AttentionKernels`] wherever `B` does, and
+//! [`CrossEntropyKernels`], [`AttentionKernels`] and [`OptimKernels`] wherever `B` does, and
 //! `Autodiff<Fusion<B>>` gets the custom backward passes through the generic autodiff
 //! implementations.
 //!
@@ -31,6 +31,7 @@ use crate::ops::loss::CrossEntropyKernels;
 use crate::ops::mla::AttentionKernels;
 use crate::ops::moe::{GluActivation, MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved};
 use crate::ops::norm::RmsNormKernels;
+use crate::ops::optim::{AdamWScalars, OptimKernels};
 use crate::ops::quant::MxSpec;
 
 /// A fusion tensor of the backend `B` wraps.
@@ -917,5 +918,44 @@ impl<B: FusionBackend + AttentionKernels> AttentionKernels for Fusion<B> {
             },
         ));
         (dq, dk, dv)
+    }
+}
+
+impl<B: FusionBackend + OptimKernels> OptimKernels for Fusion<B> {
+    fn adamw_step(
+        param: Ft<B>,
+        grad: Ft<B>,
+        m1: Ft<B>,
+        m2: Ft<B>,
+        scalars: AdamWScalars,
+    ) -> (Ft<B>, Ft<B>, Ft<B>) {
+        let declared = vec![Out::like(&param), Out::like(&param), Out::like(&param)];
+        let inputs = Inputs::new().float(param).float(grad).float(m1).float(m2);
+        let [p, a, b] = outs(call::<B>(
+            "kimi_burn::adamw_step",
+            inputs,
+            declared,
+            move |mut a| {
+                let (p, g, m1, m2) = (a.float(), a.float(), a.float(), a.float());
+                let (p, m1, m2) = B::adamw_step(p, g, m1, m2, scalars);
+                vec![Prim::Float(p), Prim::Float(m1), Prim::Float(m2)]
+            },
+        ));
+        (p, a, b)
+    }
+
+    fn scaled_sum(x: Ft<B>, y: Ft<B>, a: f32, b: f32) -> Ft<B> {
+        let declared = vec![Out::like(&x)];
+        let inputs = Inputs::new().float(x).float(y);
+        let [out] = outs(call::<B>(
+            "kimi_burn::scaled_sum",
+            inputs,
+            declared,
+            move |mut args| {
+                let (x, y) = (args.float(), args.float());
+                vec![Prim::Float(B::scaled_sum(x, y, a, b))]
+            },
+        ));
+        out
     }
 }

@@ -7,7 +7,7 @@
 //! The modules stay generic over any [`Backend`]. An op first offers its tensors to a kernel
 //! implementation, reached through the backend-extension traits
 //! [`MoeKernels`], [`KdaKernels`], [`AttnResKernels`], [`RmsNormKernels`],
-//! [`CrossEntropyKernels`] and [`AttentionKernels`]
+//! [`CrossEntropyKernels`], [`AttentionKernels`] and [`OptimKernels`]
 //! (implemented with the `wgpu` or `cuda` feature for every `CubeBackend<R, F, I, BT>`, for
 //! `Fusion<B>` over one, and, with custom backward passes, for `Autodiff<B>` over either), and
 //! otherwise runs its reference tensor-op code (or, on the CPU backends, a host kernel).
@@ -47,6 +47,7 @@ use crate::ops::loss::CrossEntropyKernels;
 use crate::ops::mla::AttentionKernels;
 use crate::ops::moe::MoeKernels;
 use crate::ops::norm::RmsNormKernels;
+use crate::ops::optim::OptimKernels;
 
 #[cfg(feature = "autodiff")]
 pub(crate) mod autodiff;
@@ -113,9 +114,13 @@ pub enum FusedOp {
     Attention,
     /// Its backward (autodiff).
     AttentionBackward,
+    /// [`adamw_update`](crate::ops::optim::adamw_update): one AdamW step of a parameter.
+    AdamW,
+    /// [`scaled_sum`](crate::ops::optim::scaled_sum): Muon's momentum and update steps.
+    ScaledSum,
 }
 
-const N_OPS: usize = 22;
+const N_OPS: usize = 24;
 
 impl FusedOp {
     fn slot(self) -> usize {
@@ -281,9 +286,16 @@ pub(crate) fn register_grads<B: Backend>(
 }
 
 /// Every kernel family a dispatched backend provides: [`MoeKernels`], [`KdaKernels`],
-/// [`AttnResKernels`], [`RmsNormKernels`], [`CrossEntropyKernels`] and [`AttentionKernels`].
+/// [`AttnResKernels`], [`RmsNormKernels`], [`CrossEntropyKernels`], [`AttentionKernels`] and
+/// [`OptimKernels`].
 pub trait FusedKernels:
-    MoeKernels + KdaKernels + AttnResKernels + RmsNormKernels + CrossEntropyKernels + AttentionKernels
+    MoeKernels
+    + KdaKernels
+    + AttnResKernels
+    + RmsNormKernels
+    + CrossEntropyKernels
+    + AttentionKernels
+    + OptimKernels
 {
 }
 
@@ -294,6 +306,7 @@ impl<B> FusedKernels for B where
         + RmsNormKernels
         + CrossEntropyKernels
         + AttentionKernels
+        + OptimKernels
 {
 }
 
