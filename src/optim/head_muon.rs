@@ -118,8 +118,7 @@ pub(crate) fn apply_update<B: Backend, const D: usize>(
 ) -> Tensor<B, D> {
     // `W·(1 − ηλ) − U·η` as one fused op on the CubeCL backends; the tensor ops elsewhere, which
     // skip the decay's product when it is exactly 1.
-    let keep = (1.0 - lr * f64::from(weight_decay)) as f32;
-    scaled_sum(tensor, keep, update, -(lr as f32))
+    scaled_sum(tensor, 1.0 - lr * f64::from(weight_decay), update, -lr)
 }
 
 /// Muon over head blocks (or stacked matrices): `M ← μM + G` (Nesterov optional),

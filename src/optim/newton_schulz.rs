@@ -2,6 +2,7 @@
 
 use burn::tensor::{backend::Backend, Tensor};
 
+use crate::ops::optim::scaled_sum;
 use crate::ops::precision::{restore, widen};
 
 /// The quintic's coefficients `(a, b, c)` (design §8, Keller Jordan's Muon).
@@ -46,8 +47,11 @@ pub fn newton_schulz_batched<B: Backend>(x: Tensor<B, 3>, steps: usize) -> Tenso
     let (a, b, c) = NS_COEFFICIENTS;
     for _ in 0..steps {
         let gram = x.clone().matmul(x.clone().swap_dims(1, 2));
-        let poly = gram.clone().mul_scalar(b) + gram.clone().matmul(gram).mul_scalar(c);
-        x = x.clone().mul_scalar(a) + poly.matmul(x);
+        // Each `s·P + t·Q` is one fused op on the CubeCL backends (three tensor ops elsewhere).
+        let square = gram.clone().matmul(gram.clone());
+        let poly = scaled_sum(gram, b, square, c);
+        let step = poly.matmul(x.clone());
+        x = scaled_sum(x, a, step, 1.0);
     }
     let x = if tall { x.swap_dims(1, 2) } else { x };
     restore(x, dtype)

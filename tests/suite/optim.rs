@@ -789,6 +789,9 @@ fn muon_batched_across_parameters_equals_each_parameter_alone() {
 // ---------------------------------------------------------------------------------------------
 // AdamW: the fused step against Burn's `AdamW`.
 
+/// `(param, m1, m2)` on the host after each step of a run.
+type AdamWRun = Vec<[Vec<f64>; 3]>;
+
 /// Three steps of Burn's `AdamW` and of `adamw_update` (with zero moments before the first, as
 /// `KimiAdamW` starts) on the same parameter and gradients: `(param, m1, m2)` after each step.
 fn adamw_steps<B: Backend>(
@@ -796,7 +799,7 @@ fn adamw_steps<B: Backend>(
     shape: [usize; 2],
     seed: u64,
     device: &B::Device,
-) -> Vec<[Vec<f64>; 3]> {
+) -> AdamWRun {
     use burn::optim::{AdamWState, AdaptiveMomentumState};
     use kimi_burn::ops::optim::{adamw_update, AdamWScalars};
     let config = AdamWConfig::new()
@@ -854,16 +857,21 @@ fn adamw_update_on_the_cpu_is_burns_adamw_bit_for_bit() {
     );
 }
 
+#[cfg(all(feature = "cuda", not(feature = "wgpu")))]
+use kimi_burn::backends::{CudaCube as GpuCube, CudaFusion as GpuFusion};
+/// The GPU backend under test without Burn's fusion, and with it.
+#[cfg(feature = "wgpu")]
+use kimi_burn::backends::{WgpuCube as GpuCube, WgpuFusion as GpuFusion};
+
 /// The fused kernel (one launch per step) against Burn's `AdamW` on the same GPU and on ndarray,
 /// on a shape that is not a multiple of the cube, on the plain `CubeBackend` and on `Fusion`.
-#[cfg(feature = "wgpu")]
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 #[test]
 fn adamw_kernel_matches_burns_adamw() {
-    use kimi_burn::backends::{WgpuCube, WgpuFusion};
     use kimi_burn::ops::{kernel_calls, last_path, FusedOp, KernelPath};
     let shape = [37, 29];
     let cpu = adamw_steps::<Cpu>(false, shape, 41, &Default::default());
-    fn on<B: Backend>(shape: [usize; 2]) -> (Vec<[Vec<f64>; 3]>, Vec<[Vec<f64>; 3]>) {
+    fn on<B: Backend>(shape: [usize; 2]) -> (AdamWRun, AdamWRun) {
         let device = Default::default();
         let before = kernel_calls(FusedOp::AdamW);
         let ours = adamw_steps::<B>(true, shape, 41, &device);
@@ -876,8 +884,8 @@ fn adamw_kernel_matches_burns_adamw() {
         (ours, adamw_steps::<B>(false, shape, 41, &device))
     }
     for (name, (ours, burn)) in [
-        ("CubeBackend", on::<WgpuCube>(shape)),
-        ("Fusion", on::<WgpuFusion>(shape)),
+        ("CubeBackend", on::<GpuCube>(shape)),
+        ("Fusion", on::<GpuFusion>(shape)),
     ] {
         for (step, ((o, b), c)) in ours.iter().zip(&burn).zip(&cpu).enumerate() {
             for (i, what) in ["param", "m1", "m2"].iter().enumerate() {
@@ -931,13 +939,12 @@ fn kimi_adamw_records_are_burns() {
 
 /// `scaled_sum`'s kernel against its tensor-op form on ndarray, with a factor of exactly 1 and
 /// without, on the plain `CubeBackend` and on `Fusion`.
-#[cfg(feature = "wgpu")]
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 #[test]
 fn scaled_sum_kernel_matches_the_tensor_ops() {
-    use kimi_burn::backends::{WgpuCube, WgpuFusion};
     use kimi_burn::ops::optim::scaled_sum;
     use kimi_burn::ops::{kernel_calls, FusedOp};
-    fn run<B: Backend>(a: f32, b: f32) -> Vec<f64> {
+    fn run<B: Backend>(a: f64, b: f64) -> Vec<f64> {
         let device = Default::default();
         let mut rng = rng(43);
         let x = randn::<B, 3>(&mut rng, [3, 37, 11], 1.0, &device);
@@ -949,11 +956,11 @@ fn scaled_sum_kernel_matches_the_tensor_ops() {
         for (name, got) in [
             ("CubeBackend", {
                 let before = kernel_calls(FusedOp::ScaledSum);
-                let got = run::<WgpuCube>(a, b);
+                let got = run::<GpuCube>(a, b);
                 assert_eq!(kernel_calls(FusedOp::ScaledSum) - before, 1, "kernel path");
                 got
             }),
-            ("Fusion", run::<WgpuFusion>(a, b)),
+            ("Fusion", run::<GpuFusion>(a, b)),
         ] {
             assert_close(&format!("{name}, a = {a}, b = {b}"), &want, &got, 1e-6);
         }
@@ -962,6 +969,7 @@ fn scaled_sum_kernel_matches_the_tensor_ops() {
 
 /// Three steps of the whole optimiser (Muon whole and per head, AdamW) on a module, the same
 /// inputs on every backend: the parameters after each step.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 fn optimiser_steps<B: burn::tensor::backend::AutodiffBackend>(
     device: &B::Device,
 ) -> Vec<[Vec<f64>; 4]> {
@@ -1005,10 +1013,12 @@ fn the_optimiser_on_the_gpu_matches_ndarray() {
         3,
         "AdamW: one vector, three steps"
     );
+    // Per step: Muon's update of two matrices, and two per Newton–Schulz iteration of each of
+    // the two block shapes (the whole matrix, the per-head blocks).
     assert_eq!(
         kernel_calls(FusedOp::ScaledSum) - sums,
-        6,
-        "Muon's update: two matrices, three steps"
+        3 * (2 + 2 * 2 * kimi_burn::optim::NS_STEPS as u64),
+        "fused Muon steps"
     );
     // The Newton–Schulz products run on Burn's matmul (TF32 on CUDA).
     let tol = matmul_tol::<GpuAd>(&Default::default(), 1e-5);

@@ -342,6 +342,10 @@ fn non_finite_input_and_a_bad_axis_are_errors() {
 }
 
 /// Whether `B` is the wgpu test backend (where the kernels must run).
+#[cfg_attr(
+    not(any(feature = "wgpu", feature = "cuda")),
+    allow(clippy::extra_unused_type_parameters)
+)]
 fn is_gpu<B: 'static>() -> bool {
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
     {

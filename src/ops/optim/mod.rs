@@ -138,17 +138,18 @@ fn adamw_reference<B: Backend, const D: usize>(
     (kept - delta.mul_scalar(s.lr), m1, m2)
 }
 
-/// `a·x + b·y` for two tensors of one shape: on the CubeCL backends one kernel (f32 arithmetic,
-/// each product rounded, then the sum), elsewhere `x·a + y·b` in tensor ops (a factor of exactly 1
-/// skips its product), which is what the tensor-op forms of Muon's momentum and update compute.
+/// `a·x + b·y` for two tensors of one shape: on the CubeCL backends one kernel (f32 arithmetic
+/// with `a` and `b` rounded to f32, each product rounded, then the sum), elsewhere `x·a + y·b` in
+/// tensor ops (the factors converted to the tensors' element type; a factor of exactly 1 skips its
+/// product), which is what the tensor-op forms of Muon's update and Newton–Schulz steps compute.
 ///
 /// # Panics
 /// When the shapes differ.
 pub fn scaled_sum<B: Backend, const D: usize>(
     x: Tensor<B, D>,
-    a: f32,
+    a: f64,
     y: Tensor<B, D>,
-    b: f32,
+    b: f64,
 ) -> Tensor<B, D> {
     let shape = x.shape();
     assert!(
@@ -161,8 +162,8 @@ pub fn scaled_sum<B: Backend, const D: usize>(
         let op = ScaledSumOp {
             x: x.reshape([len]),
             y: y.reshape([len]),
-            a,
-            b,
+            a: a as f32,
+            b: b as f32,
         };
         match backend::on_kernels::<B, _>(op) {
             Ok(out) => {
@@ -183,11 +184,11 @@ pub fn scaled_sum<B: Backend, const D: usize>(
 /// [`scaled_sum`] in tensor ops (any backend).
 fn scaled_sum_reference<B: Backend, const D: usize>(
     x: Tensor<B, D>,
-    a: f32,
+    a: f64,
     y: Tensor<B, D>,
-    b: f32,
+    b: f64,
 ) -> Tensor<B, D> {
-    let scale = |t: Tensor<B, D>, s: f32| if s == 1.0 { t } else { t.mul_scalar(s) };
+    let scale = |t: Tensor<B, D>, s: f64| if s == 1.0 { t } else { t.mul_scalar(s) };
     scale(x, a).add(scale(y, b))
 }
 
