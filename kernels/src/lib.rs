@@ -1,6 +1,8 @@
 //! CubeCL kernels for kimi-burn: the fused ops behind `kimi_burn::ops` on the CubeCL backends
 //! (wgpu, CUDA). Kernels only: no Burn types, no modules; `kimi-burn` launches them.
 //!
+//! * [`activation`]: the logistic sigmoid and its derivative without cancellation, one unit per
+//!   element.
 //! * [`attention`]: causal softmax attention (MLA's expanded form, design §5), forward and
 //!   backward, one unit per query or key row, the scores never stored.
 //! * [`attn_res`]: Attention Residuals' softmax mix over depth, forward and backward (design §6),
@@ -32,6 +34,7 @@
 // are spelled out with the operators the DSL maps to device instructions.
 #![allow(clippy::collapsible_if, clippy::manual_div_ceil, clippy::manual_clamp)]
 
+pub mod activation;
 pub mod attention;
 pub mod attn_res;
 pub mod cross_entropy;

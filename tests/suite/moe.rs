@@ -1176,3 +1176,49 @@ fn one_expert_cut_out_of_the_stack_is_a_trainable_copy() {
     assert!(glu.w1.weight.grad(&grads).is_some() && glu.w2.weight.grad(&grads).is_some());
     assert!(moe.experts.w1.grad(&grads).is_none());
 }
+
+/// The precise sigmoid's kernels on the GPU (one launch forward, one backward) against the f64
+/// formula, value and gradient, elementwise in the tails where a subtraction would cancel.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+#[test]
+fn gpu_sigmoid_kernels_match_f64_into_the_tails() {
+    use kimi_burn::ops::precision::sigmoid;
+    use kimi_burn::ops::{kernel_calls, FusedOp};
+    let device = Default::default();
+    // Every 0.37 across ±86.9, into both tails until `e^{−|x|}` nears f32's smallest normal number
+    // (GPUs flush subnormal values to zero), then far beyond it, where nothing may overflow.
+    let mut xs: Vec<f64> = (0..470).map(|i| -86.9 + 0.37 * i as f64).collect();
+    xs.extend([-1000.0, -100.0, 100.0, 1000.0]);
+    let n = xs.len();
+    let dy: Vec<f64> = (0..n).map(|i| ((i * 7 % 13) as f64 - 6.0) / 3.0).collect();
+    let x = from_f64::<GpuAd, 1>(&xs, [n], &device).require_grad();
+    let (fwd, bwd) = (
+        kernel_calls(FusedOp::Sigmoid),
+        kernel_calls(FusedOp::SigmoidBackward),
+    );
+    let y = sigmoid(x.clone());
+    let grads = y
+        .clone()
+        .mul(from_f64::<GpuAd, 1>(&dy, [n], &device))
+        .sum()
+        .backward();
+    assert_eq!(kernel_calls(FusedOp::Sigmoid) - fwd, 1, "forward kernel");
+    assert_eq!(
+        kernel_calls(FusedOp::SigmoidBackward) - bwd,
+        1,
+        "backward kernel"
+    );
+    let (y, dx) = (host(y), host(x.grad(&grads).expect("dx")));
+    for (i, &v) in xs.iter().enumerate() {
+        // x is exact in f32 only up to rounding: evaluate the formula at the f32 input.
+        let v = v as f32 as f64;
+        let s = 1.0 / (1.0 + (-v).exp());
+        let ds = dy[i] * (-v.abs()).exp() / (1.0 + (-v.abs()).exp()).powi(2);
+        // Relative; where the exact value is below f32's smallest normal number, zero will do.
+        let close = |got: f64, want: f64| {
+            (got - want).abs() <= 4e-6 * want.abs() || want.abs() < 1.2e-38 && got.abs() < 1.2e-38
+        };
+        assert!(close(y[i], s), "σ({v}) = {} vs {s}", y[i]);
+        assert!(close(dx[i], ds), "dσ({v})·{} = {} vs {ds}", dy[i], dx[i]);
+    }
+}

@@ -7,7 +7,8 @@
 //! declared with their shapes and dtypes when the op is called, and when the stream reaches it the
 //! inner backend's implementation of the same trait method runs on the inner tensors. So
 //! `Fusion<B>` implements [`MoeKernels`], [`KdaKernels`], [`AttnResKernels`], [`RmsNormKernels`],
-//! [`CrossEntropyKernels`], [`AttentionKernels`] and [`OptimKernels`] wherever `B` does, and
+//! [`CrossEntropyKernels`], [`AttentionKernels`], [`OptimKernels`] and [`ActivationKernels`]
+//! wherever `B` does, and
 //! `Autodiff<Fusion<B>>` gets the custom backward passes through the generic autodiff
 //! implementations.
 //!
@@ -32,6 +33,7 @@ use crate::ops::mla::AttentionKernels;
 use crate::ops::moe::{GluActivation, MoeExpertsGrads, MoeExpertsInput, MoeKernels, MoeSaved};
 use crate::ops::norm::RmsNormKernels;
 use crate::ops::optim::{AdamWScalars, OptimKernels};
+use crate::ops::precision::ActivationKernels;
 use crate::ops::quant::MxSpec;
 
 /// A fusion tensor of the backend `B` wraps.
@@ -957,5 +959,32 @@ impl<B: FusionBackend + OptimKernels> OptimKernels for Fusion<B> {
             },
         ));
         out
+    }
+}
+
+impl<B: FusionBackend + ActivationKernels> ActivationKernels for Fusion<B> {
+    fn precise_sigmoid(x: Ft<B>) -> Ft<B> {
+        let declared = vec![Out::like(&x)];
+        let [y] = outs(call::<B>(
+            "kimi_burn::sigmoid_forward",
+            Inputs::new().float(x),
+            declared,
+            |mut a| vec![Prim::Float(B::precise_sigmoid(a.float()))],
+        ));
+        y
+    }
+
+    fn precise_sigmoid_backward(x: Ft<B>, grad: Ft<B>) -> Ft<B> {
+        let declared = vec![Out::like(&x)];
+        let [dx] = outs(call::<B>(
+            "kimi_burn::sigmoid_backward",
+            Inputs::new().float(x).float(grad),
+            declared,
+            |mut a| {
+                let (x, g) = (a.float(), a.float());
+                vec![Prim::Float(B::precise_sigmoid_backward(x, g))]
+            },
+        ));
+        dx
     }
 }

@@ -7,7 +7,7 @@
 //! The modules stay generic over any [`Backend`]. An op first offers its tensors to a kernel
 //! implementation, reached through the backend-extension traits
 //! [`MoeKernels`], [`KdaKernels`], [`AttnResKernels`], [`RmsNormKernels`],
-//! [`CrossEntropyKernels`], [`AttentionKernels`] and [`OptimKernels`]
+//! [`CrossEntropyKernels`], [`AttentionKernels`], [`OptimKernels`] and [`ActivationKernels`]
 //! (implemented with the `wgpu` or `cuda` feature for every `CubeBackend<R, F, I, BT>`, for
 //! `Fusion<B>` over one, and, with custom backward passes, for `Autodiff<B>` over either), and
 //! otherwise runs its reference tensor-op code (or, on the CPU backends, a host kernel).
@@ -48,6 +48,7 @@ use crate::ops::mla::AttentionKernels;
 use crate::ops::moe::MoeKernels;
 use crate::ops::norm::RmsNormKernels;
 use crate::ops::optim::OptimKernels;
+use crate::ops::precision::ActivationKernels;
 
 #[cfg(feature = "autodiff")]
 pub(crate) mod autodiff;
@@ -118,9 +119,13 @@ pub enum FusedOp {
     AdamW,
     /// [`scaled_sum`](crate::ops::optim::scaled_sum): Muon's momentum and update steps.
     ScaledSum,
+    /// [`sigmoid`](crate::ops::precision::sigmoid) forward (the precise sigmoid).
+    Sigmoid,
+    /// Its backward (autodiff).
+    SigmoidBackward,
 }
 
-const N_OPS: usize = 24;
+const N_OPS: usize = 26;
 
 impl FusedOp {
     fn slot(self) -> usize {
@@ -286,8 +291,8 @@ pub(crate) fn register_grads<B: Backend>(
 }
 
 /// Every kernel family a dispatched backend provides: [`MoeKernels`], [`KdaKernels`],
-/// [`AttnResKernels`], [`RmsNormKernels`], [`CrossEntropyKernels`], [`AttentionKernels`] and
-/// [`OptimKernels`].
+/// [`AttnResKernels`], [`RmsNormKernels`], [`CrossEntropyKernels`], [`AttentionKernels`],
+/// [`OptimKernels`] and [`ActivationKernels`].
 pub trait FusedKernels:
     MoeKernels
     + KdaKernels
@@ -296,6 +301,7 @@ pub trait FusedKernels:
     + CrossEntropyKernels
     + AttentionKernels
     + OptimKernels
+    + ActivationKernels
 {
 }
 
@@ -307,6 +313,7 @@ impl<B> FusedKernels for B where
         + CrossEntropyKernels
         + AttentionKernels
         + OptimKernels
+        + ActivationKernels
 {
 }
 

@@ -4,6 +4,9 @@
 use burn::tensor::{backend::Backend, DType, FloatDType, Tensor};
 
 pub(crate) mod host;
+mod kernel;
+
+pub use kernel::ActivationKernels;
 
 use crate::ops::backend::host as cpu;
 use host::Unary;
@@ -41,11 +44,20 @@ pub fn restore<B: Backend, const D: usize>(x: Tensor<B, D>, dtype: DType) -> Ten
 /// autodiff through it gives the same cancellation-free derivative.
 ///
 /// On the CPU backends an `f32` tensor goes through one host kernel
-/// (`cpu::elementwise`) computing the same function.
+/// (`cpu::elementwise`) computing the same function, and on the CubeCL backends (f32, f16, bf16)
+/// one kernel forward and one backward ([`ActivationKernels`]).
 pub fn sigmoid<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    match cpu::try_run(&Unary::Sigmoid, [x]) {
+    let x = match cpu::try_run(&Unary::Sigmoid, [x]) {
+        Ok(y) => return y,
+        Err([x]) => x,
+    };
+    match kernel::try_sigmoid(x) {
         Ok(y) => y,
-        Err([x]) => {
+        Err(x) => {
+            crate::ops::backend::record(
+                crate::ops::backend::FusedOp::Sigmoid,
+                crate::ops::backend::KernelPath::Reference,
+            );
             let neg = x.clone().lower_elem(0.0);
             // |x| by a masked negation (not `abs`, whose derivative at 0 is 0).
             let e = x.clone().mask_where(neg.clone(), x.neg()).neg().exp();
