@@ -149,7 +149,8 @@ run() {
         local first=kernels_moe::dispatch::half_storage
         timeout 150 "$bin/suite" "$first" --test-threads=2 --nocapture >"$out/kernels.log" 2>&1 || status=$?
         timeout 420 "$bin/suite" kernels_moe:: kernels_kda:: ::kernel:: ::wgpu on_wgpu_matches \
-            half_inputs_on_wgpu the_kernel_matches_the_host_loop --skip "$first" --test-threads=12 \
+            half_inputs_on_wgpu the_kernel_matches_the_host_loop adamw_kernel scaled_sum_kernel \
+            the_optimiser_on_the_gpu gpu_sigmoid_kernels --skip "$first" --test-threads=12 \
             --nocapture >>"$out/kernels.log" 2>&1 || status=$?
         echo "kernel tests exit status: $status" >>"$out/summary.txt"
         grep -E "^test .*(FAILED|ignored)|panicked|exceeds|^assertion|test result" "$out/kernels.log" >>"$out/summary.txt" || true
