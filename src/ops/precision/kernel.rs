@@ -19,7 +19,8 @@ pub trait ActivationKernels: Backend {
     fn precise_sigmoid(x: FloatTensor<Self>) -> FloatTensor<Self>;
 
     /// `grad · σ'(x)` for flat `[len]` tensors, in `x`'s dtype. Not differentiable itself.
-    fn precise_sigmoid_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self>;
+    fn precise_sigmoid_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>)
+        -> FloatTensor<Self>;
 }
 
 /// [`sigmoid`](super::sigmoid) on the kernels when `B` takes them: `Ok(σ(x))`, or `x` back.
@@ -107,8 +108,14 @@ mod autodiff {
             }
         }
 
-        fn precise_sigmoid_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-            Self::from_inner(B::precise_sigmoid_backward(Self::inner(x), Self::inner(grad)))
+        fn precise_sigmoid_backward(
+            x: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+        ) -> FloatTensor<Self> {
+            Self::from_inner(B::precise_sigmoid_backward(
+                Self::inner(x),
+                Self::inner(grad),
+            ))
         }
     }
 }
