@@ -69,8 +69,8 @@ pub fn adamw_step<F: Float>(
 }
 
 /// `out = a·x + b·y` over `len` elements of `F` (each product rounded, then the sum, as two
-/// scaled tensors added), in f32. The optimiser's momentum `v ← μ·v + g` and its update
-/// `p ← keep·p − lr·u` are each one launch of it. One unit per element, cubes of [`OPTIM_CUBE`]
+/// scaled tensors added), in f32. Muon's update `p ← keep·p − lr·u` and each Newton–Schulz
+/// combination are one launch of it. One unit per element, cubes of [`OPTIM_CUBE`]
 /// units; extra units exit.
 #[cube(launch_unchecked)]
 pub fn scaled_sum<F: Float>(

@@ -146,9 +146,9 @@ type HeadMuonRecord<M, B> = AdaptorRecordOf<HeadMuon<<B as AutodiffBackend>::Inn
 /// updated on the device Burn's adaptors would pick, and blocks are batched per device.
 ///
 /// The record is the tuple `(muon, head_muon, adamw)` of per-parameter states, in the formats of
-/// Burn's `Muon`, [`HeadMuon`] and `AdamW` adaptors (the AdamW states are Burn's `AdamWState`); [`Optimizer::load_record`] keeps the Muon
-/// states of parameters whose role is still Muon (states of parameters now under AdamW are
-/// dropped).
+/// Burn's `Muon`, [`HeadMuon`] and `AdamW` adaptors (the AdamW states are Burn's `AdamWState`);
+/// [`Optimizer::load_record`] keeps the Muon states of parameters whose role is still Muon (states
+/// of parameters now under AdamW are dropped).
 pub struct KimiOptimizer<M: AutodiffModule<B>, B: AutodiffBackend> {
     /// Momentum states of whole 2-D matrices.
     whole: WholeRecord<M, B>,

@@ -4,8 +4,9 @@
 //! ([`OptimKernels`]) instead of Burn's fourteen or so tensor ops, each a launch over the whole
 //! parameter; elsewhere the same arithmetic in tensor ops. [`KimiAdamW`](crate::optim::KimiAdamW)
 //! steps its parameters through it. [`scaled_sum`] (`a·x + b·y`, one kernel for three tensor ops)
-//! is what Muon's momentum and its update of the weights are made of in
-//! [`KimiOptimizer`](crate::optim::KimiOptimizer).
+//! is Muon's update of the weights and the two combinations of each Newton–Schulz iteration in
+//! [`KimiOptimizer`](crate::optim::KimiOptimizer) (its momentum stays Burn's `Momentum`, whose
+//! state keeps the velocity private).
 
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, Tensor, TensorPrimitive};
