@@ -16,7 +16,7 @@ use kimi_burn::KimiConfig;
 use rand::Rng;
 
 /// The fused ops a training step of the small model runs, forward and backward.
-const TRAINING_KERNELS: [FusedOp; 20] = [
+const TRAINING_KERNELS: [FusedOp; 22] = [
     FusedOp::SituGlu,
     FusedOp::SituGluBackward,
     FusedOp::RouteTopK,
@@ -37,6 +37,8 @@ const TRAINING_KERNELS: [FusedOp; 20] = [
     FusedOp::CrossEntropyBackward,
     FusedOp::Attention,
     FusedOp::AttentionBackward,
+    FusedOp::Sigmoid,
+    FusedOp::SigmoidBackward,
 ];
 
 type Snapshot = (Vec<f64>, Vec<crate::model::ParamState>);
