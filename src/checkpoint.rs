@@ -8,9 +8,11 @@
 //! naming it is replaced the same way, so a kill at any moment leaves `latest` naming a complete
 //! checkpoint (or no `latest` at all before the first one). Older checkpoints are then removed.
 //!
-//! The balancers need nothing more: a checkpoint is taken between optimiser steps, after
+//! The balancers need little more: a checkpoint is taken between optimiser steps, after
 //! [`update_balance`](KimiForCausalLM::update_balance), when their counts are empty and the bias
-//! (saved with the model) is all their state.
+//! (saved with the model) is all their state, except for QB with drift compensation, whose drift
+//! memory ([`KimiForCausalLM::drift_memory`]) goes into `balance.json` beside the model.
+//! Checkpoints without that file load with the drift forgotten.
 
 use std::path::{Path, PathBuf};
 
@@ -23,6 +25,9 @@ use serde::{Deserialize, Serialize};
 use crate::data::SeededRng;
 use crate::error::{Error, Result};
 use crate::model::KimiForCausalLM;
+
+/// The file of a checkpoint that holds the balancers' drift memory.
+const BALANCE_FILE: &str = "balance.json";
 
 /// The training loop's state at a checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -113,6 +118,11 @@ impl Checkpoints {
             .map_err(|e| record_error(&tmp, e))?;
         let json = serde_json::to_vec_pretty(state).map_err(|e| record_error(&tmp, e))?;
         write_synced(&tmp.join("state.json"), &json)?;
+        let drift = model.drift_memory();
+        if drift.iter().any(Option::is_some) {
+            let json = serde_json::to_vec(&drift).map_err(|e| record_error(&tmp, e))?;
+            write_synced(&tmp.join(BALANCE_FILE), &json)?;
+        }
         for file in ["model.mpk", "optimizer.mpk"] {
             sync_file(&tmp.join(file))?;
         }
@@ -152,16 +162,31 @@ impl Checkpoints {
         serde_json::from_slice(&text).map_err(|source| Error::Json { path, source })
     }
 
-    /// `model` (built from the same config) with the parameters, ids and biases of checkpoint
-    /// `folder`.
+    /// `model` (built from the same config) with the parameters, ids, biases and drift memory of
+    /// checkpoint `folder`.
     pub fn load_model<B: Backend>(
         folder: &Path,
         model: KimiForCausalLM<B>,
         device: &B::Device,
     ) -> Result<KimiForCausalLM<B>> {
-        model
+        let model = model
             .load_file(folder.join("model"), &Rec::new(), device)
-            .map_err(|e| record_error(folder, e))
+            .map_err(|e| record_error(folder, e))?;
+        let path = folder.join(BALANCE_FILE);
+        let drift = match std::fs::read(&path) {
+            Ok(text) => serde_json::from_slice(&text).map_err(|source| Error::Json {
+                path: path.clone(),
+                source,
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                vec![None; model.drift_memory().len()]
+            }
+            Err(e) => return Err(io(&path)(e)),
+        };
+        model.set_drift_memory(drift).map_err(|e| {
+            Error::Checkpoint(format!("{}: {e}", path.display()))
+        })?;
+        Ok(model)
     }
 
     /// `optim` with the state of checkpoint `folder` (for the model of

@@ -7,15 +7,17 @@
 use crate::ops::linear::linear;
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear};
-use burn::tensor::{backend::Backend, Bool, Int, Tensor};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Bool, Int, Tensor};
 
 pub use crate::cache::{KimiCache, LayerCache};
 pub use crate::config::KimiConfig;
+use crate::balance_sync::BalancedModule;
 use crate::error::{Error, Result};
 use crate::nn::attn_res::{AttnResConfig, AttnResMix};
 use crate::nn::{
-    GatedMla, KimiDeltaAttention, LatentMoe, MoeLoads, MoeStats, RmsNorm, RmsNormConfig, SituGlu,
-    SituGluConfig,
+    BalanceState, DriftMemory, GatedMla, KimiDeltaAttention, LatentMoe, MoeLoads, MoeStats,
+    RmsNorm, RmsNormConfig, SituGlu, SituGluConfig,
 };
 
 /// The token mixer of a decoder layer.
@@ -348,18 +350,147 @@ impl<B: Backend> KimiForCausalLM<B> {
     /// Applies every MoE layer's balancer (once per optimiser step). Counts gathered on the
     /// device (the kernel path) are read for all layers at once: one read per call.
     pub fn update_balance(&self) {
-        let states: Vec<_> = self
-            .layers
-            .iter()
-            .filter_map(|layer| match &layer.ffn {
-                Ffn::Moe(moe) => Some(&moe.balance),
-                Ffn::Dense(_) => None,
-            })
-            .collect();
+        let states = self.moe_balances();
         crate::nn::balance::flush_all(&states)
             .unwrap_or_else(|e| unreachable!("device counts have their balancer's size: {e}"));
         for state in states {
             state.update();
         }
+    }
+
+    /// Every MoE layer's drift memory ([`BalancerKind::QuantileTrend`]), in layer order (`None`
+    /// for layers with another balancer). What a training checkpoint keeps besides the biases.
+    ///
+    /// [`BalancerKind::QuantileTrend`]: crate::nn::BalancerKind::QuantileTrend
+    pub fn drift_memory(&self) -> Vec<Option<DriftMemory>> {
+        self.moe_balances()
+            .iter()
+            .map(|s| s.drift_memory())
+            .collect()
+    }
+
+    /// Restores [`drift_memory`](Self::drift_memory). Errors when the number of MoE layers
+    /// differs, or as [`BalanceState::set_drift_memory`] (naming the layer).
+    pub fn set_drift_memory(&self, memory: Vec<Option<DriftMemory>>) -> Result<()> {
+        let states = self.balance_states();
+        if memory.len() != states.len() {
+            return Err(Error::argument(
+                "drift memory",
+                format!(
+                    "has {} MoE layers, the model {}",
+                    memory.len(),
+                    states.len()
+                ),
+            ));
+        }
+        for ((layer, state), m) in states.into_iter().zip(memory) {
+            state.set_drift_memory(m).map_err(|e| {
+                Error::argument("drift memory", format!("MoE layer {layer}: {e}"))
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Every MoE layer's balance state, in layer order.
+    fn moe_balances(&self) -> Vec<&BalanceState<B>> {
+        self.balance_states().into_iter().map(|(_, s)| s).collect()
+    }
+}
+
+/// What [`KimiForCausalLM::calibrate_balance`] found, per MoE layer in layer order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Calibration {
+    /// The max violation of the calibration tokens pooled, routed with the bias the model had
+    /// before the calibration.
+    pub before: Vec<f32>,
+    /// The same with the bias the calibration kept.
+    pub after: Vec<f32>,
+}
+
+impl<B: AutodiffBackend> KimiForCausalLM<B> {
+    /// Fits every MoE layer's balance bias to `batches` (token ids, `[B, T]` each) without
+    /// training: the crate's own addition to design §3, for a change of data (a curriculum's
+    /// next phase, fine-tuning on another corpus), where the bias of the previous data would
+    /// route the first steps of the new one unbalanced.
+    ///
+    /// Each of `sweeps` sweeps routes all the batches (training forwards, no backward), pools
+    /// their QB histograms and moves every layer's bias half-way to QB's set (a whole QB step
+    /// overshoots when experts compete for tokens crowded at the cut); the sweep whose pooled
+    /// loads were the most even (the smallest max violation over the layers) gives the bias
+    /// kept. Parameters and optimiser state are untouched; the balancers' counts are left empty
+    /// and their drift estimates ([`BalancerKind::QuantileTrend`]) forgotten. Sweeps after the
+    /// first see the same tokens, so `sweeps + 1` forwards per batch are the cost.
+    ///
+    /// Call it between optimiser steps (after [`update_balance`](Self::update_balance)): counts
+    /// observed since the last update would be pooled into the first sweep. With
+    /// data-parallel replicas, give every replica the same batches: the result is then the same
+    /// everywhere. Errors when a MoE layer's balancer is not QB, on `sweeps == 0` or no batches,
+    /// or as [`forward_with_stats`](Self::forward_with_stats).
+    ///
+    /// [`BalancerKind::QuantileTrend`]: crate::nn::BalancerKind::QuantileTrend
+    pub fn calibrate_balance(
+        &self,
+        batches: &[Tensor<B, 2, Int>],
+        sweeps: usize,
+    ) -> Result<Calibration> {
+        if sweeps == 0 || batches.is_empty() {
+            return Err(Error::argument(
+                "calibration",
+                format!(
+                    "needs at least one sweep and one batch, got {sweeps} sweeps and {} batches",
+                    batches.len()
+                ),
+            ));
+        }
+        let states = self.balance_states();
+        if let Some((layer, _)) = states.iter().find(|(_, s)| !s.is_quantile()) {
+            return Err(Error::argument(
+                "balancer",
+                format!(
+                    "calibrating the bias needs Quantile Balancing; MoE layer {layer} has {:?}",
+                    self.config.moe.balancer
+                ),
+            ));
+        }
+        let states: Vec<_> = states.into_iter().map(|(_, s)| s).collect();
+        let mut before = Vec::new();
+        // (worst layer's violation, per-layer violations, the biases that gave them).
+        let mut best: Option<(f32, Vec<f32>, Vec<Vec<f32>>)> = None;
+        for _ in 0..sweeps {
+            let biases: Vec<Vec<f32>> = states.iter().map(|s| s.bias_host()).collect();
+            let mut loads: Vec<Vec<u64>> = vec![Vec::new(); states.len()];
+            for ids in batches {
+                let out = self.forward_with_stats(ids.clone())?;
+                for (acc, stats) in loads.iter_mut().zip(out.moe_stats()) {
+                    acc.resize(stats.tokens_per_expert.len(), 0);
+                    acc.iter_mut()
+                        .zip(&stats.tokens_per_expert)
+                        .for_each(|(a, c)| *a += c);
+                }
+            }
+            let pooled: Vec<f32> = loads
+                .into_iter()
+                .map(|l| MoeStats::from_loads(l).max_violation)
+                .collect();
+            if before.is_empty() {
+                before = pooled.clone();
+            }
+            let worst = pooled.iter().copied().fold(0.0f32, f32::max);
+            if best.as_ref().is_none_or(|(w, _, _)| worst < *w) {
+                best = Some((worst, pooled, biases.clone()));
+            }
+            for (state, old) in states.iter().zip(&biases) {
+                if let Some(set) = state.take_quantile_set()? {
+                    let half: Vec<f32> = old.iter().zip(&set).map(|(o, q)| 0.5 * (o + q)).collect();
+                    state.set_bias(&half);
+                }
+            }
+        }
+        let (_, after, kept) = best.expect("at least one sweep ran");
+        for (state, bias) in states.iter().zip(&kept) {
+            state.set_bias(bias);
+            state.forget_drift();
+        }
+        Ok(Calibration { before, after })
     }
 }

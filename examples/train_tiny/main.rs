@@ -75,6 +75,9 @@ enum Pattern {
 enum Balancer {
     /// Quantile Balancing (design §3).
     Qb,
+    /// Quantile Balancing with drift compensation (the crate's extension of design §3: QB's set
+    /// plus a smoothed estimate of its change per step; see `BalancerKind::QuantileTrend`).
+    QbTrend,
     /// The sign rule, γ = 1e-3.
     Sign,
     /// No balancing.
@@ -233,6 +236,16 @@ struct Args {
     /// QB histogram bins (default 1000, design §3).
     #[arg(long)]
     qb_bins: Option<usize>,
+    /// `--balancer qb-trend`: the newest step's weight β ∈ (0, 1] in the drift estimate.
+    #[arg(long)]
+    qb_smoothing: Option<f32>,
+    /// QB balancers: when the short phase ends, fit every MoE layer's bias to fresh
+    /// full-length sequences in this many sweeps before the first full-length step
+    /// (`KimiForCausalLM::calibrate_balance`; 0: no calibration). The calibration batches are
+    /// `--accum × --devices` batches of `--batch` sequences from their own generator, the same on
+    /// every replica.
+    #[arg(long, default_value_t = 0)]
+    calibrate: usize,
     /// Optimiser.
     #[arg(long, value_enum, default_value_t = Optimiser::Muon)]
     optimiser: Optimiser,
@@ -382,6 +395,10 @@ fn model_config(args: &Args, vocab: usize) -> Result<KimiConfig, String> {
     c.moe.balancer = match args.balancer {
         Balancer::Qb => BalancerKind::Quantile {
             bins: args.qb_bins.unwrap_or(1000),
+        },
+        Balancer::QbTrend => BalancerKind::QuantileTrend {
+            bins: args.qb_bins.unwrap_or(1000),
+            smoothing: args.qb_smoothing.unwrap_or(0.3),
         },
         Balancer::Sign => BalancerKind::Sign { gamma: 1e-3 },
         Balancer::None => BalancerKind::None,
@@ -596,6 +613,9 @@ fn train_loop<B: AutodiffBackend>(
             }
             _ => task.sample_batch(args.batch * sequences, &mut rng),
         };
+        if args.calibrate > 0 && short.as_ref().is_some_and(|phase| phase.steps == step) {
+            calibrate(args, &model, task.as_ref(), sequences, reporting, device)?;
+        }
         let shard = if replicas > 1 {
             batch
                 .split(replicas)
@@ -760,6 +780,39 @@ fn progress_bar(steps: usize) -> Result<ProgressBar, String> {
     Ok(bar)
 }
 
+/// `--calibrate`: fits the balance biases to `batches` fresh batches of the full-length task
+/// (their own generator, so the training data stays where it was and every replica routes the
+/// same sequences).
+fn calibrate<B: AutodiffBackend>(
+    args: &Args,
+    model: &KimiForCausalLM<B>,
+    task: &dyn Task,
+    batches: usize,
+    reporting: bool,
+    device: &B::Device,
+) -> Result<(), String> {
+    let mut rng = SeededRng::new(args.seed ^ CALIBRATION_SEED);
+    let ids: Vec<_> = (0..batches)
+        .map(|_| task.sample_batch(args.batch, &mut rng).to_tensors::<B>(device).0)
+        .collect();
+    let fit = model
+        .calibrate_balance(&ids, args.calibrate)
+        .map_err(|e| e.to_string())?;
+    if reporting {
+        let show = |v: &[f32]| v.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>();
+        eprintln!(
+            "calibrated the balance biases to {} full-length sequences: pooled max violation {:?} -> {:?}",
+            batches * args.batch,
+            show(&fit.before),
+            show(&fit.after)
+        );
+    }
+    Ok(())
+}
+
+/// Mixed into `--seed` for `--calibrate`'s sequences.
+const CALIBRATION_SEED: u64 = 0xca1b;
+
 /// `--reroute`: the max violation per MoE layer of this step's batch routed again after the
 /// optimiser step and the balancer update (on the inference backend: the balancer does not count
 /// this pass).
@@ -865,10 +918,23 @@ fn check_args(args: &Args) -> Result<(), String> {
     {
         return Err("--filler-tokens only applies to --task mqar with --filler reserved".into());
     }
-    if let (Some(bins), false) = (args.qb_bins, matches!(args.balancer, Balancer::Qb)) {
+    let quantile = matches!(args.balancer, Balancer::Qb | Balancer::QbTrend);
+    if let (Some(bins), false) = (args.qb_bins, quantile) {
         return Err(format!(
-            "--qb-bins {bins} only applies to --balancer qb, got --balancer {:?}",
+            "--qb-bins {bins} only applies to --balancer qb or qb-trend, got --balancer {:?}",
             args.balancer
+        ));
+    }
+    if let (Some(beta), false) = (args.qb_smoothing, matches!(args.balancer, Balancer::QbTrend)) {
+        return Err(format!(
+            "--qb-smoothing {beta} only applies to --balancer qb-trend, got --balancer {:?}",
+            args.balancer
+        ));
+    }
+    if args.calibrate > 0 && !quantile {
+        return Err(format!(
+            "--calibrate {} needs --balancer qb or qb-trend, got --balancer {:?}",
+            args.calibrate, args.balancer
         ));
     }
     Ok(())

@@ -525,7 +525,7 @@ fn balancer_of(f: &Fields<'_>, k3: bool, scoring: Scoring) -> Result<BalancerKin
         return serde_json::from_value(v.clone()).map_err(|e| {
             Error::config(
                 f.name("load_balancer"),
-                format!("expected a balancer such as {{\"Quantile\": {{\"bins\": 1000}}}}, {{\"Sign\": {{\"gamma\": 0.001}}}} or \"None\": {e}"),
+                format!("expected a balancer such as {{\"Quantile\": {{\"bins\": 1000}}}}, {{\"QuantileTrend\": {{\"bins\": 1000, \"smoothing\": 0.3}}}}, {{\"Sign\": {{\"gamma\": 0.001}}}} or \"None\": {e}"),
             )
         });
     }
@@ -579,6 +579,10 @@ mod tests {
         assert_eq!(softmax, BalancerKind::None);
         for balancer in [
             BalancerKind::Quantile { bins: 37 },
+            BalancerKind::QuantileTrend {
+                bins: 37,
+                smoothing: 0.25,
+            },
             BalancerKind::Sign { gamma: 0.25 },
             BalancerKind::None,
         ] {

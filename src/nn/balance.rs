@@ -281,6 +281,52 @@ pub struct QuantileBalancer {
     counts: Vec<u64>,
     /// Counts of a batch are pending on the device (see [`BalanceState::observe_device`]).
     pending: bool,
+    /// Drift compensation ([`BalancerKind::QuantileTrend`]): the smoothing and its memory.
+    trend: Option<(f32, DriftMemory)>,
+}
+
+/// What QB with drift compensation ([`BalancerKind::QuantileTrend`]) carries from one optimiser
+/// step to the next, per MoE layer: the last QB set and the smoothed per-step change of the set.
+/// A training checkpoint keeps it ([`crate::checkpoint`]) so that a resumed run continues bit for
+/// bit.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DriftMemory {
+    /// The previous update's QB set `b̂ − mean(b̂)`, `[n]`; empty before the first update.
+    pub last_set: Vec<f32>,
+    /// The smoothed change of the set per update, `[n]`; empty (zero) before the second.
+    pub drift: Vec<f32>,
+}
+
+impl DriftMemory {
+    fn check(&self, experts: usize) -> Result<()> {
+        for (name, v) in [("last_set", &self.last_set), ("drift", &self.drift)] {
+            if !v.is_empty() && v.len() != experts {
+                return Err(Error::shape(
+                    format!("drift memory {name}"),
+                    format!("[{experts}] or empty"),
+                    [v.len()],
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Records QB's new `set` and returns the bias to route the next step with:
+    /// `set + drift`, where `drift ← (1 − β)·drift + β·(set − last_set)`.
+    fn advance(&mut self, set: Vec<f32>, smoothing: f32) -> Vec<f32> {
+        if self.last_set.len() != set.len() {
+            // The first update (or the first after `forget`): nothing to extrapolate from.
+            self.last_set = set.clone();
+            self.drift.clear();
+            return set;
+        }
+        self.drift.resize(set.len(), 0.0);
+        for ((d, last), &now) in self.drift.iter_mut().zip(&mut self.last_set).zip(&set) {
+            *d = (1.0 - smoothing) * *d + smoothing * (now - *last);
+            *last = now;
+        }
+        set.iter().zip(&self.drift).map(|(b, d)| b + d).collect()
+    }
 }
 
 impl QuantileBalancer {
@@ -305,7 +351,66 @@ impl QuantileBalancer {
             bounds: None,
             counts: vec![0; experts * bins],
             pending: false,
+            trend: None,
         })
+    }
+
+    /// QB with drift compensation ([`BalancerKind::QuantileTrend`]): `smoothing` is the weight
+    /// β ∈ (0, 1] of the newest step in the smoothed per-step change of QB's set.
+    pub fn with_trend(experts: usize, bins: usize, smoothing: f32) -> Result<Self> {
+        if !(smoothing > 0.0 && smoothing <= 1.0) {
+            return Err(Error::config(
+                "smoothing",
+                format!("QB's drift smoothing must lie in (0, 1], got {smoothing}"),
+            ));
+        }
+        Ok(Self {
+            trend: Some((smoothing, DriftMemory::default())),
+            ..Self::new(experts, bins)?
+        })
+    }
+
+    /// The drift smoothing β (`None`: plain QB).
+    pub fn smoothing(&self) -> Option<f32> {
+        self.trend.as_ref().map(|(beta, _)| *beta)
+    }
+
+    /// The drift memory (`None`: plain QB).
+    pub fn drift_memory(&self) -> Option<&DriftMemory> {
+        self.trend.as_ref().map(|(_, m)| m)
+    }
+
+    /// Replaces the drift memory (from a checkpoint). Errors for plain QB, or on vectors that
+    /// are neither empty nor `[experts]`.
+    pub fn set_drift_memory(&mut self, memory: DriftMemory) -> Result<()> {
+        memory.check(self.experts)?;
+        match self.trend.as_mut() {
+            Some((_, m)) => {
+                *m = memory;
+                Ok(())
+            }
+            None => Err(Error::argument(
+                "drift memory",
+                "this layer balances with plain QB, which keeps no drift memory",
+            )),
+        }
+    }
+
+    /// Forgets the drift (after the data changed, or a calibration): the next update applies
+    /// QB's set as it is and starts a new estimate. No-op for plain QB.
+    pub fn forget_drift(&mut self) {
+        if let Some((_, m)) = self.trend.as_mut() {
+            *m = DriftMemory::default();
+        }
+    }
+
+    /// QB's set `b̂ − mean(b̂)` from the counts so far, which it clears, without the drift
+    /// compensation and without touching its memory. `None` with no counts.
+    pub fn take_set(&mut self) -> Option<Vec<f32>> {
+        let (k, bounds) = (self.k?, self.bounds?);
+        let (set, _) = quantile_bias_from_histogram(&self.counts, self.bins, bounds, k);
+        self.reset();
+        (!set.is_empty()).then_some(set)
     }
 
     /// Number of histogram bins.
@@ -413,15 +518,12 @@ impl Balancer for QuantileBalancer {
     }
 
     fn update(&mut self, bias: &[f32]) -> Vec<f32> {
-        let (Some(k), Some(bounds)) = (self.k, self.bounds) else {
+        let Some(set) = self.take_set() else {
             return bias.to_vec();
         };
-        let (next, _) = quantile_bias_from_histogram(&self.counts, self.bins, bounds, k);
-        self.reset();
-        if next.is_empty() {
-            bias.to_vec()
-        } else {
-            next
+        match self.trend.as_mut() {
+            Some((smoothing, memory)) => memory.advance(set, *smoothing),
+            None => set,
         }
     }
 
@@ -552,6 +654,20 @@ pub enum BalancerKind {
         /// Histogram bins.
         bins: usize,
     },
+    /// Quantile Balancing with drift compensation, the crate's own extension of design §3 (not
+    /// part of K3's published recipe). QB sets the bias that would have balanced the step just
+    /// taken, and the next step routes with it: while training moves the router's inputs, that
+    /// bias lags one step behind. This variant adds a smoothed estimate of how QB's set moves per
+    /// step, `drift ← (1 − β)·drift + β·(set_t − set_{t−1})`, and routes with `set_t + drift`
+    /// (a linear drift is then followed without lag; noise is damped by β). Everything else is
+    /// QB's: the histogram, its pooling across micro-batches and replicas, the centring.
+    /// [`BalanceState::forget_drift`] restarts the estimate after a change of data.
+    QuantileTrend {
+        /// Histogram bins.
+        bins: usize,
+        /// β ∈ (0, 1]: the newest step's weight in the drift estimate (0.3 is tested).
+        smoothing: f32,
+    },
     /// The sign rule with step `gamma` (DeepSeek-V3: 1e-3).
     Sign {
         /// Step size.
@@ -568,11 +684,22 @@ impl BalancerKind {
         Self::Quantile { bins: 1000 }
     }
 
+    /// Quantile Balancing with drift compensation, 1000 bins and smoothing 0.3.
+    pub fn quantile_trend() -> Self {
+        Self::QuantileTrend {
+            bins: 1000,
+            smoothing: 0.3,
+        }
+    }
+
     fn build(&self, experts: usize) -> Result<Option<AnyBalancer>> {
         Ok(match *self {
             Self::Quantile { bins } => {
                 Some(AnyBalancer::Quantile(QuantileBalancer::new(experts, bins)?))
             }
+            Self::QuantileTrend { bins, smoothing } => Some(AnyBalancer::Quantile(
+                QuantileBalancer::with_trend(experts, bins, smoothing)?,
+            )),
             Self::Sign { gamma } => Some(AnyBalancer::Sign(SignBalancer::new(experts, gamma)?)),
             Self::None => None,
         })
@@ -917,6 +1044,61 @@ impl<B: Backend> BalanceState<B> {
         };
         self.set_bias(&next);
         next
+    }
+
+    /// The drift memory of QB with drift compensation ([`BalancerKind::QuantileTrend`]); `None`
+    /// for every other balancer.
+    pub fn drift_memory(&self) -> Option<DriftMemory> {
+        match self.lock().as_ref() {
+            Some(AnyBalancer::Quantile(q)) => q.drift_memory().cloned(),
+            _ => None,
+        }
+    }
+
+    /// Restores a drift memory (from [`drift_memory`](Self::drift_memory) of the same layer).
+    /// `None` forgets the drift. Errors when `Some` is given to a layer whose balancer keeps no
+    /// drift memory, or on vectors of the wrong length.
+    pub fn set_drift_memory(&self, memory: Option<DriftMemory>) -> Result<()> {
+        let mut guard = self.lock();
+        match (guard.as_mut(), memory) {
+            (Some(AnyBalancer::Quantile(q)), Some(m)) => q.set_drift_memory(m),
+            (Some(AnyBalancer::Quantile(q)), None) => {
+                q.forget_drift();
+                Ok(())
+            }
+            (_, None) => Ok(()),
+            (_, Some(_)) => Err(Error::argument(
+                "drift memory",
+                "this layer's balancer is not QB with drift compensation",
+            )),
+        }
+    }
+
+    /// Forgets QB's drift estimate ([`BalancerKind::QuantileTrend`]) after a change of data: the
+    /// next update routes with QB's set as it is. No-op for other balancers.
+    pub fn forget_drift(&self) {
+        if let Some(AnyBalancer::Quantile(q)) = self.lock().as_mut() {
+            q.forget_drift();
+        }
+    }
+
+    /// Whether the balancer is QB (plain or with drift compensation).
+    pub fn is_quantile(&self) -> bool {
+        matches!(self.lock().as_ref(), Some(AnyBalancer::Quantile(_)))
+    }
+
+    /// One calibration sweep's QB set from the counts so far (which it clears), without drift
+    /// compensation and leaving the drift memory alone. Errors unless the balancer is QB;
+    /// `Ok(None)` with no counts.
+    pub(crate) fn take_quantile_set(&self) -> Result<Option<Vec<f32>>> {
+        self.flush()?;
+        match self.lock().as_mut() {
+            Some(AnyBalancer::Quantile(q)) => Ok(q.take_set()),
+            _ => Err(Error::argument(
+                "balancer",
+                "calibrating the bias needs Quantile Balancing (plain or with drift compensation)",
+            )),
+        }
     }
 
     /// The raw integer counts accumulated since the last update (empty without a balancer),

@@ -17,8 +17,8 @@ pub mod situ_glu;
 
 pub use attn_res::{AttnResConfig, AttnResMix};
 pub use balance::{
-    BalanceState, Balancer, BalancerKind, BiasState, MoeLoads, MoeStats, QuantileBalancer,
-    SignBalancer,
+    BalanceState, Balancer, BalancerKind, BiasState, DriftMemory, MoeLoads, MoeStats,
+    QuantileBalancer, SignBalancer,
 };
 pub use experts::RoutedExperts;
 pub use kda::{KdaCache, KdaConfig, KimiDeltaAttention};

@@ -1222,3 +1222,113 @@ fn gpu_sigmoid_kernels_match_f64_into_the_tails() {
         assert!(close(dx[i], ds), "dσ({v})·{} = {} vs {ds}", dy[i], dx[i]);
     }
 }
+
+/// QB with drift compensation against plain QB on a router whose per-expert offsets drift
+/// linearly from step to step (as training moves a router's inputs): plain QB routes each step
+/// with the bias of the step before, one step's drift behind; the compensated balancer must
+/// remove most of that lag (measured above the violation a fresh batch shows without any drift)
+/// once its estimate has settled. Without drift it must not be worse than plain QB by more than
+/// the sampling noise it feeds back (β = 0.3 of one step's noise).
+#[test]
+fn qb_drift_compensation_follows_a_drifting_router() {
+    let (m, n, k) = (4096, 16, 2);
+    let run = |drift: f32, trend: bool| {
+        let mut router = SkewedRouter::new(n, 77);
+        let base = router.offsets.clone();
+        let mut qb = if trend {
+            QuantileBalancer::with_trend(n, 2000, 0.3).unwrap()
+        } else {
+            QuantileBalancer::new(n, 2000).unwrap()
+        };
+        let mut bias = vec![0.0f32; n];
+        let mut late = Vec::new();
+        for step in 0..40 {
+            // Alternate directions, so the balanced bias moves without a common offset.
+            for (j, o) in router.offsets.iter_mut().enumerate() {
+                let dir = if j % 2 == 0 { 1.0 } else { -1.0 };
+                *o = base[j] + dir * drift * step as f32;
+            }
+            let scores = router.batch(m);
+            if step >= 20 {
+                late.push(max_violation(&scores, n, &bias, k));
+            }
+            let sel = route(&scores, n, &bias, k);
+            qb.observe(&RoutedBatch {
+                scores: &scores,
+                bias: &bias,
+                selection: &sel,
+                valid: None,
+            })
+            .unwrap();
+            bias = qb.update(&bias);
+        }
+        late.iter().sum::<f32>() / late.len() as f32
+    };
+    let (plain, compensated) = (run(0.05, false), run(0.05, true));
+    // The violation of a fresh batch routed with an exact bias: sampling noise alone.
+    let (plain0, compensated0) = (run(0.0, false), run(0.0, true));
+    assert!(
+        plain - plain0 > 0.15,
+        "the drift must leave plain QB visibly behind: {plain} against {plain0} without drift"
+    );
+    assert!(
+        compensated - plain0 < 0.3 * (plain - plain0),
+        "drift compensation must remove most of the lag: {compensated} against plain QB's \
+         {plain} (the noise floor is {plain0})"
+    );
+    assert!(
+        compensated0 < plain0 + 0.05,
+        "without drift the compensation may add only noise: {compensated0} against {plain0}"
+    );
+}
+
+/// The drift memory's contract: plain QB keeps none, vectors of the wrong length are refused
+/// with their length named, a smoothing outside (0, 1] is a config error, and forgetting makes
+/// the next update apply QB's set as it is.
+#[test]
+fn qb_drift_memory_is_checked_and_forgettable() {
+    use kimi_burn::nn::DriftMemory;
+    let n = 4;
+    for beta in [0.0, -0.1, 1.5, f32::NAN] {
+        let err = QuantileBalancer::with_trend(n, 100, beta).unwrap_err();
+        assert!(matches!(err, Error::Config { ref field, .. } if field == "smoothing"), "{err}");
+    }
+    let mut plain = QuantileBalancer::new(n, 100).unwrap();
+    assert!(plain.drift_memory().is_none());
+    assert!(plain.set_drift_memory(DriftMemory::default()).is_err());
+    let mut qb = QuantileBalancer::with_trend(n, 100, 0.5).unwrap();
+    let err = qb
+        .set_drift_memory(DriftMemory {
+            last_set: vec![0.0; 3],
+            drift: Vec::new(),
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("last_set") && err.contains('3'), "{err}");
+
+    // Two updates on the same tokens with different offsets build a drift; forgetting it makes
+    // the third update equal plain QB's.
+    let mut router = SkewedRouter::new(n, 5);
+    let k = 1;
+    let mut bias = vec![0.0f32; n];
+    let feed = |qb: &mut QuantileBalancer, scores: &[f32], bias: &[f32]| {
+        let sel = route(scores, n, bias, k);
+        qb.observe(&RoutedBatch {
+            scores,
+            bias,
+            selection: &sel,
+            valid: None,
+        })
+        .unwrap();
+        qb.update(bias)
+    };
+    let first = router.batch(2048);
+    bias = feed(&mut qb, &first, &bias);
+    router.offsets[0] += 0.5;
+    let second = router.batch(2048);
+    let with_drift = feed(&mut qb.clone(), &second, &bias);
+    let plain_set = feed(&mut plain, &second, &bias);
+    assert_ne!(with_drift, plain_set, "a drift was extrapolated");
+    qb.forget_drift();
+    assert_eq!(feed(&mut qb, &second, &bias), plain_set, "forgotten: plain QB's set");
+}

@@ -9,6 +9,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ElementConversion;
 use kimi_burn::data::{accuracy_from_logits, masked_cross_entropy, Mqar, SeededRng, Task};
 use kimi_burn::model::{Ffn, KimiConfig, KimiForCausalLM};
+use kimi_burn::nn::BalancerKind;
 use kimi_burn::optim::KimiOptimizerConfig;
 
 /// The MQAR task of these tests (2 pairs in 16 tokens) and the tiny preset sized for it.
@@ -288,12 +289,29 @@ fn summed_balance_packets_give_every_replica_the_global_bias() {
 /// optimiser's moments, the data generator's position, a bias) changes the bits.
 #[test]
 fn a_resumed_run_ends_bit_identical_to_an_uninterrupted_one() {
+    resume_matches_the_whole_run(BalancerKind::quantile(), "qb");
+}
+
+/// The same with QB's drift compensation, whose memory (the last QB set and the drift) the
+/// checkpoint keeps in `balance.json`: resumed with it, the run ends bit-identical; resumed with
+/// the drift forgotten, its biases differ (so the memory is restored, not rebuilt).
+#[test]
+fn a_resumed_run_with_qb_drift_compensation_ends_bit_identical() {
+    resume_matches_the_whole_run(BalancerKind::quantile_trend(), "qb-trend");
+}
+
+fn resume_matches_the_whole_run(balancer: BalancerKind, tag: &str) {
     use kimi_burn::checkpoint::{Checkpoints, LoopState};
     use kimi_burn::optim::KimiOptimizer;
     type B = CpuAd;
     let device = Default::default();
-    let (task, config) = small_mqar();
-    let dir = std::env::temp_dir().join(format!("kimi-burn-resume-{}", std::process::id()));
+    let (task, mut config) = small_mqar();
+    config.moe.balancer = balancer;
+    let trend = matches!(balancer, BalancerKind::QuantileTrend { .. });
+    let dir = std::env::temp_dir().join(format!(
+        "kimi-burn-resume-{tag}-{}",
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&dir);
     let checkpoints = Checkpoints::new(dir.join("checkpoints"));
     let start = identical_models::<B>(&config, &device, 1)
@@ -349,6 +367,31 @@ fn a_resumed_run_ends_bit_identical_to_an_uninterrupted_one() {
         Checkpoints::load_model(&folder, config.init::<B>(&device), &device).expect("model");
     let resumed_optim =
         Checkpoints::load_optimizer(&folder, optim(&model), &device).expect("optimiser");
+    assert_eq!(
+        folder.join("balance.json").exists(),
+        trend,
+        "the drift memory is saved exactly when the balancer keeps one"
+    );
+    if trend {
+        assert!(
+            model.drift_memory().iter().flatten().any(|m| !m.drift.is_empty()),
+            "the checkpoint restored a drift estimate"
+        );
+        // The same checkpoint with the drift forgotten must end elsewhere.
+        let forgetful =
+            Checkpoints::load_model(&folder, config.init::<B>(&device), &device).expect("model");
+        forgetful
+            .set_drift_memory(vec![None; forgetful.drift_memory().len()])
+            .expect("forget");
+        let forgetful_optim =
+            Checkpoints::load_optimizer(&folder, optim(&forgetful), &device).expect("optimiser");
+        let forgetful = run(forgetful, forgetful_optim, state.rng(), state.step..6, false);
+        assert_ne!(
+            moe_biases(&whole),
+            moe_biases(&forgetful),
+            "the drift memory changes the biases"
+        );
+    }
     let resumed = run(model, resumed_optim, state.rng(), state.step..6, false);
 
     assert!(
@@ -367,4 +410,119 @@ fn a_resumed_run_ends_bit_identical_to_an_uninterrupted_one() {
         .collect();
     assert_eq!(kept.len(), 2, "latest and step-00000004: {kept:?}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `calibrate_balance` fits the biases to the batches it is given without training: from biases
+/// skewed on purpose, the pooled violation it reports must fall below half, routing the same
+/// batches again (on the inference backend, which counts nothing) must give exactly the loads it
+/// reports for the bias it kept, and the parameters, the balancers' counts and the drift memory
+/// must be left as the method's docs say. Other balancers are refused before anything is routed.
+#[test]
+fn calibration_fits_the_biases_to_the_batches_and_touches_nothing_else() {
+    use kimi_burn::nn::MoeStats;
+    type B = CpuAd;
+    let device = Default::default();
+    let (task, mut config) = small_mqar();
+    config.moe.balancer = BalancerKind::quantile_trend();
+    let model = identical_models::<B>(&config, &device, 1)
+        .pop()
+        .expect("a model");
+    let mut rng = SeededRng::new(41);
+    // Some training first, so the drift memory holds something to forget.
+    let optim = &mut kimi_optim(&model);
+    let mut model = model;
+    for _ in 0..3 {
+        let (inputs, targets) = task.sample_batch(8, &mut rng).to_tensors::<B>(&device);
+        let loss = masked_cross_entropy(model.forward(inputs), targets);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(1e-2, model, grads);
+        model.update_balance();
+    }
+    assert!(model.drift_memory().iter().flatten().any(|m| !m.drift.is_empty()));
+    for (i, layer) in model.layers.iter().enumerate() {
+        if let Ffn::Moe(moe) = &layer.ffn {
+            let mut skewed = vec![0.0f32; moe.balance.bias_host().len()];
+            let at = i % skewed.len();
+            skewed[at] = 0.6;
+            moe.balance.set_bias(&skewed);
+        }
+    }
+    // Every matrix parameter's bits (the 1-D tensors include the biases, which must change).
+    struct Matrices(Vec<u32>);
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Matrices {
+        fn visit_float<const D: usize>(
+            &mut self,
+            param: &burn::module::Param<burn::tensor::Tensor<B, D>>,
+        ) {
+            if D >= 2 {
+                self.0.extend(bits(param.val()));
+            }
+        }
+    }
+    let params = |m: &KimiForCausalLM<B>| {
+        use burn::module::Module;
+        let mut v = Matrices(Vec::new());
+        m.valid().visit(&mut v);
+        v.0
+    };
+    let batches: Vec<_> = (0..3)
+        .map(|_| task.sample_batch(8, &mut rng).to_tensors::<B>(&device).0)
+        .collect();
+    let before_params = params(&model);
+    assert!(!before_params.is_empty());
+
+    let fit = model.calibrate_balance(&batches, 5).expect("QB layers");
+    let worst = |v: &[f32]| v.iter().copied().fold(0.0f32, f32::max);
+    assert!(
+        worst(&fit.before) > 0.5,
+        "the skewed biases must start unbalanced: {:?}",
+        fit.before
+    );
+    assert!(
+        worst(&fit.after) < 0.5 * worst(&fit.before),
+        "calibration must at least halve the worst pooled violation: {:?} -> {:?}",
+        fit.before,
+        fit.after
+    );
+    // The same batches routed again with the kept biases, counting nothing.
+    let inference = model.valid();
+    let mut loads: Vec<Vec<u64>> = Vec::new();
+    for ids in &batches {
+        let out = inference
+            .forward_with_stats(ids.clone().inner())
+            .expect("forward");
+        for (l, stats) in out.moe_stats().iter().enumerate() {
+            if loads.len() <= l {
+                loads.push(vec![0; stats.tokens_per_expert.len()]);
+            }
+            loads[l]
+                .iter_mut()
+                .zip(&stats.tokens_per_expert)
+                .for_each(|(a, c)| *a += c);
+        }
+    }
+    let again: Vec<f32> = loads
+        .into_iter()
+        .map(|l| MoeStats::from_loads(l).max_violation)
+        .collect();
+    assert_eq!(again, fit.after, "the reported violations are the kept biases'");
+    assert!(params(&model) == before_params, "parameters untouched");
+    for layer in &model.layers {
+        if let Ffn::Moe(moe) = &layer.ffn {
+            assert!(moe.balance.counts().iter().all(|&c| c == 0), "counts left empty");
+            assert_eq!(moe.balance.drift_memory(), Some(Default::default()), "drift forgotten");
+        }
+    }
+
+    // Refusals.
+    let err = model.calibrate_balance(&batches, 0).unwrap_err().to_string();
+    assert!(err.contains("0 sweeps"), "{err}");
+    let err = model.calibrate_balance(&[], 2).unwrap_err().to_string();
+    assert!(err.contains("0 batches"), "{err}");
+    config.moe.balancer = BalancerKind::Sign { gamma: 1e-3 };
+    let sign: KimiForCausalLM<B> = config.init(&device);
+    let bias = moe_biases(&sign);
+    let err = sign.calibrate_balance(&batches, 2).unwrap_err().to_string();
+    assert!(err.contains("Quantile Balancing") && err.contains("Sign"), "{err}");
+    assert_eq!(moe_biases(&sign), bias);
 }
