@@ -5,7 +5,11 @@
 //! The balance update sits in the train step: [`TrainStep::optimize`] applies the optimiser and
 //! then [`update_balance`](KimiForCausalLM::update_balance), so with burn-train's gradient
 //! accumulation the QB histograms pool over every micro-batch of the step, as on one device with
-//! [`accumulate_gradients`](crate::train::accumulate_gradients).
+//! [`accumulate_gradients`](crate::train::accumulate_gradients). burn-train's own checkpoints
+//! record the model, so they keep the balance biases; the drift memory of QB with drift
+//! compensation ([`BalancerKind::QuantileTrend`](crate::nn::BalancerKind::QuantileTrend)) is not
+//! a module record and starts afresh on resume there (a few steps of plain QB), while
+//! [`crate::checkpoint`] keeps it.
 //!
 //! burn-train's DDP strategy is not offered here: in Burn 0.21 it needs Burn's `distributed`
 //! feature, under which `Autodiff<B>` is an autodiff backend only for backends with a

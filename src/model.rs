@@ -453,6 +453,11 @@ impl<B: AutodiffBackend> KimiForCausalLM<B> {
             ));
         }
         let states: Vec<_> = states.into_iter().map(|(_, s)| s).collect();
+        // Forwards on the autodiff backend count (they are training forwards), but with no
+        // parameter requiring a gradient they record no graph: an autodiff graph that no backward
+        // consumes would otherwise keep every saved activation alive. The copy shares the
+        // balance states.
+        let model = self.clone().no_grad();
         let mut before = Vec::new();
         // (worst layer's violation, per-layer violations, the biases that gave them).
         let mut best: Option<(f32, Vec<f32>, Vec<Vec<f32>>)> = None;
@@ -460,7 +465,7 @@ impl<B: AutodiffBackend> KimiForCausalLM<B> {
             let biases: Vec<Vec<f32>> = states.iter().map(|s| s.bias_host()).collect();
             let mut loads: Vec<Vec<u64>> = vec![Vec::new(); states.len()];
             for ids in batches {
-                let out = self.forward_with_stats(ids.clone())?;
+                let out = model.forward_with_stats(ids.clone())?;
                 for (acc, stats) in loads.iter_mut().zip(out.moe_stats()) {
                     acc.resize(stats.tokens_per_expert.len(), 0);
                     acc.iter_mut()

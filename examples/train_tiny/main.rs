@@ -8,6 +8,8 @@
 //! cargo run --release --example train_tiny -- --qat mxfp4 --init runs/train_tiny/model.safetensors \
 //!     --steps 150 --lr 3e-3 --out runs/qat                          # QAT fine-tune, as K3 from SFT on
 //! cargo run --release --example train_tiny -- --steps 600 --resume # continue a killed run
+//! cargo run --release --example train_tiny -- --accum 4 --balancer qb-trend --calibrate 6 \
+//!     --out runs/accum4_trend                  # 64 sequences per step, QB with drift compensation
 //! cargo run --release --features collective --example train_tiny -- --devices 2 --batch 8
 //!                                                                 # data parallel, 2 replicas
 //! cargo run --release --example train_tiny -- --help
