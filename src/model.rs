@@ -418,8 +418,10 @@ impl<B: AutodiffBackend> KimiForCausalLM<B> {
     /// overshoots when experts compete for tokens crowded at the cut); the sweep whose pooled
     /// loads were the most even (the smallest max violation over the layers) gives the bias
     /// kept. Parameters and optimiser state are untouched; the balancers' counts are left empty
-    /// and their drift estimates ([`BalancerKind::QuantileTrend`]) forgotten. Sweeps after the
-    /// first see the same tokens, so `sweeps + 1` forwards per batch are the cost.
+    /// and their drift estimates ([`BalancerKind::QuantileTrend`]) forgotten. Every sweep routes
+    /// the same tokens: `sweeps` forwards per batch are the cost (the last sweep's half-step is
+    /// never routed, so it cannot be kept). On the kernel path each forward reads its loads back
+    /// once; calibration is outside the training step.
     ///
     /// Call it between optimiser steps (after [`update_balance`](Self::update_balance)): counts
     /// observed since the last update would be pooled into the first sweep. With
