@@ -939,6 +939,14 @@ fn check_args(args: &Args) -> Result<(), String> {
             args.calibrate, args.balancer
         ));
     }
+    let short_steps = (args.short_fraction * args.steps as f64).round() as usize;
+    if args.calibrate > 0 && (short_steps == 0 || args.task != TaskKind::Mqar) {
+        return Err(format!(
+            "--calibrate {} calibrates at the end of MQAR's short phase, and this run has none \
+             (--task {:?}, --short-fraction {} of {} steps)",
+            args.calibrate, args.task, args.short_fraction, args.steps
+        ));
+    }
     Ok(())
 }
 
