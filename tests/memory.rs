@@ -227,8 +227,9 @@ fn calibration_growth() -> u64 {
 /// backward consumes keeps every activation it saved (12 sweeps after the first, 24 forwards of
 /// this shape, then grow the resident size by about 1.2 GB; `train_tiny`'s calibration by about
 /// 5 GB). Calibration's forwards record no graph. What is left is about 0.6 MiB per untracked
-/// forward on `Autodiff<NdArray>` (about 15 MB here; none on the inner backend), not yet
-/// explained; the bound leaves room for it and catches the graphs.
+/// forward on `Autodiff<NdArray>` (about 15 MB here; none on the inner backend): Burn's autodiff
+/// backend keeps a few KB per operation even on untracked tensors (a bare `exp` in a loop shows
+/// it) until a backward runs. The bound leaves room for that and catches the graphs.
 #[test]
 fn calibration_keeps_no_autodiff_graph() {
     let dir = std::env::temp_dir();
