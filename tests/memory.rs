@@ -229,7 +229,8 @@ fn calibration_growth() -> u64 {
 /// 5 GB). Calibration's forwards record no graph. What is left is about 0.6 MiB per untracked
 /// forward on `Autodiff<NdArray>` (about 15 MB here; none on the inner backend): Burn's autodiff
 /// backend keeps a few KB per operation even on untracked tensors (a bare `exp` in a loop shows
-/// it) until a backward runs. The bound leaves room for that and catches the graphs.
+/// it), apparently until a backward runs (training stays flat). The bound leaves room for that
+/// and catches the graphs.
 #[test]
 fn calibration_keeps_no_autodiff_graph() {
     let dir = std::env::temp_dir();
