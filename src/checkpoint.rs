@@ -183,9 +183,9 @@ impl Checkpoints {
             }
             Err(e) => return Err(io(&path)(e)),
         };
-        model.set_drift_memory(drift).map_err(|e| {
-            Error::Checkpoint(format!("{}: {e}", path.display()))
-        })?;
+        model
+            .set_drift_memory(drift)
+            .map_err(|e| Error::Checkpoint(format!("{}: {e}", path.display())))?;
         Ok(model)
     }
 

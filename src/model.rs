@@ -10,9 +10,9 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, Int, Tensor};
 
+use crate::balance_sync::BalancedModule;
 pub use crate::cache::{KimiCache, LayerCache};
 pub use crate::config::KimiConfig;
-use crate::balance_sync::BalancedModule;
 use crate::error::{Error, Result};
 use crate::nn::attn_res::{AttnResConfig, AttnResMix};
 use crate::nn::{
@@ -384,9 +384,9 @@ impl<B: Backend> KimiForCausalLM<B> {
             ));
         }
         for ((layer, state), m) in states.into_iter().zip(memory) {
-            state.set_drift_memory(m).map_err(|e| {
-                Error::argument("drift memory", format!("MoE layer {layer}: {e}"))
-            })?;
+            state
+                .set_drift_memory(m)
+                .map_err(|e| Error::argument("drift memory", format!("MoE layer {layer}: {e}")))?;
         }
         Ok(())
     }

@@ -235,7 +235,10 @@ fn calibration_growth() -> u64 {
 fn calibration_keeps_no_autodiff_graph() {
     let dir = std::env::temp_dir();
     let growth = run_step("calibrate", &dir);
-    eprintln!("12 more calibration sweeps: +{:.1} MiB", growth as f64 / MIB);
+    eprintln!(
+        "12 more calibration sweeps: +{:.1} MiB",
+        growth as f64 / MIB
+    );
     assert!(
         growth < 64 << 20,
         "12 calibration sweeps after the first grew the resident size by {growth} bytes: \

@@ -795,7 +795,11 @@ fn calibrate<B: AutodiffBackend>(
 ) -> Result<(), String> {
     let mut rng = SeededRng::new(args.seed ^ CALIBRATION_SEED);
     let ids: Vec<_> = (0..batches)
-        .map(|_| task.sample_batch(args.batch, &mut rng).to_tensors::<B>(device).0)
+        .map(|_| {
+            task.sample_batch(args.batch, &mut rng)
+                .to_tensors::<B>(device)
+                .0
+        })
         .collect();
     let fit = model
         .calibrate_balance(&ids, args.calibrate)
@@ -927,7 +931,10 @@ fn check_args(args: &Args) -> Result<(), String> {
             args.balancer
         ));
     }
-    if let (Some(beta), false) = (args.qb_smoothing, matches!(args.balancer, Balancer::QbTrend)) {
+    if let (Some(beta), false) = (
+        args.qb_smoothing,
+        matches!(args.balancer, Balancer::QbTrend),
+    ) {
         return Err(format!(
             "--qb-smoothing {beta} only applies to --balancer qb-trend, got --balancer {:?}",
             args.balancer

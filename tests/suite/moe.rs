@@ -1291,7 +1291,10 @@ fn qb_drift_memory_is_checked_and_forgettable() {
     let n = 4;
     for beta in [0.0, -0.1, 1.5, f32::NAN] {
         let err = QuantileBalancer::with_trend(n, 100, beta).unwrap_err();
-        assert!(matches!(err, Error::Config { ref field, .. } if field == "smoothing"), "{err}");
+        assert!(
+            matches!(err, Error::Config { ref field, .. } if field == "smoothing"),
+            "{err}"
+        );
     }
     let mut plain = QuantileBalancer::new(n, 100).unwrap();
     assert!(plain.drift_memory().is_none());
@@ -1330,5 +1333,9 @@ fn qb_drift_memory_is_checked_and_forgettable() {
     let plain_set = feed(&mut plain, &second, &bias);
     assert_ne!(with_drift, plain_set, "a drift was extrapolated");
     qb.forget_drift();
-    assert_eq!(feed(&mut qb, &second, &bias), plain_set, "forgotten: plain QB's set");
+    assert_eq!(
+        feed(&mut qb, &second, &bias),
+        plain_set,
+        "forgotten: plain QB's set"
+    );
 }

@@ -308,10 +308,7 @@ fn resume_matches_the_whole_run(balancer: BalancerKind, tag: &str) {
     let (task, mut config) = small_mqar();
     config.moe.balancer = balancer;
     let trend = matches!(balancer, BalancerKind::QuantileTrend { .. });
-    let dir = std::env::temp_dir().join(format!(
-        "kimi-burn-resume-{tag}-{}",
-        std::process::id()
-    ));
+    let dir = std::env::temp_dir().join(format!("kimi-burn-resume-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let checkpoints = Checkpoints::new(dir.join("checkpoints"));
     let start = identical_models::<B>(&config, &device, 1)
@@ -374,7 +371,11 @@ fn resume_matches_the_whole_run(balancer: BalancerKind, tag: &str) {
     );
     if trend {
         assert!(
-            model.drift_memory().iter().flatten().any(|m| !m.drift.is_empty()),
+            model
+                .drift_memory()
+                .iter()
+                .flatten()
+                .any(|m| !m.drift.is_empty()),
             "the checkpoint restored a drift estimate"
         );
         // The same checkpoint with the drift forgotten must end elsewhere.
@@ -385,7 +386,13 @@ fn resume_matches_the_whole_run(balancer: BalancerKind, tag: &str) {
             .expect("forget");
         let forgetful_optim =
             Checkpoints::load_optimizer(&folder, optim(&forgetful), &device).expect("optimiser");
-        let forgetful = run(forgetful, forgetful_optim, state.rng(), state.step..6, false);
+        let forgetful = run(
+            forgetful,
+            forgetful_optim,
+            state.rng(),
+            state.step..6,
+            false,
+        );
         assert_ne!(
             moe_biases(&whole),
             moe_biases(&forgetful),
@@ -438,7 +445,11 @@ fn calibration_fits_the_biases_to_the_batches_and_touches_nothing_else() {
         model = optim.step(1e-2, model, grads);
         model.update_balance();
     }
-    assert!(model.drift_memory().iter().flatten().any(|m| !m.drift.is_empty()));
+    assert!(model
+        .drift_memory()
+        .iter()
+        .flatten()
+        .any(|m| !m.drift.is_empty()));
     for (i, layer) in model.layers.iter().enumerate() {
         if let Ffn::Moe(moe) = &layer.ffn {
             let mut skewed = vec![0.0f32; moe.balance.bias_host().len()];
@@ -505,17 +516,30 @@ fn calibration_fits_the_biases_to_the_batches_and_touches_nothing_else() {
         .into_iter()
         .map(|l| MoeStats::from_loads(l).max_violation)
         .collect();
-    assert_eq!(again, fit.after, "the reported violations are the kept biases'");
+    assert_eq!(
+        again, fit.after,
+        "the reported violations are the kept biases'"
+    );
     assert!(params(&model) == before_params, "parameters untouched");
     for layer in &model.layers {
         if let Ffn::Moe(moe) = &layer.ffn {
-            assert!(moe.balance.counts().iter().all(|&c| c == 0), "counts left empty");
-            assert_eq!(moe.balance.drift_memory(), Some(Default::default()), "drift forgotten");
+            assert!(
+                moe.balance.counts().iter().all(|&c| c == 0),
+                "counts left empty"
+            );
+            assert_eq!(
+                moe.balance.drift_memory(),
+                Some(Default::default()),
+                "drift forgotten"
+            );
         }
     }
 
     // Refusals.
-    let err = model.calibrate_balance(&batches, 0).unwrap_err().to_string();
+    let err = model
+        .calibrate_balance(&batches, 0)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("0 sweeps"), "{err}");
     let err = model.calibrate_balance(&[], 2).unwrap_err().to_string();
     assert!(err.contains("0 batches"), "{err}");
@@ -523,6 +547,9 @@ fn calibration_fits_the_biases_to_the_batches_and_touches_nothing_else() {
     let sign: KimiForCausalLM<B> = config.init(&device);
     let bias = moe_biases(&sign);
     let err = sign.calibrate_balance(&batches, 2).unwrap_err().to_string();
-    assert!(err.contains("Quantile Balancing") && err.contains("Sign"), "{err}");
+    assert!(
+        err.contains("Quantile Balancing") && err.contains("Sign"),
+        "{err}"
+    );
     assert_eq!(moe_biases(&sign), bias);
 }
