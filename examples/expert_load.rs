@@ -27,6 +27,7 @@
 use std::path::PathBuf;
 
 use burn::backend::{Autodiff, NdArray};
+use burn::module::Module;
 use burn::tensor::backend::Backend;
 use clap::Parser;
 use kimi_burn::data::{Mqar, MqarFiller, SeededRng, Task};
@@ -222,12 +223,17 @@ fn route_training(
     rng: &mut SeededRng,
 ) -> Result<Vec<MoeStats>, String> {
     let data = task.sample_batch(batch, rng);
-    let (ids, _) = data.to_tensors::<Ad>(&Default::default());
-    let out = model.forward_with_stats(ids).map_err(|e| e.to_string())?;
-    // Release the autodiff graph the forward recorded (nothing is trained). Burn 0.21 frees
-    // graph nodes only in a backward: without it, 64 replayed batches held 14 GB, not 0.27 GB.
+    let device = Default::default();
+    let (ids, _) = data.to_tensors::<Ad>(&device);
+    // Nothing is trained: a no-grad copy records no graph (it shares the balance state, so it
+    // still counts), and the release frees what Burn keeps of every forward until a backward.
+    let out = model
+        .clone()
+        .no_grad()
+        .forward_with_stats(ids)
+        .map_err(|e| e.to_string())?;
     let stats = out.moe_stats();
-    let _ = out.logits.sum().backward();
+    kimi_burn::train::release_autodiff_bookkeeping::<Ad>(&device);
     Ok(stats)
 }
 
@@ -250,10 +256,11 @@ fn violation_summary(v: &[f32]) -> String {
 /// Fits every layer's bias on `--oracle` pooled held-out sequences, then routes
 /// `--oracle-batches` fresh batches with that bias frozen and prints their per-batch violation.
 ///
-/// The fit: [`ORACLE_SWEEPS`] sweeps over the same sequences, each pooling the QB histogram over
-/// all of them (counts add across batches, design §3) and moving every bias half-way to QB's set
-/// (a full QB step overshoots when experts compete for tokens crowded at the cut); the sweep
-/// whose pooled loads were the most even, over all layers, gives the frozen bias.
+/// The fit is `KimiForCausalLM::calibrate_balance` with [`ORACLE_SWEEPS`] sweeps over the same
+/// sequences: each pools the QB histogram over all of them (counts add across batches, design
+/// §3) and moves every bias half-way to QB's set (a full QB step overshoots when experts compete
+/// for tokens crowded at the cut); the sweep whose pooled loads were the most even, over all
+/// layers, gives the frozen bias.
 fn oracle(args: &Args, config: &KimiConfig, task: &Mqar) -> Result<(), String> {
     // Fine bins: the deeper layers' tokens crowd within about 0.005 of their cut.
     let model = load_training(args, config, BalancerKind::Quantile { bins: 20_000 })?;
@@ -265,43 +272,21 @@ fn oracle(args: &Args, config: &KimiConfig, task: &Mqar) -> Result<(), String> {
             Ffn::Dense(_) => None,
         })
         .collect();
-    let biases = || {
-        moes.iter()
-            .map(|m| m.balance.bias_host())
-            .collect::<Vec<_>>()
-    };
     let fit_batches = args.oracle / args.replay_batch;
-    // (worst pooled violation over the layers, the biases that gave it, per-layer pooled).
-    let mut best = (f32::INFINITY, biases(), Vec::new());
-    for _ in 0..ORACLE_SWEEPS {
-        // The same fit sequences in every sweep.
-        let mut rng = SeededRng::new(args.seed ^ 0xac1e);
-        let mut loads: Vec<Vec<u64>> = vec![Vec::new(); moes.len()];
-        for _ in 0..fit_batches {
-            let stats = route_training(&model, task, args.replay_batch, &mut rng)?;
-            loads
-                .iter_mut()
-                .zip(&stats)
-                .for_each(|(acc, s)| add_loads(acc, s));
-        }
-        let pooled: Vec<f32> = loads
-            .into_iter()
-            .map(|l| MoeStats::from_loads(l).max_violation)
-            .collect();
-        let worst = pooled.iter().copied().fold(0.0f32, f32::max);
-        if worst < best.0 {
-            best = (worst, biases(), pooled);
-        }
-        for moe in &moes {
-            let old = moe.balance.bias_host();
-            let qb = moe.update_balance();
-            let half: Vec<f32> = old.iter().zip(&qb).map(|(o, q)| 0.5 * (o + q)).collect();
-            moe.balance.set_bias(&half);
-        }
-    }
-    for (moe, bias) in moes.iter().zip(&best.1) {
-        moe.balance.set_bias(bias);
-    }
+    // The same fit sequences in every sweep.
+    let mut rng = SeededRng::new(args.seed ^ 0xac1e);
+    let device = Default::default();
+    let fit: Vec<_> = (0..fit_batches)
+        .map(|_| {
+            task.sample_batch(args.replay_batch, &mut rng)
+                .to_tensors::<Ad>(&device)
+                .0
+        })
+        .collect();
+    let pooled = model
+        .calibrate_balance(&fit, ORACLE_SWEEPS)
+        .map_err(|e| e.to_string())?
+        .after;
     let mut rng = SeededRng::new(args.seed ^ 0x005e_ed0a);
     let mut per_layer: Vec<Vec<f32>> = vec![Vec::new(); moes.len()];
     for _ in 0..args.oracle_batches {
@@ -317,7 +302,7 @@ fn oracle(args: &Args, config: &KimiConfig, task: &Mqar) -> Result<(), String> {
             args.replay_batch,
             violation_summary(v),
             fit_batches * args.replay_batch,
-            best.2.get(l).copied().unwrap_or(f32::NAN)
+            pooled.get(l).copied().unwrap_or(f32::NAN)
         );
     }
     Ok(())

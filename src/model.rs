@@ -458,7 +458,7 @@ impl<B: AutodiffBackend> KimiForCausalLM<B> {
         // Forwards on the autodiff backend count (they are training forwards), but with no
         // parameter requiring a gradient they record no graph: an autodiff graph that no backward
         // consumes would otherwise keep every saved activation alive. The copy shares the
-        // balance states.
+        // balance states. What the backend still keeps per operation is released per sweep.
         let model = self.clone().no_grad();
         let mut before = Vec::new();
         // (worst layer's violation, per-layer violations, the biases that gave them).
@@ -475,6 +475,7 @@ impl<B: AutodiffBackend> KimiForCausalLM<B> {
                         .for_each(|(a, c)| *a += c);
                 }
             }
+            crate::train::release_autodiff_bookkeeping::<B>(&batches[0].device());
             let pooled: Vec<f32> = loads
                 .into_iter()
                 .map(|l| MoeStats::from_loads(l).max_violation)

@@ -404,8 +404,8 @@ impl QuantileBalancer {
         }
     }
 
-    /// QB's set `b̂ − mean(b̂)` from the counts so far, which it clears, without the drift
-    /// compensation and without touching its memory. `None` with no counts.
+    /// QB's set `b̂ − mean(b̂)`, `[experts]`, from the counts so far, which it clears, without the
+    /// drift compensation and without touching its memory. `None` with no counts.
     pub fn take_set(&mut self) -> Option<Vec<f32>> {
         let (k, bounds) = (self.k?, self.bounds?);
         let (set, _) = quantile_bias_from_histogram(&self.counts, self.bins, bounds, k);

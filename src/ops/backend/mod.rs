@@ -22,8 +22,8 @@
 //! | both | `Fusion<X>` of each of the above (what `burn::backend::Wgpu` / `Cuda` are with Burn's default `fusion` feature; the kernels join the fusion stream as custom operations) |
 //! | with `autodiff` | `Autodiff<X>` of each of the above, with and without `BalancedCheckpointing` |
 //!
-//! `kimi_burn::backends` (with `wgpu` or `cuda`) names these types. Anything else (ndarray, other CubeCL type parameters)
-//! runs the reference path. A user with another `CubeBackend` type can call the trait methods
+//! `kimi_burn::backends` (with `wgpu` or `cuda`) names these types. Anything else (ndarray,
+//! other CubeCL type parameters) runs the reference path. A user with another `CubeBackend` type can call the trait methods
 //! directly: the implementations are generic over the runtime and element types.
 //!
 //! **Forcing the reference path.** The environment variable `KIMI_BURN_REFERENCE=1` (read once),
