@@ -1,5 +1,5 @@
 //! KDA op benchmarks: `chunk_kda` forward and forward + backward at B = 1, H = 4, K = V = 64 for
-//! T ∈ {512, 2048, 8192}, and `fused_recurrent_kda` per decode token at B = 1 and 16; on CUDA also
+//! T ∈ {512, 2048, 8192} (on ndarray also B = 4 at T = 2048, the `…_b4` groups), and `fused_recurrent_kda` per decode token at B = 1 and 16; on CUDA also
 //! the target shape B = 1, H = 64, K = V = 128, T = 16384. On ndarray, and on wgpu with
 //! `--features wgpu` (CUDA with `--features cuda`), where every group runs twice, `…-kernel` (the
 //! CubeCL KDA kernels) and `…-reference` (tensor ops, kernels switched off).
@@ -20,9 +20,11 @@ use burn::tensor::{Distribution, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kimi_burn::ops::kda::{chunk_kda, fused_recurrent_kda, KdaOptions};
 
-/// Heads, key = value dim and lengths of a bench group; `name` is appended to the group name.
+/// Rows, heads, key = value dim and lengths of a bench group; `name` is appended to the group
+/// name.
 struct Dims {
     name: &'static str,
+    batch: usize,
     h: usize,
     k: usize,
     lengths: &'static [usize],
@@ -31,6 +33,7 @@ struct Dims {
 /// B = 1, H = 4, K = V = 64: the shape every backend runs.
 const SMALL: Dims = Dims {
     name: "",
+    batch: 1,
     h: 4,
     k: 64,
     lengths: &[512, 2048, 8192],
@@ -40,6 +43,7 @@ const SMALL: Dims = Dims {
 #[cfg(feature = "cuda")]
 const K3: Dims = Dims {
     name: "_h64_k128",
+    batch: 1,
     h: 64,
     k: 128,
     lengths: &[16384],
@@ -111,8 +115,8 @@ fn forward<B: Backend>(
     let mut group = c.benchmark_group(name);
     group.sample_size(10);
     for &t in dims.lengths {
-        let x = inputs::<B>(1, t, dims, device);
-        group.throughput(Throughput::Elements(t as u64));
+        let x = inputs::<B>(dims.batch, t, dims, device);
+        group.throughput(Throughput::Elements((dims.batch * t) as u64));
         group.bench_with_input(BenchmarkId::from_parameter(t), &t, |bench, _| {
             bench.iter(|| {
                 let (o, _) = chunk_kda(
@@ -141,8 +145,8 @@ fn forward_backward<B: AutodiffBackend>(
     let mut group = c.benchmark_group(name);
     group.sample_size(10);
     for &t in dims.lengths {
-        let x = inputs::<B>(1, t, dims, device);
-        group.throughput(Throughput::Elements(t as u64));
+        let x = inputs::<B>(dims.batch, t, dims, device);
+        group.throughput(Throughput::Elements((dims.batch * t) as u64));
         group.bench_with_input(BenchmarkId::from_parameter(t), &t, |bench, _| {
             bench.iter(|| {
                 let q = x.q.clone().require_grad();
@@ -206,6 +210,16 @@ fn ndarray(c: &mut Criterion) {
         ..SMALL
     };
     forward_backward::<Autodiff<NdArray<f32>>>(c, "ndarray", &one, true, &device);
+    // The tokens of T = 8192 in four rows, as a training batch brings them: every row's heads
+    // can run together on one thread.
+    let rows = Dims {
+        name: "_b4",
+        batch: 4,
+        lengths: &[2048],
+        ..SMALL
+    };
+    forward::<NdArray<f32>>(c, "ndarray", &rows, false, &device);
+    forward_backward::<Autodiff<NdArray<f32>>>(c, "ndarray", &rows, false, &device);
     for batch in [1, 16] {
         decode::<NdArray<f32>>(c, "ndarray", batch, &device);
     }

@@ -15,6 +15,12 @@
 //!            dk += S' dp;  dS' = dS + k dpᵀ;  dg = rowsum(S' ⊙ dS');  dS ← Diag(e^{g_t}) dS'
 //! ```
 //!
+//! Each thread runs a group of consecutive heads of one sequence, a block of tokens of each in turn
+//! (forward [`INTERLEAVE`] tokens, backward one checkpoint span), so that the rows it reads from
+//! the `[B, T, H, X]` inputs lie side by side instead of `H · X` floats apart (one head per thread
+//! fetched the same lines once per head from main memory when the inputs outgrew the last-level
+//! cache; BENCHMARKS, "The heads of a sequence together").
+//!
 //! The state starts at `S_0` (an input, zeros without one) and `S_T` can be returned as well; the
 //! backward pass then starts from `dS_T` and ends with `dS_0`.
 //!
@@ -188,6 +194,14 @@ impl Inputs<'_> {
 /// Tokens ahead of the one in work whose rows [`Inputs::prefetch`] requests.
 const PREFETCH_AHEAD: usize = 4;
 
+/// Tokens of one job a [`ForwardGroup`] runs before the next job of the group takes over; at
+/// least [`PREFETCH_AHEAD`].
+const INTERLEAVE: usize = 16;
+
+/// The most state (`K × V` floats per job) one group of jobs cycles through: half the L2 cache of
+/// the smaller server cores.
+const GROUP_STATE_BYTES: usize = 512 << 10;
+
 /// `out = scale · x / |x|` with `l2norm` (`|x| = sqrt(Σx² + 1e-6)`, returned), `scale · x`
 /// otherwise (returns 1).
 #[inline(always)]
@@ -243,6 +257,38 @@ impl KdaRecurrence {
         jobs
     }
 
+    /// The jobs in groups that one thread runs together, [`INTERLEAVE`] tokens of each job in
+    /// turn: consecutive heads of one sequence, so that the rows a group reads from the
+    /// `[B, T, H, X]` inputs (and writes to the outputs) lie side by side. One head at a time reads
+    /// `X` floats of every `H · X`: once the tensors outgrow the last-level cache, the lines of the
+    /// other heads are fetched again when their turn comes. As many groups as the pool has threads
+    /// (the heads of a sequence split evenly), at most [`GROUP_STATE_BYTES`] of states per group,
+    /// and one job per group for packed sequences, whose lengths differ (fewer, larger groups
+    /// would balance worse).
+    fn groups(&self, jobs: &[Job], kv: usize) -> Vec<Range<usize>> {
+        let h = jobs.iter().map(|job| job.h + 1).max().unwrap_or(1);
+        let size = if self.seqs.is_some() {
+            1
+        } else {
+            let sequences = jobs.len() / h;
+            let threads = rayon::current_num_threads().max(1);
+            (h * sequences / threads)
+                .min(GROUP_STATE_BYTES / (4 * kv).max(1))
+                .clamp(1, h)
+        };
+        // Groups never cross a sequence: the heads of one come in order, `h` jobs per sequence.
+        let mut groups = Vec::with_capacity(jobs.len().div_ceil(size));
+        for first in (0..jobs.len()).step_by(h) {
+            let mut lo = first;
+            while lo < first + h {
+                let hi = (lo + size).min(first + h);
+                groups.push(lo..hi);
+                lo = hi;
+            }
+        }
+        groups
+    }
+
     /// The shape `[B, T, H, V]` of `o`.
     fn output_shape(&self, inputs: &[HostArray; 6]) -> [usize; 4] {
         let (q, v) = (&inputs[0].shape, &inputs[2].shape);
@@ -295,28 +341,46 @@ impl KdaRecurrence {
         }
         let mut states = scratch(total);
         let state_writes = DisjointWrites::new(&mut states);
-        parallel_map_sized(jobs.len(), b * t * h * kv, |j| {
-            let job = &jobs[j];
-            let at = geo.state(job.seq, job.h);
-            let mut own = Vec::new();
-            let s = if self.final_state {
-                // SAFETY: the state of (sequence, head) belongs to this job alone.
-                unsafe { s_writes.slice(at, kv) }
-            } else if self.initial_state {
-                own.extend_from_slice(&h0.data[at..at + kv]);
-                &mut own[..]
+        let groups = self.groups(&jobs, kv);
+        parallel_map_sized(groups.len(), b * t * h * kv, |gi| {
+            let range = groups[gi].clone();
+            let mut own: Vec<Vec<f32>> = Vec::new();
+            if !self.final_state {
+                own = jobs[range.clone()]
+                    .iter()
+                    .map(|job| {
+                        let at = geo.state(job.seq, job.h);
+                        if self.initial_state {
+                            h0.data[at..at + kv].to_vec()
+                        } else {
+                            vec![0.0; kv]
+                        }
+                    })
+                    .collect();
+            }
+            let s: Vec<&mut [f32]> = if self.final_state {
+                jobs[range.clone()]
+                    .iter()
+                    // SAFETY: the state of (sequence, head) belongs to this job alone.
+                    .map(|job| unsafe { s_writes.slice(geo.state(job.seq, job.h), kv) })
+                    .collect()
             } else {
-                own.resize(kv, 0.0);
-                &mut own[..]
+                own.iter_mut().map(|s| &mut s[..]).collect()
             };
-            let end = starts.get(j + 1).copied().unwrap_or(total);
-            dispatch(ForwardJob {
+            let checkpoints = range
+                .clone()
+                .map(|j| {
+                    let end = starts.get(j + 1).copied().unwrap_or(total);
+                    // SAFETY: job j's checkpoints are its own.
+                    unsafe { state_writes.slice(starts[j], end - starts[j]) }
+                })
+                .collect();
+            dispatch(ForwardGroup {
                 x: &x,
-                job,
+                jobs: &jobs[range],
                 s,
                 out: &o_writes,
-                // SAFETY: job j's checkpoints are its own.
-                states: unsafe { state_writes.slice(starts[j], end - starts[j]) },
+                states: checkpoints,
                 save,
             });
         });
@@ -449,48 +513,91 @@ fn step<S: Simd>(
     }
 }
 
-/// The forward recurrence of one job from the state in `s` (left holding `S_T`): `o` per token
-/// into `out` (`[B, T, H, V]`), and with `save` the state before every [`CHECKPOINT`]-th token
-/// into `states`, one after the other.
-struct ForwardJob<'a> {
+/// The forward recurrence of a group of jobs of the same length (see [`KdaRecurrence::groups`]),
+/// [`INTERLEAVE`] tokens of each in turn, each from its state in `s` (left holding `S_T`): `o` per
+/// token into `out` (`[B, T, H, V]`), and with `save` the state before every [`CHECKPOINT`]-th
+/// token into the job's `states`, one after the other.
+struct ForwardGroup<'a> {
     x: &'a Inputs<'a>,
-    job: &'a Job,
-    s: &'a mut [f32],
+    jobs: &'a [Job],
+    s: Vec<&'a mut [f32]>,
     out: &'a DisjointWrites<'a>,
-    states: &'a mut [f32],
+    states: Vec<&'a mut [f32]>,
     save: bool,
 }
 
-impl WithSimd for ForwardJob<'_> {
+impl WithSimd for ForwardGroup<'_> {
     type Output = ();
 
     #[inline(always)]
     fn with_simd<S: Simd>(self, simd: S) {
         let Self {
             x,
-            job,
-            s,
+            jobs,
+            mut s,
             out,
-            states,
+            mut states,
             save,
         } = self;
         let vd = x.geo.vd;
+        let len = jobs.first().map_or(0, |job| job.len);
         let mut t = Prepared::new(x.geo.kd);
         let (mut e, mut u) = (vec![0.0f32; vd], vec![0.0f32; vd]);
-        for i in 0..job.len {
-            if save && i % CHECKPOINT == 0 {
-                let at = i / CHECKPOINT * s.len();
-                states[at..at + s.len()].copy_from_slice(s);
+        for lo in (0..len).step_by(INTERLEAVE) {
+            let hi = (lo + INTERLEAVE).min(len);
+            for (g, job) in jobs.iter().enumerate() {
+                let (s, states) = (&mut *s[g], &mut *states[g]);
+                for i in lo..hi {
+                    if save && i % CHECKPOINT == 0 {
+                        let at = i / CHECKPOINT * s.len();
+                        states[at..at + s.len()].copy_from_slice(s);
+                    }
+                    if let Some((g2, i2)) = ahead(jobs.len(), len, lo, hi, g, i) {
+                        x.prefetch(&jobs[g2], jobs[g2].start + i2, None);
+                    }
+                    let tk = job.start + i;
+                    let (v, beta) = x.token(job, tk, &mut t);
+                    // SAFETY: token `tk` of row `job.b`, head `job.h` belongs to this job alone.
+                    let o = unsafe { out.slice(x.geo.at(job.b, tk, job.h, vd), vd) };
+                    step(simd, s, None, &t, v, beta, &mut e, &mut u, o);
+                }
             }
-            let tk = job.start + i;
-            if i + PREFETCH_AHEAD < job.len {
-                x.prefetch(job, tk + PREFETCH_AHEAD, None);
-            }
-            let (v, beta) = x.token(job, tk, &mut t);
-            // SAFETY: token `tk` of row `job.b`, head `job.h` belongs to this job alone.
-            let o = unsafe { out.slice(x.geo.at(job.b, tk, job.h, vd), vd) };
-            step(simd, s, None, &t, v, beta, &mut e, &mut u, o);
         }
+    }
+}
+
+/// The job (index in its group) and token that a group of `n` jobs of `len` tokens works on
+/// [`PREFETCH_AHEAD`] tokens after token `i` of job `g` in the block `lo..hi`, in the order of
+/// [`ForwardGroup`]: the block's tokens of each job in turn, then the next block. `None` past the
+/// end.
+#[inline(always)]
+fn ahead(
+    n: usize,
+    len: usize,
+    mut lo: usize,
+    mut hi: usize,
+    mut g: usize,
+    mut i: usize,
+) -> Option<(usize, usize)> {
+    let mut left = PREFETCH_AHEAD;
+    loop {
+        // Tokens after `i` in this job's part of the block.
+        let room = hi - 1 - i;
+        if left <= room {
+            return Some((g, i + left));
+        }
+        // On to the first token of the next job's part, or of the next block.
+        left -= room + 1;
+        if g + 1 < n {
+            g += 1;
+        } else {
+            (g, lo) = (0, hi);
+            if lo >= len {
+                return None;
+            }
+            hi = (lo + INTERLEAVE).min(len);
+        }
+        i = lo;
     }
 }
 
@@ -638,33 +745,35 @@ fn backward_columns<S: Simd>(
     simd.reduce_sum_f32s(dbeta) + rest
 }
 
-/// The backward recurrence of one job: `ds` holds `dS_T` on entry and `dS_0` on exit; `states`
-/// are the job's saved checkpoints and `grad` the output gradient (`[B, T, H, V]`, the final state
-/// gradient may follow); the job's rows of the input gradients go to `out`.
-struct BackwardJob<'a> {
+/// The backward recurrence of a group of jobs of the same length (see [`KdaRecurrence::groups`]),
+/// one [`CHECKPOINT`] span of each job in turn from the last span back: `ds[g]` holds job `g`'s
+/// `dS_T` on entry and its `dS_0` on exit; `states[g]` are its saved checkpoints and `grad` the
+/// output gradient (`[B, T, H, V]`, the final state gradient may follow); the jobs' rows of the
+/// input gradients go to `out`.
+struct BackwardGroup<'a> {
     x: &'a Inputs<'a>,
-    job: &'a Job,
-    states: &'a [f32],
+    jobs: &'a [Job],
+    states: Vec<&'a [f32]>,
     grad: &'a [f32],
-    ds: &'a mut [f32],
+    ds: &'a mut [Vec<f32>],
     out: &'a GradsOut<'a>,
 }
 
-impl WithSimd for BackwardJob<'_> {
+impl WithSimd for BackwardGroup<'_> {
     type Output = ();
 
     #[inline(always)]
     fn with_simd<S: Simd>(self, simd: S) {
         let Self {
             x,
-            job,
+            jobs,
             states,
             grad,
             ds,
             out,
         } = self;
         let Geometry { kd, vd, .. } = x.geo;
-        let (n, kv) = (job.len, kd * vd);
+        let (n, kv) = (jobs.first().map_or(0, |job| job.len), kd * vd);
         // States S_{t−1}, S_t of one checkpoint span, and per token its prepared inputs, e and u.
         // Every state of the span is written before it is read (the first from `states`).
         let mut span = scratch((CHECKPOINT + 1) * kv);
@@ -678,54 +787,64 @@ impl WithSimd for BackwardJob<'_> {
         for c in (0..n.div_ceil(CHECKPOINT)).rev() {
             let first = c * CHECKPOINT;
             let len = CHECKPOINT.min(n - first);
-            span[..kv].copy_from_slice(&states[c * kv..(c + 1) * kv]);
-            for (i, t) in tokens.iter_mut().enumerate().take(len) {
-                // The output gradient rows too: the walk back below reads them.
-                if i + PREFETCH_AHEAD < len {
-                    x.prefetch(job, job.start + first + i + PREFETCH_AHEAD, Some(grad));
+            for (g, job) in jobs.iter().enumerate() {
+                let ds = &mut ds[g][..];
+                span[..kv].copy_from_slice(&states[g][c * kv..(c + 1) * kv]);
+                for (i, t) in tokens.iter_mut().enumerate().take(len) {
+                    // The output gradient rows too: the walk back below reads them.
+                    if i + PREFETCH_AHEAD < len {
+                        x.prefetch(job, job.start + first + i + PREFETCH_AHEAD, Some(grad));
+                    }
+                    let (v, beta) = x.token(job, job.start + first + i, t);
+                    let (done, rest) = span.split_at_mut((i + 1) * kv);
+                    let (e, u) = (&mut es[i * vd..(i + 1) * vd], &mut us[i * vd..(i + 1) * vd]);
+                    let prev = Some(&done[i * kv..]);
+                    step(simd, &mut rest[..kv], prev, t, v, beta, e, u, &mut o);
                 }
-                let (v, beta) = x.token(job, job.start + first + i, t);
-                let (done, rest) = span.split_at_mut((i + 1) * kv);
-                let (e, u) = (&mut es[i * vd..(i + 1) * vd], &mut us[i * vd..(i + 1) * vd]);
-                let prev = Some(&done[i * kv..]);
-                step(simd, &mut rest[..kv], prev, t, v, beta, e, u, &mut o);
-            }
-            for i in (0..len).rev() {
-                let tk = job.start + first + i;
-                let geo = x.geo;
-                // The first rows of the span before, which the loop above reads next.
-                if first > 0 && i < PREFETCH_AHEAD {
-                    x.prefetch(job, job.start + first - CHECKPOINT + i, Some(grad));
-                }
-                let (at, av) = (geo.at(job.b, tk, job.h, kd), geo.at(job.b, tk, job.h, vd));
-                let t = &tokens[i];
-                let rows = Rows {
-                    s_now: &span[(i + 1) * kv..(i + 2) * kv],
-                    s_prev: &span[i * kv..(i + 1) * kv],
-                    dout: &grad[av..av + vd],
-                    u: &us[i * vd..(i + 1) * vd],
-                    e: &es[i * vd..(i + 1) * vd],
-                    t,
-                    beta: x.beta[geo.at_scalar(job.b, tk, job.h)],
+                // The span the group takes next: the same one of the next job, or the one
+                // before of the first job.
+                let next = if g + 1 < jobs.len() {
+                    Some((&jobs[g + 1], first))
+                } else {
+                    first.checked_sub(CHECKPOINT).map(|at| (&jobs[0], at))
                 };
-                // SAFETY (every `slice` below): token `tk` of row `job.b`, head `job.h` belongs
-                // to this job alone.
-                let dv = unsafe { out.dv.slice(av, vd) };
-                sums.fill(zero);
-                tail.fill(0.0);
-                let dbeta = unsafe { out.dbeta.slice(geo.at_scalar(job.b, tk, job.h), 1) };
-                dbeta[0] = backward_columns(simd, ds, &rows, &mut sums, &mut tail, dv);
-                let dq = unsafe { out.dq.slice(at, kd) };
-                let dk = unsafe { out.dk.slice(at, kd) };
-                let dg = unsafe { out.dg.slice(at, kd) };
-                for i2 in 0..kd {
-                    dq[i2] = simd.reduce_sum_f32s(sums.q[i2]) + tail.q[i2];
-                    dk[i2] = simd.reduce_sum_f32s(sums.k[i2]) + tail.k[i2];
-                    dg[i2] = simd.reduce_sum_f32s(sums.g[i2]) + tail.g[i2];
+                for i in (0..len).rev() {
+                    let tk = job.start + first + i;
+                    let geo = x.geo;
+                    // The first rows of the next span, which the loop above reads next.
+                    if let (Some((next, at)), true) = (next, i < PREFETCH_AHEAD) {
+                        x.prefetch(next, next.start + at + i, Some(grad));
+                    }
+                    let (at, av) = (geo.at(job.b, tk, job.h, kd), geo.at(job.b, tk, job.h, vd));
+                    let t = &tokens[i];
+                    let rows = Rows {
+                        s_now: &span[(i + 1) * kv..(i + 2) * kv],
+                        s_prev: &span[i * kv..(i + 1) * kv],
+                        dout: &grad[av..av + vd],
+                        u: &us[i * vd..(i + 1) * vd],
+                        e: &es[i * vd..(i + 1) * vd],
+                        t,
+                        beta: x.beta[geo.at_scalar(job.b, tk, job.h)],
+                    };
+                    // SAFETY (every `slice` below): token `tk` of row `job.b`, head `job.h`
+                    // belongs to this job alone.
+                    let dv = unsafe { out.dv.slice(av, vd) };
+                    sums.fill(zero);
+                    tail.fill(0.0);
+                    let dbeta = unsafe { out.dbeta.slice(geo.at_scalar(job.b, tk, job.h), 1) };
+                    dbeta[0] = backward_columns(simd, ds, &rows, &mut sums, &mut tail, dv);
+                    let dq = unsafe { out.dq.slice(at, kd) };
+                    let dk = unsafe { out.dk.slice(at, kd) };
+                    let dg = unsafe { out.dg.slice(at, kd) };
+                    for i2 in 0..kd {
+                        dq[i2] = simd.reduce_sum_f32s(sums.q[i2]) + tail.q[i2];
+                        dk[i2] = simd.reduce_sum_f32s(sums.k[i2]) + tail.k[i2];
+                        dg[i2] = simd.reduce_sum_f32s(sums.g[i2]) + tail.g[i2];
+                    }
+                    // Through the scale and the norms: q_s = scale · q / |q|, k_n = k / |k|.
+                    unprepare_gradient(dq, &t.q, t.q_norm, x.scale, x.l2norm);
+                    unprepare_gradient(dk, &t.k, t.k_norm, 1.0, x.l2norm);
                 }
-                // Through the scale and the norms: q_s = scale · q / |q|, k_n = k / |k|.
-                unprepare_gradient(dq, &t.q, t.q_norm, x.scale, x.l2norm);
-                unprepare_gradient(dk, &t.k, t.k_norm, 1.0, x.l2norm);
             }
         }
     }
@@ -805,25 +924,34 @@ impl HostOp<6> for KdaRecurrence {
             dbeta: DisjointWrites::new(&mut db.data),
         };
         let dh0_writes = DisjointWrites::new(&mut dh0.data);
-        parallel_map_sized(jobs.len(), 3 * b * t * h * kv, |j| {
-            let job = &jobs[j];
-            let at = geo.state(job.seq, job.h);
-            let mut ds = if self.final_state {
-                grad.data[n_o + at..n_o + at + kv].to_vec()
-            } else {
-                vec![0.0f32; kv]
-            };
-            dispatch(BackwardJob {
+        let groups = self.groups(&jobs, kv);
+        parallel_map_sized(groups.len(), 3 * b * t * h * kv, |gi| {
+            let range = groups[gi].clone();
+            let mut ds: Vec<Vec<f32>> = jobs[range.clone()]
+                .iter()
+                .map(|job| {
+                    let at = geo.state(job.seq, job.h);
+                    if self.final_state {
+                        grad.data[n_o + at..n_o + at + kv].to_vec()
+                    } else {
+                        vec![0.0f32; kv]
+                    }
+                })
+                .collect();
+            dispatch(BackwardGroup {
                 x: &x,
-                job,
-                states: saved.job(j),
+                jobs: &jobs[range.clone()],
+                states: range.clone().map(|j| saved.job(j)).collect(),
                 grad: &grad.data,
                 ds: &mut ds,
                 out: &out,
             });
             if self.initial_state {
-                // SAFETY: the state of (sequence, head) belongs to this job alone.
-                unsafe { dh0_writes.slice(at, kv) }.copy_from_slice(&ds);
+                for (job, ds) in jobs[range].iter().zip(&ds) {
+                    let at = geo.state(job.seq, job.h);
+                    // SAFETY: the state of (sequence, head) belongs to this job alone.
+                    unsafe { dh0_writes.slice(at, kv) }.copy_from_slice(ds);
+                }
             }
         });
         [dq, dk, dv, dg, db, dh0]
@@ -1022,6 +1150,97 @@ mod tests {
     }
 
     /// The buffer of an ndarray `f32` tensor, for telling whether an op wrote in place.
+    /// Runs `f` on a rayon pool of `threads` threads: the groups of heads that run together are
+    /// sized by the pool ([`super::KdaRecurrence::groups`]), so each size is a different walk.
+    fn in_pool(threads: usize, f: impl FnOnce() + Send) {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("a thread pool")
+            .install(f);
+    }
+
+    #[test]
+    fn heads_run_in_groups_of_any_size_as_one_at_a_time() {
+        // One thread: all four heads of a sequence in one group; three: groups of two.
+        for threads in [1, 3] {
+            in_pool(threads, || {
+                check(Case::new([2, 150, 4, 8, 5]));
+                check(Case {
+                    state: true,
+                    ..Case::new([3, 37, 4, 16, 16])
+                });
+            });
+        }
+    }
+
+    #[test]
+    fn groups_are_consecutive_heads_of_one_sequence() {
+        use super::{KdaRecurrence, GROUP_STATE_BYTES};
+        let op = |seqs: Option<Vec<(usize, usize)>>| KdaRecurrence {
+            scale: 1.0,
+            l2norm: true,
+            seqs,
+            initial_state: false,
+            final_state: false,
+        };
+        for threads in [1, 2, 3, 5, 16] {
+            in_pool(threads, || {
+                for (b, h, kv) in [(1, 4, 4096), (2, 4, 4096), (16, 4, 4096), (1, 64, 16384)] {
+                    let op = op(None);
+                    let jobs = op.jobs(b, 100, h);
+                    let groups = op.groups(&jobs, kv);
+                    // A partition of the jobs, in order.
+                    let flat: Vec<usize> = groups.iter().flat_map(|g| g.clone()).collect();
+                    assert_eq!(flat, (0..jobs.len()).collect::<Vec<_>>());
+                    let size = groups[0].len();
+                    let want = (h * b / threads)
+                        .min(GROUP_STATE_BYTES / (4 * kv))
+                        .clamp(1, h);
+                    assert_eq!(size, want, "b {b}, h {h}, kv {kv}, {threads} threads");
+                    for g in &groups {
+                        let first = &jobs[g.start];
+                        assert!(!g.is_empty() && g.len() <= size);
+                        for (i, job) in jobs[g.clone()].iter().enumerate() {
+                            assert_eq!((job.b, job.seq, job.start, job.len), {
+                                (first.b, first.seq, first.start, first.len)
+                            });
+                            assert_eq!(job.h, first.h + i, "consecutive heads");
+                        }
+                    }
+                    // Every thread has a group whenever there are enough heads.
+                    assert!(groups.len() >= threads.min(b * h / size.max(1)));
+                }
+                // Packed sequences differ in length: one job per group.
+                let op = op(Some(vec![(0, 10), (10, 90)]));
+                let jobs = op.jobs(1, 100, 4);
+                assert!(op.groups(&jobs, 64).iter().all(|g| g.len() == 1));
+            });
+        }
+    }
+
+    #[test]
+    fn prefetches_ask_for_the_token_the_group_reads_that_many_steps_later() {
+        use super::{ahead, INTERLEAVE, PREFETCH_AHEAD};
+        for n in 1..4 {
+            for len in [1, 3, 5, INTERLEAVE, INTERLEAVE + 1, 2 * INTERLEAVE + 7] {
+                // The order of `ForwardGroup`: each block's tokens of every job in turn.
+                let mut order = Vec::new();
+                for lo in (0..len).step_by(INTERLEAVE) {
+                    let hi = (lo + INTERLEAVE).min(len);
+                    for g in 0..n {
+                        order.extend((lo..hi).map(|i| (lo, hi, g, i)));
+                    }
+                }
+                for (p, &(lo, hi, g, i)) in order.iter().enumerate() {
+                    let later = order.get(p + PREFETCH_AHEAD).map(|&(_, _, g, i)| (g, i));
+                    let got = ahead(n, len, lo, hi, g, i);
+                    assert_eq!(got, later, "n {n}, len {len}, job {g}, token {i}");
+                }
+            }
+        }
+    }
+
     fn buffer(x: &Tensor<NdArray<f32>, 4>) -> *const f32 {
         match x.clone().into_primitive().tensor() {
             burn::backend::ndarray::NdArrayTensor::F32(storage) => storage.view().as_ptr(),
