@@ -774,33 +774,10 @@ impl WithSimd for BackwardGroup<'_> {
         } = self;
         let Geometry { kd, vd, .. } = x.geo;
         let (n, kv) = (jobs.first().map_or(0, |job| job.len), kd * vd);
-        // States S_{t−1}, S_t of one checkpoint span, and per token its prepared inputs, e and u.
-        // Every state of the span is written before it is read (the first from `states`).
-        let mut span = scratch((CHECKPOINT + 1) * kv);
-        let mut tokens: Vec<Prepared> = (0..CHECKPOINT).map(|_| Prepared::new(kd)).collect();
-        let mut es = vec![0.0f32; CHECKPOINT * vd];
-        let mut us = vec![0.0f32; CHECKPOINT * vd];
-        let mut o = vec![0.0f32; vd];
-        let zero = simd.splat_f32s(0.0);
-        let mut sums = RowSums::new(kd, zero);
-        let mut tail = RowSums::new(kd, 0.0f32);
+        let mut work = SpanWork::new(simd, kd, vd);
         for c in (0..n.div_ceil(CHECKPOINT)).rev() {
             let first = c * CHECKPOINT;
-            let len = CHECKPOINT.min(n - first);
             for (g, job) in jobs.iter().enumerate() {
-                let ds = &mut ds[g][..];
-                span[..kv].copy_from_slice(&states[g][c * kv..(c + 1) * kv]);
-                for (i, t) in tokens.iter_mut().enumerate().take(len) {
-                    // The output gradient rows too: the walk back below reads them.
-                    if i + PREFETCH_AHEAD < len {
-                        x.prefetch(job, job.start + first + i + PREFETCH_AHEAD, Some(grad));
-                    }
-                    let (v, beta) = x.token(job, job.start + first + i, t);
-                    let (done, rest) = span.split_at_mut((i + 1) * kv);
-                    let (e, u) = (&mut es[i * vd..(i + 1) * vd], &mut us[i * vd..(i + 1) * vd]);
-                    let prev = Some(&done[i * kv..]);
-                    step(simd, &mut rest[..kv], prev, t, v, beta, e, u, &mut o);
-                }
                 // The span the group takes next: the same one of the next job, or the one
                 // before of the first job.
                 let next = if g + 1 < jobs.len() {
@@ -808,44 +785,141 @@ impl WithSimd for BackwardGroup<'_> {
                 } else {
                     first.checked_sub(CHECKPOINT).map(|at| (&jobs[0], at))
                 };
-                for i in (0..len).rev() {
-                    let tk = job.start + first + i;
-                    let geo = x.geo;
-                    // The first rows of the next span, which the loop above reads next.
-                    if let (Some((next, at)), true) = (next, i < PREFETCH_AHEAD) {
-                        x.prefetch(next, next.start + at + i, Some(grad));
-                    }
-                    let (at, av) = (geo.at(job.b, tk, job.h, kd), geo.at(job.b, tk, job.h, vd));
-                    let t = &tokens[i];
-                    let rows = Rows {
-                        s_now: &span[(i + 1) * kv..(i + 2) * kv],
-                        s_prev: &span[i * kv..(i + 1) * kv],
-                        dout: &grad[av..av + vd],
-                        u: &us[i * vd..(i + 1) * vd],
-                        e: &es[i * vd..(i + 1) * vd],
-                        t,
-                        beta: x.beta[geo.at_scalar(job.b, tk, job.h)],
-                    };
-                    // SAFETY (every `slice` below): token `tk` of row `job.b`, head `job.h`
-                    // belongs to this job alone.
-                    let dv = unsafe { out.dv.slice(av, vd) };
-                    sums.fill(zero);
-                    tail.fill(0.0);
-                    let dbeta = unsafe { out.dbeta.slice(geo.at_scalar(job.b, tk, job.h), 1) };
-                    dbeta[0] = backward_columns(simd, ds, &rows, &mut sums, &mut tail, dv);
-                    let dq = unsafe { out.dq.slice(at, kd) };
-                    let dk = unsafe { out.dk.slice(at, kd) };
-                    let dg = unsafe { out.dg.slice(at, kd) };
-                    for i2 in 0..kd {
-                        dq[i2] = simd.reduce_sum_f32s(sums.q[i2]) + tail.q[i2];
-                        dk[i2] = simd.reduce_sum_f32s(sums.k[i2]) + tail.k[i2];
-                        dg[i2] = simd.reduce_sum_f32s(sums.g[i2]) + tail.g[i2];
-                    }
-                    // Through the scale and the norms: q_s = scale · q / |q|, k_n = k / |k|.
-                    unprepare_gradient(dq, &t.q, t.q_norm, x.scale, x.l2norm);
-                    unprepare_gradient(dk, &t.k, t.k_norm, 1.0, x.l2norm);
-                }
+                let span = Span {
+                    job,
+                    first,
+                    len: CHECKPOINT.min(n - first),
+                    state: &states[g][c * kv..(c + 1) * kv],
+                    next,
+                };
+                work.backward(simd, x, &span, &mut ds[g], grad, out);
             }
+        }
+    }
+}
+
+/// One checkpoint span of a job in the backward pass: tokens `first..first + len` (from the job's
+/// start), the saved state before them, and the span the group takes next (a job and its first
+/// token), whose rows are requested ahead.
+struct Span<'a> {
+    job: &'a Job,
+    first: usize,
+    len: usize,
+    state: &'a [f32],
+    next: Option<(&'a Job, usize)>,
+}
+
+/// The working buffers of the backward pass, reused from span to span: the states `S_{t−1}`,
+/// `S_t` of one span, per token its prepared inputs, `e` and `u`, and the per-row partial sums.
+struct SpanWork<V> {
+    states: Scratch,
+    tokens: Vec<Prepared>,
+    es: Vec<f32>,
+    us: Vec<f32>,
+    o: Vec<f32>,
+    sums: RowSums<V>,
+    tail: RowSums<f32>,
+}
+
+impl<V: Copy> SpanWork<V> {
+    fn new<S: Simd<f32s = V>>(simd: S, kd: usize, vd: usize) -> Self {
+        Self {
+            states: scratch((CHECKPOINT + 1) * kd * vd),
+            tokens: (0..CHECKPOINT).map(|_| Prepared::new(kd)).collect(),
+            es: vec![0.0; CHECKPOINT * vd],
+            us: vec![0.0; CHECKPOINT * vd],
+            o: vec![0.0; vd],
+            sums: RowSums::new(kd, simd.splat_f32s(0.0)),
+            tail: RowSums::new(kd, 0.0),
+        }
+    }
+
+    /// Recomputes the span's states from its checkpoint, then walks it back: `ds` goes from
+    /// `dS` after the span to `dS` before it, and the span's rows of the input gradients go to
+    /// `out`.
+    #[inline(always)]
+    fn backward<S: Simd<f32s = V>>(
+        &mut self,
+        simd: S,
+        x: &Inputs,
+        span: &Span,
+        ds: &mut [f32],
+        grad: &[f32],
+        out: &GradsOut,
+    ) {
+        let Self {
+            states,
+            tokens,
+            es,
+            us,
+            o,
+            sums,
+            tail,
+        } = self;
+        let Span {
+            job, first, len, ..
+        } = *span;
+        let geo = x.geo;
+        let Geometry { kd, vd, .. } = geo;
+        let kv = kd * vd;
+        // Every state of the span is written before it is read (the first from the checkpoint).
+        states[..kv].copy_from_slice(span.state);
+        for (i, t) in tokens.iter_mut().enumerate().take(len) {
+            // The output gradient rows too: the walk back below reads them.
+            if i + PREFETCH_AHEAD < len {
+                x.prefetch(job, job.start + first + i + PREFETCH_AHEAD, Some(grad));
+            }
+            let (v, beta) = x.token(job, job.start + first + i, t);
+            let (done, rest) = states.split_at_mut((i + 1) * kv);
+            let (e, u) = (&mut es[i * vd..(i + 1) * vd], &mut us[i * vd..(i + 1) * vd]);
+            step(
+                simd,
+                &mut rest[..kv],
+                Some(&done[i * kv..]),
+                t,
+                v,
+                beta,
+                e,
+                u,
+                o,
+            );
+        }
+        let zero = simd.splat_f32s(0.0);
+        for i in (0..len).rev() {
+            let tk = job.start + first + i;
+            // The first rows of the next span, which the loop above reads next.
+            if let (Some((next, at)), true) = (span.next, i < PREFETCH_AHEAD) {
+                x.prefetch(next, next.start + at + i, Some(grad));
+            }
+            let (at, av) = (geo.at(job.b, tk, job.h, kd), geo.at(job.b, tk, job.h, vd));
+            let t = &tokens[i];
+            let rows = Rows {
+                s_now: &states[(i + 1) * kv..(i + 2) * kv],
+                s_prev: &states[i * kv..(i + 1) * kv],
+                dout: &grad[av..av + vd],
+                u: &us[i * vd..(i + 1) * vd],
+                e: &es[i * vd..(i + 1) * vd],
+                t,
+                beta: x.beta[geo.at_scalar(job.b, tk, job.h)],
+            };
+            // SAFETY (every `slice` below): token `tk` of row `job.b`, head `job.h` belongs to
+            // this job alone.
+            let dv = unsafe { out.dv.slice(av, vd) };
+            sums.fill(zero);
+            tail.fill(0.0);
+            let dbeta = unsafe { out.dbeta.slice(geo.at_scalar(job.b, tk, job.h), 1) };
+            dbeta[0] = backward_columns(simd, ds, &rows, sums, tail, dv);
+            let dq = unsafe { out.dq.slice(at, kd) };
+            let dk = unsafe { out.dk.slice(at, kd) };
+            let dg = unsafe { out.dg.slice(at, kd) };
+            for i2 in 0..kd {
+                dq[i2] = simd.reduce_sum_f32s(sums.q[i2]) + tail.q[i2];
+                dk[i2] = simd.reduce_sum_f32s(sums.k[i2]) + tail.k[i2];
+                dg[i2] = simd.reduce_sum_f32s(sums.g[i2]) + tail.g[i2];
+            }
+            // Through the scale and the norms: q_s = scale · q / |q|, k_n = k / |k|.
+            unprepare_gradient(dq, &t.q, t.q_norm, x.scale, x.l2norm);
+            unprepare_gradient(dk, &t.k, t.k_norm, 1.0, x.l2norm);
         }
     }
 }
@@ -1005,9 +1079,20 @@ mod tests {
             .expect("f32")
     }
 
-    /// Output, final state and the gradients of q, k, v, g, β, S_0 against the naive recurrence's
-    /// autodiff.
-    fn check(case: Case) {
+    /// The random inputs of a case (q, k, v, g, β, S_0) and the output and state gradients
+    /// (`dO`, `dS_T`) that the loss projects onto.
+    struct Draw {
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        g: Tensor<B, 4>,
+        beta: Tensor<B, 3>,
+        h0: Tensor<B, 4>,
+        d_o: Tensor<B, 4>,
+        d_s: Tensor<B, 4>,
+    }
+
+    fn draw(case: &Case) -> Draw {
         let device = Default::default();
         let [b, t, h, kd, vd] = case.dims;
         B::seed(&device, t as u64);
@@ -1026,62 +1111,93 @@ mod tests {
         }
         let beta = Tensor::<B, 3>::random([b, t, h], Distribution::Uniform(0.0, 1.0), &device);
         let n = case.seqs.as_ref().map_or(b, |cu| cu.len() - 1);
-        let h0 = normal([n, h, kd, vd]);
-        let d_o = normal([b, t, h, vd]);
-        let d_s = normal([n, h, kd, vd]);
-        let seqs = case
+        let (h0, d_o, d_s) = (
+            normal([n, h, kd, vd]),
+            normal([b, t, h, vd]),
+            normal([n, h, kd, vd]),
+        );
+        Draw {
+            q,
+            k,
+            v,
+            g,
+            beta,
+            h0,
+            d_o,
+            d_s,
+        }
+    }
+
+    /// The output (and final state) of KDA on the drawn inputs and the gradients of the drawn
+    /// projection of them, from the host kernel or from the naive recurrence's autodiff.
+    fn outputs(case: &Case, x: &Draw, host_kernel: bool) -> Vec<Vec<f32>> {
+        let seqs: Option<Vec<(usize, usize)>> = case
             .seqs
             .as_ref()
             .map(|cu| cu.windows(2).map(|w| (w[0], w[1] - w[0])).collect());
-        let run = |host_kernel: bool| {
-            let (q, k, v, g, beta, h0) = (
-                q.clone().require_grad(),
-                k.clone().require_grad(),
-                v.clone().require_grad(),
-                g.clone().require_grad(),
-                beta.clone().require_grad(),
-                h0.clone().require_grad(),
-            );
-            let mut opts = KdaOptions::default().with_qk_l2norm(case.l2norm);
-            opts.scale = case.scale;
-            opts.cu_seqlens = case.seqs.clone();
-            if case.state {
-                opts = opts.with_initial_state(h0.clone()).with_final_state(true);
-            }
-            let (o, s) = if host_kernel {
-                assert!(host_kernel_applies(&q, &k, &v, &g, &beta, &opts));
-                cpu_kda(&q, &k, &v, &g, &beta, opts, seqs.clone())
-            } else {
-                naive_recurrent_kda(
-                    q.clone(),
-                    k.clone(),
-                    v.clone(),
-                    g.clone(),
-                    beta.clone(),
-                    opts,
-                )
-            };
-            assert_eq!(s.is_some(), case.state, "a final state exactly when asked");
-            let mut loss = o.clone().mul(d_o.clone()).sum();
-            let mut out = vec![host(o)];
-            if let Some(s) = s {
-                loss = loss.add(s.clone().mul(d_s.clone()).sum());
-                out.push(host(s));
-            }
-            let grads = loss.backward();
-            out.extend([
-                grad(&q, &grads),
-                grad(&k, &grads),
-                grad(&v, &grads),
-                grad(&g, &grads),
-                grad(&beta, &grads),
-            ]);
-            if case.state {
-                out.push(grad(&h0, &grads));
-            }
-            out
+        let Draw {
+            q,
+            k,
+            v,
+            g,
+            beta,
+            h0,
+            d_o,
+            d_s,
+        } = x;
+        let (q, k, v, g, beta, h0) = (
+            q.clone().require_grad(),
+            k.clone().require_grad(),
+            v.clone().require_grad(),
+            g.clone().require_grad(),
+            beta.clone().require_grad(),
+            h0.clone().require_grad(),
+        );
+        let mut opts = KdaOptions::default().with_qk_l2norm(case.l2norm);
+        opts.scale = case.scale;
+        opts.cu_seqlens = case.seqs.clone();
+        if case.state {
+            opts = opts.with_initial_state(h0.clone()).with_final_state(true);
+        }
+        let (o, s) = if host_kernel {
+            assert!(host_kernel_applies(&q, &k, &v, &g, &beta, &opts));
+            cpu_kda(&q, &k, &v, &g, &beta, opts, seqs.clone())
+        } else {
+            naive_recurrent_kda(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                g.clone(),
+                beta.clone(),
+                opts,
+            )
         };
-        let (want, got) = (run(false), run(true));
+        assert_eq!(s.is_some(), case.state, "a final state exactly when asked");
+        let mut loss = o.clone().mul(d_o.clone()).sum();
+        let mut out = vec![host(o)];
+        if let Some(s) = s {
+            loss = loss.add(s.clone().mul(d_s.clone()).sum());
+            out.push(host(s));
+        }
+        let grads = loss.backward();
+        out.extend([
+            grad(&q, &grads),
+            grad(&k, &grads),
+            grad(&v, &grads),
+            grad(&g, &grads),
+            grad(&beta, &grads),
+        ]);
+        if case.state {
+            out.push(grad(&h0, &grads));
+        }
+        out
+    }
+
+    /// Output, final state and the gradients of q, k, v, g, β, S_0 against the naive recurrence's
+    /// autodiff.
+    fn check(case: Case) {
+        let x = draw(&case);
+        let (want, got) = (outputs(&case, &x, false), outputs(&case, &x, true));
         let names: &[&str] = if case.state {
             &["o", "S_T", "dq", "dk", "dv", "dg", "dbeta", "dS_0"]
         } else {
@@ -1152,12 +1268,12 @@ mod tests {
     /// The buffer of an ndarray `f32` tensor, for telling whether an op wrote in place.
     /// Runs `f` on a rayon pool of `threads` threads: the groups of heads that run together are
     /// sized by the pool ([`super::KdaRecurrence::groups`]), so each size is a different walk.
-    fn in_pool(threads: usize, f: impl FnOnce() + Send) {
+    fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build()
             .expect("a thread pool")
-            .install(f);
+            .install(f)
     }
 
     #[test]
@@ -1171,6 +1287,26 @@ mod tests {
                     ..Case::new([3, 37, 4, 16, 16])
                 });
             });
+        }
+    }
+
+    #[test]
+    fn grouping_changes_no_bit() {
+        // One thread: each sequence's heads in one group; 64: every head its own group.
+        for case in [
+            Case::new([2, 150, 4, 8, 5]),
+            Case {
+                state: true,
+                ..Case::new([3, 37, 4, 16, 16])
+            },
+        ] {
+            let x = draw(&case);
+            let grouped = in_pool(1, || outputs(&case, &x, true));
+            let alone = in_pool(64, || outputs(&case, &x, true));
+            for (a, b) in grouped.iter().zip(&alone) {
+                assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+            }
+            assert_eq!(grouped.len(), alone.len());
         }
     }
 
