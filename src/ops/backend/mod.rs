@@ -23,8 +23,9 @@
 //! | with `autodiff` | `Autodiff<X>` of each of the above, with and without `BalancedCheckpointing` |
 //!
 //! `kimi_burn::backends` (with `wgpu` or `cuda`) names these types. Anything else (ndarray,
-//! other CubeCL type parameters) runs the reference path. A user with another `CubeBackend` type can call the trait methods
-//! directly: the implementations are generic over the runtime and element types.
+//! other CubeCL type parameters) runs the reference path. A user with another `CubeBackend` type
+//! can call the trait methods directly: the implementations are generic over the runtime and
+//! element types.
 //!
 //! **Forcing the reference path.** The environment variable `KIMI_BURN_REFERENCE=1` (read once),
 //! [`set_kernels`] (process-wide) and [`with_kernels`] (this thread, for a closure) switch the

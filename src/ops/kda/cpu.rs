@@ -265,8 +265,7 @@ impl KdaRecurrence {
     /// (the heads of a sequence split evenly), at most [`GROUP_STATE_BYTES`] of states per group,
     /// and one job per group for packed sequences, whose lengths differ (fewer, larger groups
     /// would balance worse).
-    fn groups(&self, jobs: &[Job], kv: usize) -> Vec<Range<usize>> {
-        let h = jobs.iter().map(|job| job.h + 1).max().unwrap_or(1);
+    fn groups(&self, jobs: &[Job], h: usize, kv: usize) -> Vec<Range<usize>> {
         let size = if self.seqs.is_some() {
             1
         } else {
@@ -341,23 +340,21 @@ impl KdaRecurrence {
         }
         let mut states = scratch(total);
         let state_writes = DisjointWrites::new(&mut states);
-        let groups = self.groups(&jobs, kv);
+        let groups = self.groups(&jobs, h, kv);
         parallel_map_sized(groups.len(), b * t * h * kv, |gi| {
             let range = groups[gi].clone();
-            let mut own: Vec<Vec<f32>> = Vec::new();
-            if !self.final_state {
-                own = jobs[range.clone()]
+            // Without final states to write, each job runs on a state of its own.
+            let mut own: Vec<Vec<f32>> = match (self.final_state, self.initial_state) {
+                (true, _) => Vec::new(),
+                (false, true) => jobs[range.clone()]
                     .iter()
                     .map(|job| {
                         let at = geo.state(job.seq, job.h);
-                        if self.initial_state {
-                            h0.data[at..at + kv].to_vec()
-                        } else {
-                            vec![0.0; kv]
-                        }
+                        h0.data[at..at + kv].to_vec()
                     })
-                    .collect();
-            }
+                    .collect(),
+                (false, false) => vec![vec![0.0; kv]; range.len()],
+            };
             let s: Vec<&mut [f32]> = if self.final_state {
                 jobs[range.clone()]
                     .iter()
@@ -998,7 +995,7 @@ impl HostOp<6> for KdaRecurrence {
             dbeta: DisjointWrites::new(&mut db.data),
         };
         let dh0_writes = DisjointWrites::new(&mut dh0.data);
-        let groups = self.groups(&jobs, kv);
+        let groups = self.groups(&jobs, h, kv);
         parallel_map_sized(groups.len(), 3 * b * t * h * kv, |gi| {
             let range = groups[gi].clone();
             let mut ds: Vec<Vec<f32>> = jobs[range.clone()]
@@ -1320,20 +1317,27 @@ mod tests {
             initial_state: false,
             final_state: false,
         };
-        for threads in [1, 2, 3, 5, 16] {
+        // Group sizes for pools of 1, 2, 3, 5 and 16 threads: the heads of a sequence split
+        // evenly over the threads, never more than a sequence's heads, and at most 512 KiB of
+        // states (eight of 128 × 128).
+        let cases = [
+            ((1, 4, 4096), [4, 2, 1, 1, 1]),
+            ((2, 4, 4096), [4, 4, 2, 1, 1]),
+            ((16, 4, 4096), [4, 4, 4, 4, 4]),
+            ((1, 64, 16384), [8, 8, 8, 8, 4]),
+        ];
+        assert_eq!(GROUP_STATE_BYTES, 512 << 10);
+        for (t, threads) in [1, 2, 3, 5, 16].into_iter().enumerate() {
             in_pool(threads, || {
-                for (b, h, kv) in [(1, 4, 4096), (2, 4, 4096), (16, 4, 4096), (1, 64, 16384)] {
+                for ((b, h, kv), sizes) in cases {
                     let op = op(None);
                     let jobs = op.jobs(b, 100, h);
-                    let groups = op.groups(&jobs, kv);
+                    let groups = op.groups(&jobs, h, kv);
                     // A partition of the jobs, in order.
                     let flat: Vec<usize> = groups.iter().flat_map(|g| g.clone()).collect();
                     assert_eq!(flat, (0..jobs.len()).collect::<Vec<_>>());
                     let size = groups[0].len();
-                    let want = (h * b / threads)
-                        .min(GROUP_STATE_BYTES / (4 * kv))
-                        .clamp(1, h);
-                    assert_eq!(size, want, "b {b}, h {h}, kv {kv}, {threads} threads");
+                    assert_eq!(size, sizes[t], "b {b}, h {h}, kv {kv}, {threads} threads");
                     for g in &groups {
                         let first = &jobs[g.start];
                         assert!(!g.is_empty() && g.len() <= size);
@@ -1350,7 +1354,7 @@ mod tests {
                 // Packed sequences differ in length: one job per group.
                 let op = op(Some(vec![(0, 10), (10, 90)]));
                 let jobs = op.jobs(1, 100, 4);
-                assert!(op.groups(&jobs, 64).iter().all(|g| g.len() == 1));
+                assert!(op.groups(&jobs, 4, 64).iter().all(|g| g.len() == 1));
             });
         }
     }
