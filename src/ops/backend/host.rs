@@ -61,20 +61,75 @@ const HUGE_PAGE_BYTES: usize = 4 << 20;
 /// thousands of faults per call. Only a hint: where the kernel declines, nothing changes.
 pub(crate) fn zeroed(len: usize) -> Vec<f32> {
     let v = vec![0.0f32; len];
+    advise_huge_pages(v.as_ptr(), len);
+    v
+}
+
+/// The huge-page advice of [`zeroed`] for the `len` floats at `ptr` (nothing below
+/// [`HUGE_PAGE_BYTES`], nor off Linux).
+fn advise_huge_pages(ptr: *const f32, len: usize) {
     #[cfg(target_os = "linux")]
     if len * 4 >= HUGE_PAGE_BYTES {
         const HUGE: usize = 2 << 20;
-        let start = (v.as_ptr() as usize).next_multiple_of(HUGE);
-        let end = (v.as_ptr() as usize + len * 4) / HUGE * HUGE;
+        let start = (ptr as usize).next_multiple_of(HUGE);
+        let end = (ptr as usize + len * 4) / HUGE * HUGE;
         if end > start {
-            // SAFETY: `[start, end)` lies inside `v`'s allocation, which is alive; the advice
-            // changes how its pages are backed, never their contents.
+            // SAFETY: `[start, end)` lies inside the caller's allocation, which is alive; the
+            // advice changes how its pages are backed, never their contents.
             unsafe {
                 libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
             }
         }
     }
-    v
+    #[cfg(not(target_os = "linux"))]
+    let _ = (ptr, len);
+}
+
+/// An output of `len` floats that a kernel's threads fill row by row through
+/// [`DisjointWrites::fresh`], each row zeroed by the thread that takes it, just before it writes
+/// it. Zeroing the whole output first ([`zeroed`]) is a pass over memory on the calling thread
+/// while the pool waits, and once an output outgrows the last-level cache its zeroed lines are
+/// evicted before the kernel writes them, so they travel to memory and back once more (the KDA
+/// forward's `o` at T = 8192 and its backward's four input gradients, 8 MiB each).
+pub(crate) struct Fresh {
+    /// Capacity `len`; its length stays 0 until [`Fresh::into_vec`].
+    buf: Vec<f32>,
+    len: usize,
+    /// Every element zeroed already ([`Fresh::zero_all`]).
+    zeroed: bool,
+}
+
+impl Fresh {
+    /// `len` floats, none written yet (with the huge-page advice of [`zeroed`]).
+    pub fn new(len: usize) -> Self {
+        let buf = Vec::with_capacity(len);
+        advise_huge_pages(buf.as_ptr(), len);
+        Self {
+            buf,
+            len,
+            zeroed: false,
+        }
+    }
+
+    /// Zeroes every element now: for an output some of whose rows no thread takes.
+    pub fn zero_all(&mut self) {
+        self.buf.clear();
+        self.buf.resize(self.len, 0.0);
+        self.zeroed = true;
+    }
+
+    /// The values, once written.
+    ///
+    /// # Safety
+    /// Unless [`Fresh::zero_all`] was called, every element must lie in a row handed out by the
+    /// [`DisjointWrites::fresh`] of this buffer (which zeroes the row before handing it out).
+    pub unsafe fn into_vec(mut self) -> Vec<f32> {
+        if !self.zeroed {
+            // SAFETY: every element was written (the caller's contract); the capacity is `len`.
+            unsafe { self.buf.set_len(self.len) };
+        }
+        self.buf
+    }
 }
 
 /// The values of a [`HostArray`]: its own buffer, or (for an ndarray `f32` tensor in standard
@@ -629,6 +684,8 @@ pub(crate) fn max<B: Backend, const D: usize>(x: &Tensor<B, D>) -> Option<f32> {
 pub(crate) struct DisjointWrites<'a> {
     ptr: *mut f32,
     len: usize,
+    /// Zero each slice before handing it out ([`DisjointWrites::fresh`]).
+    fresh: bool,
     _buffer: std::marker::PhantomData<&'a mut [f32]>,
 }
 
@@ -644,11 +701,24 @@ impl<'a> DisjointWrites<'a> {
         Self {
             ptr: buffer.as_mut_ptr(),
             len: buffer.len(),
+            fresh: false,
             _buffer: std::marker::PhantomData,
         }
     }
 
-    /// Elements `start..start + len`.
+    /// Wraps an output not written yet: every [`slice`](Self::slice) is zeroed before it is
+    /// handed out, so a slice must be taken once only (a second one would zero the first one's
+    /// writes).
+    pub fn fresh(buffer: &'a mut Fresh) -> Self {
+        Self {
+            ptr: buffer.buf.as_mut_ptr(),
+            len: buffer.len,
+            fresh: !buffer.zeroed,
+            _buffer: std::marker::PhantomData,
+        }
+    }
+
+    /// Elements `start..start + len` (zeros first, from [`DisjointWrites::fresh`]).
     ///
     /// # Safety
     /// No two slices alive at the same time, from any thread, may overlap.
@@ -664,8 +734,15 @@ impl<'a> DisjointWrites<'a> {
             start + len,
             self.len
         );
-        // SAFETY: in bounds (checked above), and the caller guarantees no overlap.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+        // SAFETY: in bounds (checked above), and the caller guarantees no overlap. A fresh
+        // buffer's range is written (zeros) before the slice is made.
+        unsafe {
+            let at = self.ptr.add(start);
+            if self.fresh {
+                std::ptr::write_bytes(at, 0, len);
+            }
+            std::slice::from_raw_parts_mut(at, len)
+        }
     }
 }
 

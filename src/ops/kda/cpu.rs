@@ -39,7 +39,7 @@
 use std::ops::Range;
 
 use crate::ops::backend::host::{
-    parallel_map_sized, scratch, DisjointWrites, HostArray, HostData, HostOp, Scratch,
+    parallel_map_sized, scratch, DisjointWrites, Fresh, HostArray, HostData, HostOp, Scratch,
 };
 use crate::ops::backend::simd::{
     dispatch, dot, exp_in_place, load, prefetch, store, Scalar, Simd, WithSimd,
@@ -306,15 +306,34 @@ impl KdaRecurrence {
         (b * q[1] * h * vd, n_s)
     }
 
-    /// The forward pass: `o` (`[B, T, H, V]`, zeros on entry) and, with `final_state`, the final
-    /// states into `s_out` (`[N, H, K, V]`), where each job's state is updated in place: `s_out`
-    /// holds the initial states on entry (zeros without `initial_state`). With `save` the
-    /// checkpoints of the backward pass.
+    /// A new output of `len` floats for rows `[B, T, H, X]` that the jobs write once each: every
+    /// row is zeroed as a job takes it ([`Fresh`]), unless packed sequences leave tokens to no
+    /// job, when all of it is zeroed first.
+    fn output(&self, len: usize, t: usize) -> Fresh {
+        let mut out = Fresh::new(len);
+        let tiled = self.seqs.as_ref().is_none_or(|spans| {
+            let mut end = 0;
+            spans.iter().all(|&(start, len)| {
+                let next = start == end;
+                end = start + len;
+                next
+            }) && end == t
+        });
+        if !tiled {
+            out.zero_all();
+        }
+        out
+    }
+
+    /// The forward pass: `o` (`[B, T, H, V]`, each row taken once from `o`) and, with
+    /// `final_state`, the final states into `s_out` (`[N, H, K, V]`), where each job's state is
+    /// updated in place: `s_out` holds the initial states on entry (zeros without
+    /// `initial_state`). With `save` the checkpoints of the backward pass.
     fn forward_into(
         &self,
         inputs: &[HostArray; 6],
         save: bool,
-        o: &mut [f32],
+        o_writes: &DisjointWrites<'_>,
         s_out: &mut [f32],
     ) -> Option<Saved> {
         let [q, _, v, _, _, h0] = inputs;
@@ -326,7 +345,7 @@ impl KdaRecurrence {
         let geo = x.geo;
         let jobs = self.jobs(b, t, h);
         let kv = kd * vd;
-        let (o_writes, s_writes) = (DisjointWrites::new(o), DisjointWrites::new(s_out));
+        let s_writes = DisjointWrites::new(s_out);
         // Job j's checkpoints from starts[j] on, one state per CHECKPOINT tokens.
         let mut starts = Vec::with_capacity(jobs.len());
         let mut total = 0;
@@ -376,7 +395,7 @@ impl KdaRecurrence {
                 x: &x,
                 jobs: &jobs[range],
                 s,
-                out: &o_writes,
+                out: o_writes,
                 states: checkpoints,
                 save,
             });
@@ -926,19 +945,30 @@ impl HostOp<6> for KdaRecurrence {
 
     fn forward(&self, inputs: &[HostArray; 6], save: bool) -> (HostArray, Option<Saved>) {
         let (n_o, n_s) = self.output_sizes(inputs);
-        // `o` alone keeps its shape (a reshape is a copy on ndarray); with the final states the
-        // two are one flat output.
-        let mut out = if self.final_state {
-            HostArray::zeros(&[n_o + n_s])
-        } else {
-            HostArray::zeros(&self.output_shape(inputs))
-        };
-        let (o, s) = out.data.split_at_mut(n_o);
+        let mut out = self.output(n_o + n_s, inputs[0].shape[1]);
+        let writes = DisjointWrites::fresh(&mut out);
+        // SAFETY: the states follow the `n_o` floats of `o`, whose rows are all the jobs take.
+        let s = unsafe { writes.slice(n_o, n_s) };
         if self.final_state && self.initial_state {
             s.copy_from_slice(&inputs[5].data);
         }
-        let saved = self.forward_into(inputs, save, o, s);
-        (out, saved)
+        let saved = self.forward_into(inputs, save, &writes, s);
+        // `o` alone keeps its shape (a reshape is a copy on ndarray); with the final states the
+        // two are one flat output.
+        let shape = if self.final_state {
+            vec![n_o + n_s]
+        } else {
+            self.output_shape(inputs).to_vec()
+        };
+        // SAFETY: the jobs took every row of `o` (or `output` zeroed it all), and `s` the rest.
+        let data = unsafe { out.into_vec() };
+        (
+            HostArray {
+                data: HostData::Owned(data),
+                shape,
+            },
+            saved,
+        )
     }
 
     /// `o` and, with `final_state`, the final states. An initial state that nothing else holds
@@ -947,10 +977,17 @@ impl HostOp<6> for KdaRecurrence {
     fn forward_parts(&self, mut inputs: [HostArray; 6]) -> Vec<HostArray> {
         let (q, v) = (&inputs[0].shape, &inputs[2].shape);
         let shape = vec![self.sequences(q[0]), q[2], q[3], v[3]];
-        let mut o = HostArray::zeros(&self.output_shape(&inputs));
+        let o_shape = self.output_shape(&inputs);
+        let mut o = self.output(o_shape.iter().product(), o_shape[1]);
+        let o_writes = DisjointWrites::fresh(&mut o);
+        let o_array = |o: Fresh| HostArray {
+            // SAFETY: the jobs took every row of `o` (or `output` zeroed it all).
+            data: HostData::Owned(unsafe { o.into_vec() }),
+            shape: o_shape.to_vec(),
+        };
         if !self.final_state {
-            self.forward_into(&inputs, false, &mut o.data, &mut []);
-            return vec![o];
+            self.forward_into(&inputs, false, &o_writes, &mut []);
+            return vec![o_array(o)];
         }
         let mut s = if !self.initial_state {
             HostArray::zeros(&shape)
@@ -967,8 +1004,8 @@ impl HostOp<6> for KdaRecurrence {
             .data
             .unique_mut()
             .unwrap_or_else(|| unreachable!("owned, or checked unique above"));
-        self.forward_into(&inputs, false, &mut o.data, s_out);
-        vec![o, s]
+        self.forward_into(&inputs, false, &o_writes, s_out);
+        vec![o_array(o), s]
     }
 
     fn backward(&self, inputs: &[HostArray; 6], saved: &Saved, grad: &HostArray) -> [HostArray; 6] {
@@ -981,18 +1018,17 @@ impl HostOp<6> for KdaRecurrence {
         let geo = x.geo;
         let jobs = self.jobs(b, t, h);
         let (kv, n_o) = (kd * vd, b * t * h * vd);
-        let mut dq = HostArray::zeros(&q.shape);
-        let mut dk = HostArray::zeros(&k.shape);
-        let mut dv = HostArray::zeros(&v.shape);
-        let mut dg = HostArray::zeros(&q.shape);
-        let mut db = HostArray::zeros(&beta.shape);
+        // Every token's rows of the input gradients are written once, by the job that owns them.
+        let [mut dq, mut dk, mut dv, mut dg, mut db] =
+            [&q.shape, &k.shape, &v.shape, &q.shape, &beta.shape]
+                .map(|shape| self.output(shape.iter().product(), t));
         let mut dh0 = HostArray::zeros(&h0.shape);
         let out = GradsOut {
-            dq: DisjointWrites::new(&mut dq.data),
-            dk: DisjointWrites::new(&mut dk.data),
-            dv: DisjointWrites::new(&mut dv.data),
-            dg: DisjointWrites::new(&mut dg.data),
-            dbeta: DisjointWrites::new(&mut db.data),
+            dq: DisjointWrites::fresh(&mut dq),
+            dk: DisjointWrites::fresh(&mut dk),
+            dv: DisjointWrites::fresh(&mut dv),
+            dg: DisjointWrites::fresh(&mut dg),
+            dbeta: DisjointWrites::fresh(&mut db),
         };
         let dh0_writes = DisjointWrites::new(&mut dh0.data);
         let groups = self.groups(&jobs, h, kv);
@@ -1025,6 +1061,14 @@ impl HostOp<6> for KdaRecurrence {
                 }
             }
         });
+        let [dq, dk, dv, dg, db] =
+            [(dq, q), (dk, k), (dv, v), (dg, q), (db, beta)].map(|(d, x)| {
+                HostArray {
+                    // SAFETY: the jobs took every token's row (or `output` zeroed it all).
+                    data: HostData::Owned(unsafe { d.into_vec() }),
+                    shape: x.shape.clone(),
+                }
+            });
         [dq, dk, dv, dg, db, dh0]
     }
 }
@@ -1247,6 +1291,67 @@ mod tests {
             extreme: true,
             ..Case::new([1, 1, 3, 16, 5])
         });
+    }
+
+    #[test]
+    fn tokens_of_no_sequence_get_zero_outputs_and_gradients() {
+        use crate::ops::backend::host::{HostArray, HostData, HostOp};
+        // T = 6, B = H = 1, K = V = 3; the packed spans leave tokens 0 and 5 to no sequence.
+        let (t, kd) = (6, 3);
+        let array = |shape: Vec<usize>, seed: usize, f: fn(f32) -> f32| {
+            let n = shape.iter().product();
+            let data = (0..n)
+                .map(|i| f(((i * 7 + seed) % 11) as f32 * 0.1 - 0.5))
+                .collect();
+            HostArray {
+                data: HostData::Owned(data),
+                shape,
+            }
+        };
+        let row = vec![1, t, 1, kd];
+        let same = |x: f32| x;
+        let inputs = [
+            array(row.clone(), 1, same),
+            array(row.clone(), 2, same),
+            array(row.clone(), 3, same),
+            array(row.clone(), 4, |g| -g.abs()),
+            array(vec![1, t, 1], 5, f32::abs),
+            array(vec![1, 1, kd, kd], 6, same),
+        ];
+        let op = super::KdaRecurrence {
+            scale: 0.5,
+            l2norm: true,
+            seqs: Some(vec![(1, 2), (3, 2)]),
+            initial_state: false,
+            final_state: false,
+        };
+        // Buffers of the outputs' sizes, full of NaN, freed just before: the allocator hands them
+        // out again, so a row nothing writes would show.
+        drop(vec![f32::NAN; t * kd]);
+        let (o, saved) = op.forward(&inputs, true);
+        let rows = |x: &HostArray, w: usize| -> Vec<Vec<f32>> {
+            x.data.chunks(w).map(<[f32]>::to_vec).collect()
+        };
+        let o_rows = rows(&o, kd);
+        for (tk, r) in o_rows.iter().enumerate() {
+            let outside = tk == 0 || tk == t - 1;
+            assert_eq!(r.iter().all(|&x| x == 0.0), outside, "o row {tk}: {r:?}");
+        }
+        drop(vec![f32::NAN; t * kd]);
+        let grads = op.backward(&inputs, &saved.expect("saved"), &array(row, 7, same));
+        for (i, d) in grads[..5].iter().enumerate() {
+            let w = if i == 4 { 1 } else { kd };
+            for (tk, r) in rows(d, w).iter().enumerate() {
+                let outside = tk == 0 || tk == t - 1;
+                assert!(
+                    r.iter().all(|x| x.is_finite()),
+                    "gradient {i} row {tk}: {r:?}"
+                );
+                if outside {
+                    assert!(r.iter().all(|&x| x == 0.0), "gradient {i} row {tk}: {r:?}");
+                }
+            }
+        }
     }
 
     #[test]
