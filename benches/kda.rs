@@ -1,6 +1,7 @@
 //! KDA op benchmarks: `chunk_kda` forward and forward + backward at B = 1, H = 4, K = V = 64 for
-//! T ∈ {512, 2048, 8192} (on ndarray also B = 4 at T = 2048, the `…_b4` groups), and `fused_recurrent_kda` per decode token at B = 1 and 16; on CUDA also
-//! the target shape B = 1, H = 64, K = V = 128, T = 16384. On ndarray, and on wgpu with
+//! T ∈ {512, 2048, 8192} (on ndarray also B = 4 at T = 2048, the `…_b4` groups, and the forward on
+//! inputs out of every cache, the `…_cold` group), and `fused_recurrent_kda` per decode token at
+//! B = 1 and 16; on CUDA also the target shape B = 1, H = 64, K = V = 128, T = 16384. On ndarray, and on wgpu with
 //! `--features wgpu` (CUDA with `--features cuda`), where every group runs twice, `…-kernel` (the
 //! CubeCL KDA kernels) and `…-reference` (tensor ops, kernels switched off).
 //!
@@ -134,6 +135,45 @@ fn forward<B: Backend>(
     group.finish();
 }
 
+/// The inputs of the `…_cold` groups span at least this many bytes: beyond any last-level cache.
+const COLD_BYTES: usize = 256 << 20;
+
+/// The forward on inputs that are not in any cache: several copies of the inputs, together at
+/// least [`COLD_BYTES`], taken in turn, so that each call reads what the calls before it have
+/// pushed out (as in training, where a layer's inputs were produced a whole layer earlier). The
+/// plain groups reuse one set, which stays in the last-level cache from call to call when small.
+fn forward_cold<B: Backend>(c: &mut Criterion, backend: &str, dims: &Dims, device: &B::Device) {
+    let name = format!("chunk_kda_fwd{}_cold/{backend}", dims.name);
+    let mut group = c.benchmark_group(name);
+    group.sample_size(10);
+    for &t in dims.lengths {
+        // q, k, v, g and o: four K-wide and one V-wide row per token and head, f32.
+        let bytes = dims.batch * t * dims.h * dims.k * 5 * 4;
+        let copies = COLD_BYTES.div_ceil(bytes).max(2);
+        let sets: Vec<_> = (0..copies)
+            .map(|_| inputs::<B>(dims.batch, t, dims, device))
+            .collect();
+        let mut turn = 0;
+        group.throughput(Throughput::Elements((dims.batch * t) as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(t), &t, |bench, _| {
+            bench.iter(|| {
+                let x = &sets[turn % copies];
+                turn += 1;
+                let (o, _) = chunk_kda(
+                    x.q.clone(),
+                    x.k.clone(),
+                    x.v.clone(),
+                    x.g.clone(),
+                    x.beta.clone(),
+                    KdaOptions::default(),
+                );
+                sync(o);
+            })
+        });
+    }
+    group.finish();
+}
+
 fn forward_backward<B: AutodiffBackend>(
     c: &mut Criterion,
     backend: &str,
@@ -204,6 +244,7 @@ fn decode<B: Backend>(c: &mut Criterion, backend: &str, batch: usize, device: &B
 fn ndarray(c: &mut Criterion) {
     let device = Default::default();
     forward::<NdArray<f32>>(c, "ndarray", &SMALL, false, &device);
+    forward_cold::<NdArray<f32>>(c, "ndarray", &SMALL, &device);
     forward_backward::<Autodiff<NdArray<f32>>>(c, "ndarray", &SMALL, false, &device);
     let one = Dims {
         lengths: &[2048],
