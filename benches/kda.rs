@@ -105,6 +105,19 @@ fn sync<B: Backend>(t: Tensor<B, 4>) {
     let _ = t.slice([0..1, 0..1, 0..1, 0..1]).into_data();
 }
 
+/// One `chunk_kda` forward on `x`, waited for.
+fn call<B: Backend>(x: &Inputs<B>, state: bool) {
+    let (o, _) = chunk_kda(
+        x.q.clone(),
+        x.k.clone(),
+        x.v.clone(),
+        x.g.clone(),
+        x.beta.clone(),
+        options(x, state),
+    );
+    sync(o);
+}
+
 fn forward<B: Backend>(
     c: &mut Criterion,
     backend: &str,
@@ -119,17 +132,7 @@ fn forward<B: Backend>(
         let x = inputs::<B>(dims.batch, t, dims, device);
         group.throughput(Throughput::Elements((dims.batch * t) as u64));
         group.bench_with_input(BenchmarkId::from_parameter(t), &t, |bench, _| {
-            bench.iter(|| {
-                let (o, _) = chunk_kda(
-                    x.q.clone(),
-                    x.k.clone(),
-                    x.v.clone(),
-                    x.g.clone(),
-                    x.beta.clone(),
-                    options(&x, state),
-                );
-                sync(o);
-            })
+            bench.iter(|| call(&x, state))
         });
     }
     group.finish();
@@ -157,17 +160,8 @@ fn forward_cold<B: Backend>(c: &mut Criterion, backend: &str, dims: &Dims, devic
         group.throughput(Throughput::Elements((dims.batch * t) as u64));
         group.bench_with_input(BenchmarkId::from_parameter(t), &t, |bench, _| {
             bench.iter(|| {
-                let x = &sets[turn % copies];
                 turn += 1;
-                let (o, _) = chunk_kda(
-                    x.q.clone(),
-                    x.k.clone(),
-                    x.v.clone(),
-                    x.g.clone(),
-                    x.beta.clone(),
-                    KdaOptions::default(),
-                );
-                sync(o);
+                call(&sets[turn % copies], false)
             })
         });
     }
