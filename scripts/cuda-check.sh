@@ -114,6 +114,32 @@ for name in sorted(time, key=time.get, reverse=True)[:25]:
 PY
 }
 
+# split_run JOBS SECONDS LOG ARGS…: the suite's tests that ARGS select (filters, `--skip`), shared
+# round-robin among JOBS processes of one test thread each, all started at once, each stopped after
+# SECONDS; their output appended to LOG one process after the other. Non-zero if any process was.
+split_run() {
+    local jobs=$1 limit=$2 log=$3
+    shift 3
+    local list
+    list=$(mktemp -d)
+    "$bin/suite" --list "$@" 2>/dev/null | sed -n 's/: test$//p' >"$list/all"
+    split -n "r/$jobs" "$list/all" "$list/part."
+    local pids=() part rc=0
+    for part in "$list"/part.*; do
+        [ -s "$part" ] || continue
+        # shellcheck disable=SC2046 # one argument per test name (names have no spaces)
+        timeout "$limit" "$bin/suite" --exact $(cat "$part") --test-threads=1 --nocapture \
+            >"$part.log" 2>&1 &
+        pids+=($!)
+    done
+    for part in "${pids[@]}"; do
+        wait "$part" || rc=$?
+    done
+    cat "$list"/part.*.log >>"$log" 2>/dev/null || true
+    rm -rf "$list"
+    return "$rc"
+}
+
 run() {
     # Everything is written under $out/w, then packed into $out/logs-$part.tar.gz beside the summary.
     local final bin work status=0
@@ -146,12 +172,19 @@ run() {
         # First the checks that decide a default (the tensor-core path of the grouped matmuls,
         # `tensor_cores_enabled`), so that they run whatever happens to the rest; then the rest:
         # about 5 minutes on an H200 with 12 threads, most of it NVRTC and Burn's matmul autotune.
+        # Every process runs its tests one at a time: Burn 0.21's autodiff sweeps every graph of the
+        # process at the end of each backward and can free steps of a graph another thread is still
+        # building (tracel-ai/burn#5573), so a gradient test beside others in one process can lose
+        # a gradient for that alone (seen on lavapipe: `kernels_kda::layer::training_gradients_…`
+        # failed in two of four runs of this list at 12 threads, never at one). Processes in
+        # parallel instead.
         local first=kernels_moe::dispatch::half_storage
-        timeout 150 "$bin/suite" "$first" --test-threads=2 --nocapture >"$out/kernels.log" 2>&1 || status=$?
-        timeout 420 "$bin/suite" kernels_moe:: kernels_kda:: ::kernel:: ::wgpu on_wgpu_matches \
-            half_inputs_on_wgpu the_kernel_matches_the_host_loop adamw_kernel scaled_sum_kernel \
-            the_optimiser_on_the_gpu gpu_sigmoid_kernels --skip "$first" --test-threads=12 \
-            --nocapture >>"$out/kernels.log" 2>&1 || status=$?
+        : >"$out/kernels.log"
+        split_run 2 150 "$out/kernels.log" "$first" || status=$?
+        split_run 8 420 "$out/kernels.log" kernels_moe:: kernels_kda:: ::kernel:: ::wgpu \
+            on_wgpu_matches half_inputs_on_wgpu the_kernel_matches_the_host_loop adamw_kernel \
+            scaled_sum_kernel the_optimiser_on_the_gpu gpu_sigmoid_kernels --skip "$first" ||
+            status=$?
         echo "kernel tests exit status: $status" >>"$out/summary.txt"
         grep -E "^test .*(FAILED|ignored)|panicked|exceeds|^assertion|test result" "$out/kernels.log" >>"$out/summary.txt" || true
         grep -cE "^test .* ok$" "$out/kernels.log" | sed 's/$/ tests passed/' >>"$out/summary.txt" || true
