@@ -27,7 +27,12 @@
 //!
 //! Burn 0.21's autodiff keeps one process-wide table of graphs; when peers are threads of one
 //! process their graphs must not share a node, which [`KimiForCausalLM::replica`](crate::model::KimiForCausalLM::replica) ensures (it
-//! forks the parameters).
+//! forks the parameters). Even disjoint graphs are not fully independent there: the end of every
+//! backward sweeps all graphs of the process and can free a step of a graph another thread is
+//! still building (reported upstream as tracel-ai/burn#5573), losing that thread's gradient or part
+//! of it. A gradient lost entirely is caught by the presence check above; a partial loss is not.
+//! The 2-peer test has not shown it (60 runs on ndarray); twelve test threads in one process did
+//! (on lavapipe). One peer per process ([`Peer::global`] with one local peer) is not exposed.
 
 use std::str::FromStr;
 
