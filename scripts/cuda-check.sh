@@ -171,7 +171,8 @@ run() {
     if [ "$part" = all ] || [ "$part" = tests ]; then
         # First the checks that decide a default (the tensor-core path of the grouped matmuls,
         # `tensor_cores_enabled`), so that they run whatever happens to the rest; then the rest:
-        # about 5 minutes on an H200 with 12 threads, most of it NVRTC and Burn's matmul autotune.
+        # about 5 minutes on an H200 as 12 threads of one process, most of it NVRTC and Burn's
+        # matmul autotune (as 8 processes, which share the compilation cache folder, not yet timed).
         # Every process runs its tests one at a time: Burn 0.21's autodiff sweeps every graph of the
         # process at the end of each backward and can free steps of a graph another thread is still
         # building (tracel-ai/burn#5573), so a gradient test beside others in one process can lose
