@@ -1,9 +1,9 @@
 //! KDA op benchmarks: `chunk_kda` forward and forward + backward at B = 1, H = 4, K = V = 64 for
 //! T ∈ {512, 2048, 8192} (on ndarray also B = 4 at T = 2048, the `…_b4` groups, and the forward on
 //! inputs out of every cache, the `…_cold` group), and `fused_recurrent_kda` per decode token at
-//! B = 1 and 16; on CUDA also the target shape B = 1, H = 64, K = V = 128, T = 16384. On ndarray, and on wgpu with
-//! `--features wgpu` (CUDA with `--features cuda`), where every group runs twice, `…-kernel` (the
-//! CubeCL KDA kernels) and `…-reference` (tensor ops, kernels switched off).
+//! B = 1 and 16; on CUDA also the target shape B = 1, H = 64, K = V = 128, T = 16384. On ndarray,
+//! and on wgpu with `--features wgpu` (CUDA with `--features cuda`), where every group runs twice:
+//! `…-kernel` (the CubeCL KDA kernels) and `…-reference` (tensor ops, kernels switched off).
 //!
 //! The plain groups measure what `../shared/baselines/torch_blocks.py kda` measures, so that
 //! `scripts/cpu-vs-torch.sh` can put them side by side: a zero initial state, the output only, and
@@ -150,7 +150,7 @@ fn forward_cold<B: Backend>(c: &mut Criterion, backend: &str, dims: &Dims, devic
     let mut group = c.benchmark_group(name);
     group.sample_size(10);
     for &t in dims.lengths {
-        // q, k, v, g and o: four K-wide and one V-wide row per token and head, f32.
+        // q, k, g (K wide), v and o (V wide; V = K here): five rows per token and head, f32.
         let bytes = dims.batch * t * dims.h * dims.k * 5 * 4;
         let copies = COLD_BYTES.div_ceil(bytes).max(2);
         let sets: Vec<_> = (0..copies)
