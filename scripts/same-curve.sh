@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# train_tiny at two commits on this machine: the loss of every step side by side, and the training
+# throughput of each, measured in alternation in one run.
+#
+#     scripts/same-curve.sh OLD [NEW] [STEPS]        NEW: HEAD, STEPS: 50
+#
+# Builds `examples/train_tiny` at both commits (git worktrees under target/same-curve, built into
+# this checkout's target folder so that the dependencies build once), runs each with the same seed
+# and data, `--steps STEPS --checkpoint-every 0`, `REPEATS` times in alternation (default 2), and
+# prints per step both losses and their absolute and relative difference, then the median tokens/s
+# of steps 5 and on of every run and the ratio NEW / OLD. A second run of the same binary must give
+# the same losses bit for bit (the CPU path is deterministic); the script says so if not.
+#
+# The two curves part wherever a change of summation order moves a token at a near-tie of two
+# experts' scores to the other expert; after that the losses differ in the fourth digit. As the
+# yardstick for that, OLD also runs once with the learning rate changed in its eighth digit
+# (`CONTROL_LR`, default 0.010000001 against train_tiny's 0.01): the same code, one rounding
+# moved, and the script prints how far that curve parts from OLD's next to how far NEW's does.
+# Keep the machine otherwise idle for the throughput.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ $# -lt 1 ]; then
+    echo "usage: scripts/same-curve.sh OLD [NEW] [STEPS]" >&2
+    exit 2
+fi
+old="$(git rev-parse --short "$1")"
+new="$(git rev-parse --short "${2:-HEAD}")"
+steps="${3:-50}"
+repeats="${REPEATS:-2}"
+work="target/same-curve"
+target="$(pwd)/target"
+mkdir -p "$work"
+
+build() {
+    local rev="$1" tree="$work/tree-$1"
+    if [ ! -d "$tree" ]; then
+        git worktree add --detach "$tree" "$rev" >/dev/null
+    fi
+    (cd "$tree" && CARGO_TARGET_DIR="$target" cargo build --release --example train_tiny)
+    cp "$target/release/examples/train_tiny" "$work/train_tiny-$rev"
+}
+build "$old"
+build "$new"
+
+for r in $(seq 1 "$repeats"); do
+    for rev in "$old" "$new"; do
+        echo "run $r: $rev" >&2
+        "$work/train_tiny-$rev" --steps "$steps" --checkpoint-every 0 \
+            --out "$work/run-$rev-$r" >"$work/run-$rev-$r.log" 2>&1
+    done
+done
+
+echo "control: $old --lr ${CONTROL_LR:-0.010000001}" >&2
+"$work/train_tiny-$old" --steps "$steps" --checkpoint-every 0 --lr "${CONTROL_LR:-0.010000001}" \
+    --out "$work/run-$old-control" >"$work/run-$old-control.log" 2>&1
+
+python3 - "$work" "$old" "$new" "$repeats" <<'EOF'
+import csv, statistics, sys
+
+work, old, new, repeats = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+
+
+def rows(rev, r):
+    with open(f"{work}/run-{rev}-{r}/metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+runs = {rev: [rows(rev, r) for r in range(1, repeats + 1)] for rev in (old, new)}
+for rev, rs in runs.items():
+    for r, x in enumerate(rs[1:], 2):
+        if [a["loss"] for a in x] != [a["loss"] for a in rs[0]]:
+            print(f"{rev}: run {r} gave other losses than run 1 (not deterministic)")
+a, b = runs[old][0], runs[new][0]
+print(f"| step | loss {old} | loss {new} | abs. difference | rel. difference |")
+print("|---|---|---|---|---|")
+over, worst_abs, worst_rel = [], 0.0, 0.0
+for x, y in zip(a, b):
+    la, lb = float(x["loss"]), float(y["loss"])
+    d = abs(la - lb)
+    rel = d / abs(la)
+    worst_abs, worst_rel = max(worst_abs, d), max(worst_rel, rel)
+    if d > 1e-4:
+        over.append(x["step"])
+    print(f"| {x['step']} | {la:.6f} | {lb:.6f} | {d:.1e} | {rel:.1e} |")
+print()
+print(f"steps with |difference| > 1e-4: {len(over)} of {len(a)} ({', '.join(over) or 'none'});"
+      f" largest {worst_abs:.1e} absolute, {worst_rel:.1e} relative")
+
+
+def parting(x, y, name):
+    d = [abs(float(p["loss"]) - float(q["loss"])) for p, q in zip(x, y)]
+    first = next((str(i) for i, v in enumerate(d) if v > 1e-5), "never")
+    print(f"{name}: {sum(v > 1e-4 for v in d)} of {len(d)} steps over 1e-4, first over 1e-5 at"
+          f" step {first}, largest {max(d):.1e}")
+
+
+parting(a, b, f"{new} against {old}")
+parting(a, rows(old, "control"), f"{old} with the control learning rate against {old}")
+
+
+def speed(x):
+    return statistics.median(float(row["tokens_per_s"]) for row in x[5:])
+
+
+s_old = [speed(x) for x in runs[old]]
+s_new = [speed(x) for x in runs[new]]
+print(f"median tokens/s of steps 5 and on, per run: {old} {', '.join(f'{s:.0f}' for s in s_old)};"
+      f" {new} {', '.join(f'{s:.0f}' for s in s_new)}")
+print(f"{new} / {old}: {statistics.median(s_new) / statistics.median(s_old):.2f}x")
+EOF
