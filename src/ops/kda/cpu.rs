@@ -453,10 +453,7 @@ fn step_block<S: Simd, const N: usize>(
     // and a load of every row (BENCHMARKS, "Half the stores of a forward step").
     for (i, (&a, &k)) in t.decay.iter().zip(&t.k).enumerate() {
         let at = i * vd + j;
-        let src = match prev {
-            Some(prev) => &prev[at..at + w],
-            None => &s[at..at + w],
-        };
+        let src = &prev.unwrap_or(s)[at..at + w];
         let ak = simd.splat_f32s(a * k);
         for n in 0..N {
             p[n] = simd.mul_add_e_f32s(ak, load::<S>(&src[n * lanes..]), p[n]);
@@ -474,10 +471,7 @@ fn step_block<S: Simd, const N: usize>(
     let mut oj = [zero; N];
     for (i, ((&a, &k), &q)) in t.decay.iter().zip(&t.k).zip(&t.q).enumerate() {
         let at = i * vd + j;
-        let src = match prev {
-            Some(prev) => &prev[at..at + w],
-            None => &s[at..at + w],
-        };
+        let src = &prev.unwrap_or(s)[at..at + w];
         let mut x = [zero; N];
         for n in 0..N {
             x[n] = load::<S>(&src[n * lanes..]);
