@@ -4,11 +4,11 @@
 #
 #     scripts/same-curve.sh OLD [NEW] [STEPS]        NEW: HEAD, STEPS: 50
 #
-# Builds `examples/train_tiny` at both commits (git worktrees under target/same-curve, built into
-# this checkout's target folder so that the dependencies build once), runs each with the same seed
-# and data, `--steps STEPS --checkpoint-every 0`, `REPEATS` times in alternation (default 2), and
-# prints per step both losses and their absolute and relative difference, then the median tokens/s
-# of steps 5 and on of every run and the ratio NEW / OLD. A second run of the same binary must give
+# Builds `examples/train_tiny` at both commits (git worktrees under target/same-curve, removed at
+# the end, built into this checkout's target folder so that the dependencies build once), runs each
+# with the same seed and data, `--steps STEPS --checkpoint-every 0`, `REPEATS` times in alternation
+# (default 2), and prints per step both losses and their absolute and relative difference, then
+# the median tokens/s of steps 5 and on of every run and the ratio NEW / OLD. A second run of the same binary must give
 # the same losses bit for bit (the CPU path is deterministic); the script says so if not.
 #
 # The two curves part wherever a change of summation order moves a token at a near-tie of two
@@ -40,6 +40,8 @@ build() {
     (cd "$tree" && CARGO_TARGET_DIR="$target" cargo build --release --example train_tiny)
     cp "$target/release/examples/train_tiny" "$work/train_tiny-$rev"
 }
+# The worktrees go when the script ends (the builds stay in the target folder).
+trap 'for t in "$work"/tree-*; do [ -d "$t" ] && git worktree remove --force "$t"; done' EXIT
 build "$old"
 build "$new"
 
