@@ -49,13 +49,15 @@ for r in $(seq 1 "$repeats"); do
     for rev in "$old" "$new"; do
         echo "run $r: $rev" >&2
         "$work/train_tiny-$rev" --steps "$steps" --checkpoint-every 0 \
-            --out "$work/run-$rev-$r" >"$work/run-$rev-$r.log" 2>&1
+            --out "$work/run-$rev-$r" >"$work/run-$rev-$r.log" 2>&1 ||
+            { echo "train_tiny at $rev failed: see $work/run-$rev-$r.log" >&2; exit 1; }
     done
 done
 
 echo "control: $old --lr ${CONTROL_LR:-0.010000001}" >&2
 "$work/train_tiny-$old" --steps "$steps" --checkpoint-every 0 --lr "${CONTROL_LR:-0.010000001}" \
-    --out "$work/run-$old-control" >"$work/run-$old-control.log" 2>&1
+    --out "$work/run-$old-control" >"$work/run-$old-control.log" 2>&1 ||
+    { echo "the control run failed: see $work/run-$old-control.log" >&2; exit 1; }
 
 python3 - "$work" "$old" "$new" "$repeats" <<'EOF'
 import csv, statistics, sys
