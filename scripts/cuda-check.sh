@@ -123,6 +123,12 @@ split_run() {
     local list
     list=$(mktemp -d)
     "$bin/suite" --list "$@" 2>/dev/null | sed -n 's/: test$//p' >"$list/all"
+    if [ ! -s "$list/all" ]; then
+        # No test selected is a failure, not a pass: a GPU check must not vanish silently.
+        echo "split_run: no test matches $*" >>"$log"
+        rm -rf "$list"
+        return 1
+    fi
     split -n "r/$jobs" "$list/all" "$list/part."
     local pids=() part rc=0
     for part in "$list"/part.*; do

@@ -6,9 +6,10 @@
 #     scripts/kda-linearity.sh [ROUNDS]
 #
 # One criterion run of each size is not enough on a small shared VM: the ratio of one run lands
-# anywhere between about 3.9 and 5.3 there, while the median over eight rounds moves by a few
-# percent. Every round measures all sizes back to back (`--warm-up-time 2 --measurement-time 3`),
-# so a neighbour's load hits the sizes of one round alike. Keep the machine otherwise idle.
+# anywhere between about 3.9 and 5.3 there. The medians over several rounds are steadier, and the
+# per-round range shows how far to trust them. Every round measures all sizes back to back
+# (`--warm-up-time 2 --measurement-time 3`), so a neighbour's load hits the sizes of one round
+# alike. Keep the machine otherwise idle.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
