@@ -717,6 +717,15 @@ impl<'a> DisjointWrites<'a> {
         }
     }
 
+    /// Requests elements `start..start + len` for writing ahead of [`slice`](Self::slice) (see
+    /// [`super::simd::prefetch_write`]); makes no slice and writes nothing.
+    #[inline(always)]
+    pub fn prefetch_write(&self, start: usize, len: usize) {
+        if start <= self.len && len <= self.len - start {
+            super::simd::prefetch_write(self.ptr.wrapping_add(start), len);
+        }
+    }
+
     /// Elements `start..start + len` (zeros first, from [`DisjointWrites::fresh`]).
     ///
     /// # Safety

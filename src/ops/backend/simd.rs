@@ -60,6 +60,56 @@ pub(crate) fn prefetch(x: &[f32]) {
     let _ = x;
 }
 
+/// Asks the CPU to bring the `len` floats at `ptr` into its caches ready to be written
+/// (`PREFETCHW`, a request every 64 bytes and one for the last element): a store to a line that is
+/// not in the cache first reads the line from memory, and a kernel that writes rows `H · X` floats
+/// apart meets that read on every row once its outputs outgrow the last-level cache. A hint: never
+/// faults, whatever the address, and changes no result. A read prefetch where the CPU lacks
+/// `PREFETCHW` (CPUID `8000_0001h`, ECX bit 8); a no-op off x86-64.
+#[inline(always)]
+pub(crate) fn prefetch_write(ptr: *const f32, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let write = has_prefetchw();
+        for at in (0..len).step_by(16).chain(len.checked_sub(1)) {
+            let line = ptr.wrapping_add(at);
+            // SAFETY: a prefetch is a hint with no architectural effect that never faults, and
+            // `PREFETCHW` runs only where CPUID reports it. (`_MM_HINT_ET0` would compile to a
+            // plain `PREFETCHT0` without the `prfchw` target feature, hence the assembly.)
+            unsafe {
+                if write {
+                    std::arch::asm!(
+                        "prefetchw [{}]",
+                        in(reg) line,
+                        options(nostack, preserves_flags, readonly)
+                    );
+                } else {
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                        line.cast(),
+                    );
+                }
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (ptr, len);
+}
+
+/// Whether the CPU runs `PREFETCHW` (CPUID `8000_0001h`, ECX bit 8), asked once per process.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn has_prefetchw() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        use std::arch::x86_64::__cpuid;
+        // SAFETY: every x86-64 CPU has CPUID and its extended leaf 8000_0000h.
+        #[allow(unused_unsafe)]
+        let (max, ecx) = unsafe { (__cpuid(0x8000_0000).eax, __cpuid(0x8000_0001).ecx) };
+        max >= 0x8000_0001 && ecx & (1 << 8) != 0
+    })
+}
+
 /// The width of the lane blocks: one AVX-512 register, two AVX2 registers, four SSE registers.
 pub(crate) const LANES: usize = 16;
 

@@ -19,7 +19,11 @@
 //! (forward [`INTERLEAVE`] tokens, backward one checkpoint span), so that the rows it reads from
 //! the `[B, T, H, X]` inputs lie side by side instead of `H · X` floats apart (one head per thread
 //! fetched the same lines once per head from main memory when the inputs outgrew the last-level
-//! cache; BENCHMARKS, "The heads of a sequence together").
+//! cache; BENCHMARKS, "The heads of a sequence together"). Besides the input rows of the token a
+//! few steps ahead, a thread requests the output rows it will write then, for writing
+//! ([`prefetch_write`]), and the saved state it reads or writes next a piece per token, so that
+//! none of its stores or its first loads of a span wait on main memory at once (BENCHMARKS,
+//! "Outputs requested for writing").
 //!
 //! The state starts at `S_0` (an input, zeros without one) and `S_T` can be returned as well; the
 //! backward pass then starts from `dS_T` and ends with `dS_0`.
@@ -42,7 +46,7 @@ use crate::ops::backend::host::{
     parallel_map_sized, scratch, DisjointWrites, Fresh, HostArray, HostData, HostOp, Scratch,
 };
 use crate::ops::backend::simd::{
-    dispatch, dot, exp_in_place, load, prefetch, store, Scalar, Simd, WithSimd,
+    dispatch, dot, exp_in_place, load, prefetch, prefetch_write, store, Scalar, Simd, WithSimd,
 };
 
 /// Tokens between two saved states: the backward pass recomputes `CHECKPOINT + 1` states of
@@ -566,8 +570,19 @@ impl WithSimd for ForwardGroup<'_> {
                         let at = i / CHECKPOINT * s.len();
                         states[at..at + s.len()].copy_from_slice(s);
                     }
+                    if save {
+                        // The next checkpoint's lines, a CHECKPOINT-th of them per token, so that
+                        // its copy does not wait on them all at once.
+                        let piece = s.len().div_ceil(CHECKPOINT);
+                        let at = (i / CHECKPOINT + 1) * s.len() + i % CHECKPOINT * piece;
+                        if let Some(next) = states.get(at..(at + piece).min(states.len())) {
+                            prefetch_write(next.as_ptr(), next.len());
+                        }
+                    }
                     if let Some((g2, i2)) = ahead(jobs.len(), len, lo, hi, g, i) {
-                        x.prefetch(&jobs[g2], jobs[g2].start + i2, None);
+                        let (job2, tk2) = (&jobs[g2], jobs[g2].start + i2);
+                        x.prefetch(job2, tk2, None);
+                        out.prefetch_write(x.geo.at(job2.b, tk2, job2.h, vd), vd);
                     }
                     let tk = job.start + i;
                     let (v, beta) = x.token(job, tk, &mut t);
@@ -622,6 +637,24 @@ struct GradsOut<'a> {
     dv: DisjointWrites<'a>,
     dg: DisjointWrites<'a>,
     dbeta: DisjointWrites<'a>,
+}
+
+impl GradsOut<'_> {
+    /// Requests the gradient rows of token `tk` of the job for writing (see
+    /// [`DisjointWrites::prefetch_write`]).
+    #[inline(always)]
+    fn prefetch_write(&self, geo: Geometry, job: &Job, tk: usize) {
+        let (at, av) = (
+            geo.at(job.b, tk, job.h, geo.kd),
+            geo.at(job.b, tk, job.h, geo.vd),
+        );
+        self.dq.prefetch_write(at, geo.kd);
+        self.dk.prefetch_write(at, geo.kd);
+        self.dg.prefetch_write(at, geo.kd);
+        self.dv.prefetch_write(av, geo.vd);
+        self.dbeta
+            .prefetch_write(geo.at_scalar(job.b, tk, job.h), 1);
+    }
 }
 
 /// What one backward step reads besides the running `dS`: the states around the token, its
@@ -794,10 +827,16 @@ impl WithSimd for BackwardGroup<'_> {
             for (g, job) in jobs.iter().enumerate() {
                 // The span the group takes next: the same one of the next job, or the one
                 // before of the first job.
-                let next = if g + 1 < jobs.len() {
-                    Some((&jobs[g + 1], first))
+                let (next, next_state) = if g + 1 < jobs.len() {
+                    (
+                        Some((&jobs[g + 1], first)),
+                        Some(&states[g + 1][c * kv..(c + 1) * kv]),
+                    )
+                } else if c > 0 {
+                    let state = &states[0][(c - 1) * kv..c * kv];
+                    (Some((&jobs[0], first - CHECKPOINT)), Some(state))
                 } else {
-                    first.checked_sub(CHECKPOINT).map(|at| (&jobs[0], at))
+                    (None, None)
                 };
                 let span = Span {
                     job,
@@ -805,6 +844,7 @@ impl WithSimd for BackwardGroup<'_> {
                     len: CHECKPOINT.min(n - first),
                     state: &states[g][c * kv..(c + 1) * kv],
                     next,
+                    next_state,
                 };
                 work.backward(simd, x, &span, &mut ds[g], grad, out);
             }
@@ -814,13 +854,14 @@ impl WithSimd for BackwardGroup<'_> {
 
 /// One checkpoint span of a job in the backward pass: tokens `first..first + len` (from the job's
 /// start), the saved state before them, and the span the group takes next (a job and its first
-/// token), whose rows are requested ahead.
+/// token) with its saved state, whose rows are requested ahead.
 struct Span<'a> {
     job: &'a Job,
     first: usize,
     len: usize,
     state: &'a [f32],
     next: Option<(&'a Job, usize)>,
+    next_state: Option<&'a [f32]>,
 }
 
 /// The working buffers of the backward pass, reused from span to span: the states `S_{t−1}`,
@@ -883,6 +924,10 @@ impl<V: Copy> SpanWork<V> {
             if i + PREFETCH_AHEAD < len {
                 x.prefetch(job, job.start + first + i + PREFETCH_AHEAD, Some(grad));
             }
+            // The walk back below writes the last tokens' gradient rows first.
+            if i + PREFETCH_AHEAD >= len {
+                out.prefetch_write(geo, job, job.start + first + i);
+            }
             let (v, beta) = x.token(job, job.start + first + i, t);
             let (done, rest) = states.split_at_mut((i + 1) * kv);
             let (e, u) = (&mut es[i * vd..(i + 1) * vd], &mut us[i * vd..(i + 1) * vd]);
@@ -904,6 +949,16 @@ impl<V: Copy> SpanWork<V> {
             // The first rows of the next span, which the loop above reads next.
             if let (Some((next, at)), true) = (span.next, i < PREFETCH_AHEAD) {
                 x.prefetch(next, next.start + at + i, Some(grad));
+            }
+            if i >= PREFETCH_AHEAD {
+                out.prefetch_write(geo, job, tk - PREFETCH_AHEAD);
+            }
+            // The next span's saved state, a `len`-th of it per token: it was written a whole
+            // forward pass ago.
+            if let Some(state) = span.next_state {
+                let piece = kv.div_ceil(len);
+                let at = ((len - 1 - i) * piece).min(kv);
+                prefetch(&state[at..(at + piece).min(kv)]);
             }
             let (at, av) = (geo.at(job.b, tk, job.h, kd), geo.at(job.b, tk, job.h, vd));
             let t = &tokens[i];
