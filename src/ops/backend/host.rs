@@ -101,8 +101,16 @@ pub(crate) struct Fresh {
 impl Fresh {
     /// `len` floats, none written yet (with the huge-page advice of [`zeroed`]).
     pub fn new(len: usize) -> Self {
-        let buf = Vec::with_capacity(len);
+        #[allow(unused_mut)]
+        let mut buf = Vec::with_capacity(len);
         advise_huge_pages(buf.as_ptr(), len);
+        // In the crate's own tests every element starts as NaN, so that an element that no row
+        // covers shows, whatever memory the allocator hands out.
+        #[cfg(test)]
+        {
+            buf.resize(len, f32::NAN);
+            buf.clear();
+        }
         Self {
             buf,
             len,
