@@ -827,16 +827,16 @@ impl WithSimd for BackwardGroup<'_> {
             for (g, job) in jobs.iter().enumerate() {
                 // The span the group takes next: the same one of the next job, or the one
                 // before of the first job.
-                let (next, next_state) = if g + 1 < jobs.len() {
-                    (
-                        Some((&jobs[g + 1], first)),
-                        Some(&states[g + 1][c * kv..(c + 1) * kv]),
-                    )
+                let next = if g + 1 < jobs.len() {
+                    Some((&jobs[g + 1], first, &states[g + 1][c * kv..(c + 1) * kv]))
                 } else if c > 0 {
-                    let state = &states[0][(c - 1) * kv..c * kv];
-                    (Some((&jobs[0], first - CHECKPOINT)), Some(state))
+                    Some((
+                        &jobs[0],
+                        first - CHECKPOINT,
+                        &states[0][(c - 1) * kv..c * kv],
+                    ))
                 } else {
-                    (None, None)
+                    None
                 };
                 let span = Span {
                     job,
@@ -844,7 +844,6 @@ impl WithSimd for BackwardGroup<'_> {
                     len: CHECKPOINT.min(n - first),
                     state: &states[g][c * kv..(c + 1) * kv],
                     next,
-                    next_state,
                 };
                 work.backward(simd, x, &span, &mut ds[g], grad, out);
             }
@@ -853,15 +852,14 @@ impl WithSimd for BackwardGroup<'_> {
 }
 
 /// One checkpoint span of a job in the backward pass: tokens `first..first + len` (from the job's
-/// start), the saved state before them, and the span the group takes next (a job and its first
-/// token) with its saved state, whose rows are requested ahead.
+/// start), the saved state before them, and the span the group takes next (a job, its first token
+/// and its saved state), whose rows and state are requested ahead.
 struct Span<'a> {
     job: &'a Job,
     first: usize,
     len: usize,
     state: &'a [f32],
-    next: Option<(&'a Job, usize)>,
-    next_state: Option<&'a [f32]>,
+    next: Option<(&'a Job, usize, &'a [f32])>,
 }
 
 /// The working buffers of the backward pass, reused from span to span: the states `S_{t−1}`,
@@ -947,18 +945,17 @@ impl<V: Copy> SpanWork<V> {
         for i in (0..len).rev() {
             let tk = job.start + first + i;
             // The first rows of the next span, which the loop above reads next.
-            if let (Some((next, at)), true) = (span.next, i < PREFETCH_AHEAD) {
-                x.prefetch(next, next.start + at + i, Some(grad));
-            }
-            if i >= PREFETCH_AHEAD {
-                out.prefetch_write(geo, job, tk - PREFETCH_AHEAD);
-            }
-            // The next span's saved state, a `len`-th of it per token: it was written a whole
-            // forward pass ago.
-            if let Some(state) = span.next_state {
+            if let Some((next, at, state)) = span.next {
+                if i < PREFETCH_AHEAD {
+                    x.prefetch(next, next.start + at + i, Some(grad));
+                }
+                // Its saved state, a `len`-th per token: written a whole forward pass ago.
                 let piece = kv.div_ceil(len);
                 let at = ((len - 1 - i) * piece).min(kv);
                 prefetch(&state[at..(at + piece).min(kv)]);
+            }
+            if i >= PREFETCH_AHEAD {
+                out.prefetch_write(geo, job, tk - PREFETCH_AHEAD);
             }
             let (at, av) = (geo.at(job.b, tk, job.h, kd), geo.at(job.b, tk, job.h, vd));
             let t = &tokens[i];
