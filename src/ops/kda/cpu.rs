@@ -573,9 +573,9 @@ impl WithSimd for ForwardGroup<'_> {
                     if save {
                         // The next checkpoint's lines, a CHECKPOINT-th of them per token, so that
                         // its copy does not wait on them all at once.
-                        let piece = s.len().div_ceil(CHECKPOINT);
-                        let at = (i / CHECKPOINT + 1) * s.len() + i % CHECKPOINT * piece;
-                        if let Some(next) = states.get(at..(at + piece).min(states.len())) {
+                        let slot = (i / CHECKPOINT + 1) * s.len();
+                        let lines = piece(i % CHECKPOINT, CHECKPOINT, s.len());
+                        if let Some(next) = states.get(slot..).and_then(|rest| rest.get(lines)) {
                             prefetch_write(next.as_ptr(), next.len());
                         }
                     }
@@ -825,19 +825,10 @@ impl WithSimd for BackwardGroup<'_> {
         for c in (0..n.div_ceil(CHECKPOINT)).rev() {
             let first = c * CHECKPOINT;
             for (g, job) in jobs.iter().enumerate() {
-                // The span the group takes next: the same one of the next job, or the one
-                // before of the first job.
-                let next = if g + 1 < jobs.len() {
-                    Some((&jobs[g + 1], first, &states[g + 1][c * kv..(c + 1) * kv]))
-                } else if c > 0 {
-                    Some((
-                        &jobs[0],
-                        first - CHECKPOINT,
-                        &states[0][(c - 1) * kv..c * kv],
-                    ))
-                } else {
-                    None
-                };
+                let next = next_span(jobs.len(), g, c).map(|(g2, c2)| {
+                    let state = &states[g2][c2 * kv..(c2 + 1) * kv];
+                    (&jobs[g2], c2 * CHECKPOINT, state)
+                });
                 let span = Span {
                     job,
                     first,
@@ -848,6 +839,28 @@ impl WithSimd for BackwardGroup<'_> {
                 work.backward(simd, x, &span, &mut ds[g], grad, out);
             }
         }
+    }
+}
+
+/// Piece `k` of `0..len` cut into `of` nearly equal pieces (empty from `k = of` on): what a loop
+/// of `of` steps requests per step of a buffer it reads or writes in full afterwards, so that the
+/// requests are spread instead of all waiting at once.
+#[inline(always)]
+fn piece(k: usize, of: usize, len: usize) -> Range<usize> {
+    let size = len.div_ceil(of.max(1));
+    let start = (k * size).min(len);
+    start..(start + size).min(len)
+}
+
+/// The span that a [`BackwardGroup`] of `n` jobs takes after span `c` of job `g`, as `(job,
+/// span)`: the same span of the next job, or the span before of the first job; `None` after the
+/// last.
+#[inline(always)]
+fn next_span(n: usize, g: usize, c: usize) -> Option<(usize, usize)> {
+    if g + 1 < n {
+        Some((g + 1, c))
+    } else {
+        c.checked_sub(1).map(|c| (0, c))
     }
 }
 
@@ -950,9 +963,7 @@ impl<V: Copy> SpanWork<V> {
                     x.prefetch(next, next.start + at + i, Some(grad));
                 }
                 // Its saved state, a `len`-th per token: written a whole forward pass ago.
-                let piece = kv.div_ceil(len);
-                let at = ((len - 1 - i) * piece).min(kv);
-                prefetch(&state[at..(at + piece).min(kv)]);
+                prefetch(&state[piece(len - 1 - i, len, kv)]);
             }
             if i >= PREFETCH_AHEAD {
                 out.prefetch_write(geo, job, tk - PREFETCH_AHEAD);
@@ -1528,6 +1539,47 @@ mod tests {
                     let later = order.get(p + PREFETCH_AHEAD).map(|&(_, _, g, i)| (g, i));
                     let got = ahead(n, len, lo, hi, g, i);
                     assert_eq!(got, later, "n {n}, len {len}, job {g}, token {i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pieces_cover_the_buffer_once_in_order() {
+        use super::piece;
+        for len in [0, 1, 5, 64, 4096, 4097] {
+            for of in [1, 3, 31, 32] {
+                let mut end = 0;
+                for k in 0..of + 2 {
+                    let r = piece(k, of, len);
+                    assert!(
+                        r.start == end || r.is_empty(),
+                        "len {len}, of {of}, piece {k}"
+                    );
+                    assert!(r.len() <= len.div_ceil(of), "len {len}, of {of}, piece {k}");
+                    end = end.max(r.end);
+                    if k >= of {
+                        assert!(r.is_empty(), "len {len}, of {of}, piece {k}");
+                    }
+                }
+                assert_eq!(end, len, "len {len}, of {of}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_backward_asks_for_the_span_it_takes_next() {
+        use super::next_span;
+        for n in 1..4 {
+            for spans in 1..4 {
+                // The order of `BackwardGroup`: the spans from the last, every job in turn.
+                let order: Vec<_> = (0..spans)
+                    .rev()
+                    .flat_map(|c| (0..n).map(move |g| (g, c)))
+                    .collect();
+                for (p, &(g, c)) in order.iter().enumerate() {
+                    let next = order.get(p + 1).copied();
+                    assert_eq!(next_span(n, g, c), next, "n {n}, job {g}, span {c}");
                 }
             }
         }
