@@ -37,6 +37,13 @@ pub(crate) fn store<S: Simd>(x: &mut [f32], v: S::f32s) {
     x[..S::F32_LANES].copy_from_slice(bytemuck::cast_slice(std::slice::from_ref(&v)));
 }
 
+/// The offsets that the prefetches of `len` floats request: one every 64 bytes and the last
+/// element.
+#[inline(always)]
+fn line_offsets(len: usize) -> impl Iterator<Item = usize> {
+    (0..len).step_by(16).chain(len.checked_sub(1))
+}
+
 /// Asks the CPU to bring `x` into its caches ahead of use: a request every 64 bytes and one for
 /// the last element (a row that does not start on a line boundary ends on one line more); a hint
 /// that never faults and changes no result (a no-op off x86-64).
@@ -48,7 +55,7 @@ pub(crate) fn store<S: Simd>(x: &mut [f32], v: S::f32s) {
 #[inline(always)]
 pub(crate) fn prefetch(x: &[f32]) {
     #[cfg(target_arch = "x86_64")]
-    for at in (0..x.len()).step_by(16).chain(x.len().checked_sub(1)) {
+    for at in line_offsets(x.len()) {
         // SAFETY: a prefetch is a hint with no architectural effect; the address is in bounds.
         unsafe {
             std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
@@ -71,7 +78,7 @@ pub(crate) fn prefetch_write(ptr: *const f32, len: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         let write = has_prefetchw();
-        for at in (0..len).step_by(16).chain(len.checked_sub(1)) {
+        for at in line_offsets(len) {
             let line = ptr.wrapping_add(at);
             // SAFETY: a prefetch is a hint with no architectural effect that never faults, and
             // `PREFETCHW` runs only where CPUID reports it. (`_MM_HINT_ET0` would compile to a

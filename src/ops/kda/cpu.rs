@@ -641,7 +641,8 @@ struct GradsOut<'a> {
 
 impl GradsOut<'_> {
     /// Requests the gradient rows of token `tk` of the job for writing (see
-    /// [`DisjointWrites::prefetch_write`]).
+    /// [`DisjointWrites::prefetch_write`]). Not `dβ`'s: one line of it holds several tokens of
+    /// every head, so most requests would repeat one already made, and other threads write it too.
     #[inline(always)]
     fn prefetch_write(&self, geo: Geometry, job: &Job, tk: usize) {
         let (at, av) = (
@@ -652,8 +653,6 @@ impl GradsOut<'_> {
         self.dk.prefetch_write(at, geo.kd);
         self.dg.prefetch_write(at, geo.kd);
         self.dv.prefetch_write(av, geo.vd);
-        self.dbeta
-            .prefetch_write(geo.at_scalar(job.b, tk, job.h), 1);
     }
 }
 
