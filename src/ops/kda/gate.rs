@@ -1,10 +1,11 @@
 //! The KDA forget gate and the gated output norm (design §4.2).
 
-use burn::tensor::{backend::Backend, Tensor};
+use burn::tensor::{backend::Backend, DType, Tensor};
 
 use super::kernels::NormGatedOp;
 use crate::error::{Error, Result};
 use crate::ops::backend::{self, FusedOp, KernelPath};
+use crate::ops::norm::host::RmsNormGatedHost;
 use crate::ops::norm::rms_norm;
 use crate::ops::precision::{restore, sigmoid, softplus, widen};
 
@@ -76,7 +77,8 @@ pub fn try_kda_gate<B: Backend>(
 /// `o, z: [..., V]`, `weight: [V]` → `[..., V]` in the dtype of `o`; statistics and gate in f32.
 ///
 /// On the CubeCL backends (see [`backend`](crate::ops::backend)) one fused kernel each way (f32, f16
-/// or bf16 storage, `o` and `z` of one dtype); elsewhere the tensor ops.
+/// or bf16 storage, `o` and `z` of one dtype); on the CPU backends (f32) a host kernel with one pass
+/// over each row each way; elsewhere the tensor ops.
 ///
 /// # Panics
 /// On invalid input; see [`try_rms_norm_gated`].
@@ -112,6 +114,19 @@ pub fn try_rms_norm_gated<B: Backend, const D: usize>(
             format!("[V] = [{v}]"),
             weight.dims(),
         ));
+    }
+    if dims.iter().product::<usize>() > 0
+        && backend::host::is_cpu_backend::<B>()
+        && [o.dtype(), z.dtype(), weight.dtype()] == [DType::F32; 3]
+    {
+        backend::record(FusedOp::RmsNormGated, KernelPath::Reference);
+        let op = RmsNormGatedHost { eps: eps as f32 };
+        let inputs = [
+            o.into_primitive().tensor(),
+            z.into_primitive().tensor(),
+            weight.into_primitive().tensor(),
+        ];
+        return Ok(backend::host::run(&op, inputs));
     }
     let usable = backend::kernel_dtype(o.dtype())
         && o.dtype() == z.dtype()

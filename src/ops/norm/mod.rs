@@ -1,10 +1,11 @@
 //! RMS normalisation with f32 statistics (a precision island, design §0).
 //!
 //! [`rms_norm`] runs a fused kernel (forward and backward, one unit per row) on the CubeCL
-//! backends, [`RmsNormKernels`], and the tensor-op reference elsewhere.
+//! backends, [`RmsNormKernels`], a host kernel on the CPU backends (f32), and the tensor-op
+//! reference elsewhere.
 
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{backend::Backend, Tensor, TensorPrimitive};
+use burn::tensor::{backend::Backend, DType, Tensor, TensorPrimitive};
 
 use super::backend::{self, same, FusedKernels, FusedOp, KernelOp, KernelPath};
 use super::precision::{restore, widen};
@@ -13,12 +14,14 @@ use super::precision::{restore, widen};
 mod autodiff;
 #[cfg(feature = "cubecl-kernels")]
 mod cube;
+pub(crate) mod host;
 
 /// `x / sqrt(mean(x², last dim) + eps) · weight`.
 ///
 /// `x: [..., d]`, `weight: [d]`. The statistics are computed in f32 (f64 for f64 inputs) and the
 /// result is returned in the input dtype. On the CubeCL backends (f32, f16, bf16 `x`) one kernel
-/// computes the norm and one its gradient ([`RmsNormKernels`]); other backends run the tensor ops.
+/// computes the norm and one its gradient ([`RmsNormKernels`]); on the CPU backends (f32) a host
+/// kernel makes one pass over each row each way; other backends run the tensor ops.
 ///
 /// # Panics
 /// When `weight`'s shape is not `[d]`.
@@ -35,6 +38,19 @@ pub fn rms_norm<B: Backend, const D: usize>(
         weight.dims()
     );
     let rows = dims.iter().product::<usize>() / d.max(1);
+    if rows * d > 0
+        && backend::host::is_cpu_backend::<B>()
+        && x.dtype() == DType::F32
+        && weight.dtype() == DType::F32
+    {
+        backend::record(FusedOp::RmsNorm, KernelPath::Reference);
+        let op = host::RmsNormHost { eps: eps as f32 };
+        let inputs = [
+            x.into_primitive().tensor(),
+            weight.into_primitive().tensor(),
+        ];
+        return backend::host::run(&op, inputs);
+    }
     if backend::kernel_dtype(x.dtype()) && rows * d > 0 && backend::kernels_available::<B>() {
         let op = RmsNormOp {
             x: x.reshape([rows, d]),
