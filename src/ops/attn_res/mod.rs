@@ -1,11 +1,12 @@
 //! Attention Residuals (design §6): a softmax mix over depth replacing the residual sum.
 //!
 //! [`attn_res`] runs a fused kernel (forward and backward, one unit per token) on the CubeCL
-//! backends, [`AttnResKernels`], and the tensor-op reference elsewhere.
+//! backends, [`AttnResKernels`], a host kernel on the CPU backends (f32), and the tensor-op
+//! reference elsewhere.
 
 use burn::tensor::activation::softmax;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{backend::Backend, Tensor, TensorPrimitive};
+use burn::tensor::{backend::Backend, DType, Tensor, TensorPrimitive};
 
 use super::backend::{self, same, FusedKernels, FusedOp, KernelOp, KernelPath};
 use super::precision::{restore, widen};
@@ -14,6 +15,7 @@ use super::precision::{restore, widen};
 mod autodiff;
 #[cfg(feature = "cubecl-kernels")]
 mod cube;
+mod host;
 
 /// The block-form AttnRes mix of design §6, in f32 (f64 stays f64):
 ///
@@ -28,7 +30,8 @@ mod cube;
 /// result has `partial`'s dtype.
 ///
 /// On the CubeCL backends (f32, f16, bf16 sources of one dtype) one kernel computes the mix and
-/// one its gradient, with f32 statistics ([`AttnResKernels`]); other backends run the tensor ops.
+/// one its gradient, with f32 statistics ([`AttnResKernels`]); on the CPU backends (f32) a host
+/// kernel makes one pass over the sources per token each way; other backends run the tensor ops.
 ///
 /// # Panics
 /// When a block's shape differs from `partial`'s or a vector's length is not `d`.
@@ -63,6 +66,19 @@ pub fn attn_res<B: Backend>(
     let n = blocks.len() + 1;
     let sources: Vec<Tensor<B, 3>> = blocks.iter().cloned().chain([partial]).collect();
     let query = widen(w_norm).0.mul(widen(w_proj).0);
+    if dims.iter().product::<usize>() > 0
+        && backend::host::is_cpu_backend::<B>()
+        && sources.iter().all(|s| s.dtype() == DType::F32)
+        && query.dtype() == DType::F32
+    {
+        backend::record(FusedOp::AttnRes, KernelPath::Reference);
+        let op = host::AttnResHost { eps: eps as f32 };
+        let v = Tensor::stack::<4>(sources, 0);
+        return backend::host::run(
+            &op,
+            [v.into_primitive().tensor(), query.into_primitive().tensor()],
+        );
+    }
     if usable {
         let op = AttnResOp {
             v: Tensor::stack::<4>(sources, 0).reshape([n, dims[0] * dims[1], d]),

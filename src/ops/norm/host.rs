@@ -30,11 +30,11 @@ use crate::ops::backend::simd::{dispatch, hsum, Simd, WithSimd, LANES};
 use crate::ops::precision::host::sigmoid_pair;
 
 /// Rows per block: the unit of work of a thread and of `dw`'s partial sums.
-const BLOCK_ROWS: usize = 32;
+pub(crate) const BLOCK_ROWS: usize = 32;
 
 /// Elements below which a call stays on the calling thread (handing work to the pool costs tens
 /// of microseconds, the time of about this much of it).
-const MIN_PARALLEL: usize = 1 << 18;
+pub(crate) const MIN_PARALLEL: usize = 1 << 18;
 
 /// RMSNorm over the last dim on the host: inputs `x: [.., d]`, `w: [d]`, and with `gated` a
 /// third, `z` of `x`'s shape; output of `x`'s shape.
@@ -54,7 +54,7 @@ pub(crate) struct RmsNormGatedHost {
 /// `Σ a_j b_j c_j` (`c` absent: `Σ a_j b_j`), lane by lane in blocks of [`LANES`], then across
 /// the lanes: the same order on every instruction set.
 #[inline(always)]
-fn dot3(a: &[f32], b: &[f32], c: Option<&[f32]>) -> f32 {
+pub(crate) fn dot3(a: &[f32], b: &[f32], c: Option<&[f32]>) -> f32 {
     let n = a.len();
     let (ab, at) = a.as_chunks::<LANES>();
     let (bb, bt) = b[..n].as_chunks::<LANES>();
@@ -89,7 +89,7 @@ fn dot3(a: &[f32], b: &[f32], c: Option<&[f32]>) -> f32 {
 /// `1 / sqrt(mean(x²) + eps)` of a row, in the order of the reference (mean, then `+ eps`, the
 /// square root, the reciprocal).
 #[inline(always)]
-fn inv_rms(x: &[f32], eps: f32) -> f32 {
+pub(crate) fn inv_rms(x: &[f32], eps: f32) -> f32 {
     1.0 / (dot3(x, x, None) / x.len() as f32 + eps).sqrt()
 }
 
@@ -240,7 +240,10 @@ fn forward(x: &[f32], z: Option<&[f32]>, w: &[f32], eps: f32) -> (Vec<f32>, Vec<
 }
 
 /// A block of the backward: its index, its rows of `dx` (and `dz`), its part of `dw`.
-type BackwardJob<'a> = (usize, ((&'a mut [f32], Option<&'a mut [f32]>), &'a mut [f32]));
+type BackwardJob<'a> = (
+    usize,
+    ((&'a mut [f32], Option<&'a mut [f32]>), &'a mut [f32]),
+);
 
 /// The backward of both ops: `dx`, `dw` and with `z` `dz`.
 fn backward(

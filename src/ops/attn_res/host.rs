@@ -1,0 +1,391 @@
+//! Attention Residuals on the CPU host kernels: per token, one pass over each source for its
+//! statistics and score, the softmax over the `N` sources, and one pass for the mix; the backward
+//! likewise, with the derived gradients. The reference's tensor ops make about ten passes over the
+//! stacked `[N, rows, d]` sources each way, each with its autodiff node.
+//!
+//! Per row, with the sources `V_n`, the query `q = w_norm ⊙ w_proj`, `r_n = 1 / rms(V_n)`,
+//! `a_n = V_n · q` and `s_n = a_n r_n`:
+//!
+//! ```text
+//! P = softmax(s),   out = Σ_n P_n V_n
+//! dP_n = dout · V_n,   ds_n = P_n (dP_n − Σ_m P_m dP_m)
+//! dV_n = P_n dout + ds_n r_n q − (ds_n a_n r_n³ / d) V_n
+//! dq   = Σ_rows Σ_n ds_n r_n V_n
+//! ```
+//!
+//! Rows go to rayon's pool in fixed blocks when the input is large; `dq` sums each block's part,
+//! then the blocks in order, so the result does not depend on the number of threads.
+
+// Without a CPU backend (ndarray, flex) no backend reaches the host kernels: compiled, unused.
+#![cfg_attr(
+    not(any(feature = "ndarray", feature = "flex")),
+    allow(dead_code, unused_imports)
+)]
+
+use rayon::prelude::*;
+
+use crate::ops::backend::host::{HostArray, HostOp};
+use crate::ops::backend::simd::{dispatch, exp_lane, Simd, WithSimd};
+use crate::ops::norm::host::{dot3, inv_rms, BLOCK_ROWS, MIN_PARALLEL};
+
+/// The AttnRes mix on the host: inputs the stacked sources `v: [N, .., d]` and the query `[d]`;
+/// output `[.., d]` (`v`'s shape without its first dim).
+#[derive(Debug, Clone)]
+pub(crate) struct AttnResHost {
+    /// Added to each source's mean square.
+    pub eps: f32,
+}
+
+/// Per row and source (`[rows, N]` each): the softmax weights `P`, `r = 1 / rms(V)` and the raw
+/// scores `a = V · q`.
+#[derive(Debug)]
+pub(crate) struct Saved {
+    p: Vec<f32>,
+    r: Vec<f32>,
+    a: Vec<f32>,
+}
+
+/// The sizes of a call: sources, rows, width.
+fn sizes(v: &HostArray) -> (usize, usize, usize) {
+    let n = v.shape[0];
+    let d = *v.shape.last().unwrap_or(&0);
+    (n, v.data.len() / (n * d).max(1), d)
+}
+
+/// The forward of a block of rows.
+struct ForwardRows<'a> {
+    /// All the sources, `[N, rows, d]`.
+    v: &'a [f32],
+    q: &'a [f32],
+    /// All the rows of the call.
+    rows: usize,
+    /// The block's first row.
+    first: usize,
+    /// The block's rows of the output.
+    out: &'a mut [f32],
+    /// The block's rows of `P`, `r`, `a`, `[rows, N]` each.
+    p: &'a mut [f32],
+    r: &'a mut [f32],
+    a: &'a mut [f32],
+    eps: f32,
+}
+
+impl WithSimd for ForwardRows<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, _: S) {
+        let Self {
+            v,
+            q,
+            rows,
+            first,
+            out,
+            p,
+            r,
+            a,
+            eps,
+        } = self;
+        let d = q.len();
+        let n = p.len() / (out.len() / d).max(1);
+        let source = |k: usize, t: usize| &v[(k * rows + t) * d..(k * rows + t + 1) * d];
+        for (i, out) in out.chunks_exact_mut(d).enumerate() {
+            let t = first + i;
+            let (p, r, a) = (
+                &mut p[i * n..(i + 1) * n],
+                &mut r[i * n..(i + 1) * n],
+                &mut a[i * n..(i + 1) * n],
+            );
+            let mut max = f32::NEG_INFINITY;
+            for k in 0..n {
+                let vk = source(k, t);
+                r[k] = inv_rms(vk, eps);
+                a[k] = dot3(vk, q, None);
+                p[k] = a[k] * r[k];
+                max = max.max(p[k]);
+            }
+            let mut sum = 0.0f32;
+            for pk in p.iter_mut() {
+                *pk = exp_lane(*pk - max);
+                sum += *pk;
+            }
+            for pk in p.iter_mut() {
+                *pk /= sum;
+            }
+            let v0 = source(0, t);
+            for j in 0..d {
+                out[j] = p[0] * v0[j];
+            }
+            for (k, &pk) in p.iter().enumerate().skip(1) {
+                let vk = source(k, t);
+                for j in 0..d {
+                    out[j] += pk * vk[j];
+                }
+            }
+        }
+    }
+}
+
+/// A block of the backward: its index, its rows of every source's gradient, its part of `dq`.
+type BackwardJob<'a> = (usize, Vec<&'a mut [f32]>, &'a mut [f32]);
+
+/// The backward of a block of rows: its rows of `dv` and its part of `dq`.
+struct BackwardRows<'a> {
+    v: &'a [f32],
+    q: &'a [f32],
+    grad: &'a [f32],
+    saved: &'a Saved,
+    rows: usize,
+    first: usize,
+    /// The block's rows of each source's gradient (`N` slices of `[block rows, d]`).
+    dv: Vec<&'a mut [f32]>,
+    /// Zeros on entry.
+    dq: &'a mut [f32],
+}
+
+impl WithSimd for BackwardRows<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, _: S) {
+        let Self {
+            v,
+            q,
+            grad,
+            saved,
+            rows,
+            first,
+            mut dv,
+            dq,
+        } = self;
+        let (d, n) = (q.len(), dv.len());
+        let count = dv.first().map_or(0, |x| x.len() / d.max(1));
+        let mut dp = vec![0.0f32; n];
+        for i in 0..count {
+            let t = first + i;
+            let g = &grad[t * d..(t + 1) * d];
+            let (p, r, a) = (
+                &saved.p[t * n..(t + 1) * n],
+                &saved.r[t * n..(t + 1) * n],
+                &saved.a[t * n..(t + 1) * n],
+            );
+            let mut c = 0.0f32;
+            for k in 0..n {
+                let vk = &v[(k * rows + t) * d..(k * rows + t + 1) * d];
+                dp[k] = dot3(g, vk, None);
+                c += p[k] * dp[k];
+            }
+            for (k, dvk) in dv.iter_mut().enumerate() {
+                let vk = &v[(k * rows + t) * d..(k * rows + t + 1) * d];
+                let dvk = &mut dvk[i * d..(i + 1) * d];
+                let ds = p[k] * (dp[k] - c);
+                let (pk, along_q) = (p[k], ds * r[k]);
+                let along_v = ds * a[k] * r[k] * r[k] * r[k] / d as f32;
+                for j in 0..d {
+                    dvk[j] = pk * g[j] + along_q * q[j] - along_v * vk[j];
+                    dq[j] += along_q * vk[j];
+                }
+            }
+        }
+    }
+}
+
+impl HostOp<2> for AttnResHost {
+    type Saved = Saved;
+
+    fn forward(&self, [v, q]: &[HostArray; 2], save: bool) -> (HostArray, Option<Saved>) {
+        let (n, rows, d) = sizes(v);
+        let mut out = vec![0.0f32; rows * d];
+        let (mut p, mut r, mut a) = (
+            vec![0.0f32; rows * n],
+            vec![0.0f32; rows * n],
+            vec![0.0f32; rows * n],
+        );
+        if d > 0 && n > 0 {
+            let jobs = out
+                .chunks_mut(BLOCK_ROWS * d)
+                .zip(p.chunks_mut(BLOCK_ROWS * n))
+                .zip(r.chunks_mut(BLOCK_ROWS * n))
+                .zip(a.chunks_mut(BLOCK_ROWS * n))
+                .enumerate();
+            let block = |(b, (((out, p), r), a)): (usize, (((&mut [f32], _), _), _))| {
+                dispatch(ForwardRows {
+                    v: &v.data,
+                    q: &q.data,
+                    rows,
+                    first: b * BLOCK_ROWS,
+                    out,
+                    p,
+                    r,
+                    a,
+                    eps: self.eps,
+                })
+            };
+            if n * rows * d >= MIN_PARALLEL {
+                jobs.collect::<Vec<_>>().into_par_iter().for_each(block);
+            } else {
+                jobs.for_each(block);
+            }
+        }
+        let out = HostArray {
+            data: out.into(),
+            shape: v.shape[1..].to_vec(),
+        };
+        (out, save.then_some(Saved { p, r, a }))
+    }
+
+    fn backward(&self, [v, q]: &[HostArray; 2], saved: &Saved, grad: &HostArray) -> [HostArray; 2] {
+        let (n, rows, d) = sizes(v);
+        let mut dv = vec![0.0f32; n * rows * d];
+        let blocks = rows.div_ceil(BLOCK_ROWS);
+        let mut parts = vec![0.0f32; blocks * d];
+        if d > 0 && n > 0 {
+            // Each block's rows of every source's gradient.
+            let mut per_source: Vec<_> = dv
+                .chunks_mut(rows * d)
+                .map(|s| s.chunks_mut(BLOCK_ROWS * d))
+                .collect();
+            let jobs: Vec<BackwardJob> = parts
+                .chunks_mut(d)
+                .enumerate()
+                .map(|(b, dq)| {
+                    let dv = per_source
+                        .iter_mut()
+                        .map(|s| {
+                            s.next()
+                                .unwrap_or_else(|| unreachable!("a block per source"))
+                        })
+                        .collect();
+                    (b, dv, dq)
+                })
+                .collect();
+            let block = |(b, dv, dq): BackwardJob| {
+                dispatch(BackwardRows {
+                    v: &v.data,
+                    q: &q.data,
+                    grad: &grad.data,
+                    saved,
+                    rows,
+                    first: b * BLOCK_ROWS,
+                    dv,
+                    dq,
+                })
+            };
+            if n * rows * d >= MIN_PARALLEL {
+                jobs.into_par_iter().for_each(block);
+            } else {
+                jobs.into_iter().for_each(block);
+            }
+        }
+        let mut dq = vec![0.0f32; d];
+        for part in parts.chunks_exact(d.max(1)) {
+            for (a, b) in dq.iter_mut().zip(part) {
+                *a += b;
+            }
+        }
+        [
+            HostArray {
+                data: dv.into(),
+                shape: v.shape.clone(),
+            },
+            HostArray {
+                data: dq.into(),
+                shape: q.shape.clone(),
+            },
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// `Σ c ⊙ out` of the f64 formula.
+    fn objective(v: &[f64], q: &[f64], c: &[f64], n: usize, eps: f64) -> f64 {
+        let d = q.len();
+        let rows = v.len() / (n * d);
+        let mut total = 0.0;
+        for t in 0..rows {
+            let src = |k: usize| &v[(k * rows + t) * d..(k * rows + t + 1) * d];
+            let s: Vec<f64> = (0..n)
+                .map(|k| {
+                    let x = src(k);
+                    let r = 1.0 / (x.iter().map(|a| a * a).sum::<f64>() / d as f64 + eps).sqrt();
+                    x.iter().zip(q).map(|(a, b)| a * b).sum::<f64>() * r
+                })
+                .collect();
+            let m = s.iter().copied().fold(f64::MIN, f64::max);
+            let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for j in 0..d {
+                let o: f64 = (0..n).map(|k| e[k] / z * src(k)[j]).sum();
+                total += c[t * d + j] * o;
+            }
+        }
+        total
+    }
+
+    fn numeric(x: &[f64], f: impl Fn(&[f64]) -> f64) -> Vec<f64> {
+        let h = 1e-6;
+        (0..x.len())
+            .map(|i| {
+                let (mut a, mut b) = (x.to_vec(), x.to_vec());
+                a[i] += h;
+                b[i] -= h;
+                (f(&a) - f(&b)) / (2.0 * h)
+            })
+            .collect()
+    }
+
+    fn close(what: &str, want: &[f64], got: &[f32], tol: f64) {
+        assert_eq!(want.len(), got.len(), "{what}: lengths");
+        let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-3);
+        for (i, (w, g)) in want.iter().zip(got).enumerate() {
+            assert!(
+                (w - *g as f64).abs() <= tol * scale,
+                "{what}[{i}]: {g} vs {w} (scale {scale})"
+            );
+        }
+    }
+
+    /// The mix, `dv` and `dq` against the f64 formula and its central differences, for one and
+    /// several sources, widths with and without a lane tail, one block and several (the last
+    /// partial), with sources of very different scales so that the softmax is far from uniform.
+    #[test]
+    fn attn_res_host_matches_the_f64_formula_and_its_differences() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for (n, rows, d) in [(1, 3, 5), (3, 4, 19), (5, BLOCK_ROWS + 5, 16)] {
+            let eps = 1e-6f32;
+            let v: Vec<f64> = (0..n * rows * d)
+                .map(|i| rng.random_range(-1.0..1.0) * (1.0 + (i / (rows * d)) as f64))
+                .collect();
+            let q: Vec<f64> = (0..d).map(|_| rng.random_range(-3.0..3.0)).collect();
+            let c: Vec<f64> = (0..rows * d).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let f32s = |x: &[f64]| x.iter().map(|&a| a as f32).collect::<Vec<f32>>();
+            let array = |x: &[f64], shape: &[usize]| HostArray {
+                data: f32s(x).into(),
+                shape: shape.to_vec(),
+            };
+            let inputs = [array(&v, &[n, rows, d]), array(&q, &[d])];
+            let op = AttnResHost { eps };
+            let (out, saved) = op.forward(&inputs, true);
+            let [dv, dq] = op.backward(&inputs, &saved.expect("saved"), &array(&c, &[rows, d]));
+            let what = format!("N {n} rows {rows} d {d}");
+            let eps = eps as f64;
+            let want_out: Vec<f64> = (0..rows * d)
+                .map(|i| {
+                    let mut e = vec![0.0; rows * d];
+                    e[i] = 1.0;
+                    objective(&v, &q, &e, n, eps)
+                })
+                .collect();
+            assert_eq!(out.shape, vec![rows, d]);
+            close(&format!("{what}: out"), &want_out, &out.data, 2e-6);
+            let dv_want = numeric(&v, |v| objective(v, &q, &c, n, eps));
+            close(&format!("{what}: dv"), &dv_want, &dv.data, 2e-5);
+            let dq_want = numeric(&q, |q| objective(&v, q, &c, n, eps));
+            close(&format!("{what}: dq"), &dq_want, &dq.data, 2e-5);
+        }
+    }
+}
