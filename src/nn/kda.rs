@@ -1,7 +1,7 @@
 //! The Kimi Delta Attention layer (design §4.2): projections, short convolutions, gates, the KDA
 //! op, the gated output norm and the output projection.
 
-use crate::ops::linear::linear;
+use crate::ops::linear::{linear, matmul_last};
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::Linear;
@@ -398,14 +398,7 @@ impl<B: Backend> KimiDeltaAttention<B> {
         };
 
         // Short convolutions of q, k and v as one depthwise convolution over 3P channels.
-        let qkv = Tensor::cat(
-            vec![
-                linear(&self.q_proj, x.clone()),
-                linear(&self.k_proj, x.clone()),
-                linear(&self.v_proj, x.clone()),
-            ],
-            2,
-        );
+        let qkv = self.qkv_proj(x.clone());
         let taps = Tensor::cat(
             vec![
                 self.q_conv1d.weight.val(),
@@ -454,5 +447,22 @@ impl<B: Backend> KimiDeltaAttention<B> {
             self.o_norm.epsilon,
         );
         Ok(linear(&self.o_proj, o.reshape([b, t, p])))
+    }
+}
+
+impl<B: Backend> KimiDeltaAttention<B> {
+    /// The q, k and v projections of `x: [B, T, d]` side by side, `[B, T, 3P]` (the channel order
+    /// of the short convolutions). With at least as many tokens as model dims (training, prefill)
+    /// and no biases, one product with the three weights side by side: a copy of `d × 3P` weights
+    /// instead of the `B·T × 3P` outputs (and of their gradients in the backward). A decode step's
+    /// few tokens take three products and the copy of their outputs.
+    fn qkv_proj(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, t, d] = x.dims();
+        let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
+        if b * t >= d && projections.iter().all(|l| l.bias.is_none()) {
+            let w = Tensor::cat(projections.map(|l| l.weight.val()).to_vec(), 1);
+            return matmul_last(x, w);
+        }
+        Tensor::cat(projections.map(|l| linear(l, x.clone())).to_vec(), 2)
     }
 }
