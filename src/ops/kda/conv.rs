@@ -1,7 +1,8 @@
 //! The causal depthwise short convolution in front of KDA's q, k and v (design §4.2).
 
-use burn::tensor::{backend::Backend, Tensor};
+use burn::tensor::{backend::Backend, DType, Tensor};
 
+use super::conv_host::ShortConvHost;
 use super::gather_tokens;
 use super::kernels::ShortConvOp;
 use crate::ops::backend::{self, FusedOp, KernelPath};
@@ -13,7 +14,8 @@ use crate::ops::precision::silu;
 /// On the CubeCL backends (see [`backend`](crate::ops::backend)) the convolution with its SiLU is one
 /// fused launch (and its backward three more under autodiff); untracked calls (prefill, decode)
 /// also update the tail in one launch, tracked ones take the tail from the tensor ops so that its
-/// graph reaches `x`.
+/// graph reaches `x`. On the CPU backends (f32), a call without a tail in or out (training,
+/// prefill without a cache) runs a host kernel.
 pub(crate) fn causal_conv1d_silu<B: Backend>(
     x: Tensor<B, 3>,
     weight: Tensor<B, 2>,
@@ -22,6 +24,26 @@ pub(crate) fn causal_conv1d_silu<B: Backend>(
     want_tail: bool,
 ) -> (Tensor<B, 3>, Option<Tensor<B, 3>>) {
     let [b, t, p] = x.dims();
+    if tail.is_none()
+        && !want_tail
+        && b * t * p > 0
+        && backend::host::is_cpu_backend::<B>()
+        && [x.dtype(), weight.dtype()] == [DType::F32; 2]
+    {
+        backend::record(FusedOp::ShortConv, KernelPath::Reference);
+        let segments = match seqs {
+            None => (0..b).map(|i| (i * t, t)).collect(),
+            Some(spans) => spans.to_vec(),
+        };
+        let op = ShortConvHost {
+            segments: std::sync::Arc::new(segments),
+        };
+        let inputs = [
+            x.into_primitive().tensor(),
+            weight.into_primitive().tensor(),
+        ];
+        return (backend::host::run(&op, inputs), None);
+    }
     let (mut x, mut weight, mut tail) = (x, weight, tail);
     if backend::kernel_dtype(x.dtype()) && backend::kernels_available::<B>() {
         let seq_starts = match seqs {

@@ -19,6 +19,7 @@
 mod autodiff;
 mod chunk;
 pub(crate) mod conv;
+mod conv_host;
 mod cpu;
 #[cfg(feature = "cubecl-kernels")]
 mod cube;

@@ -1,0 +1,440 @@
+//! The short convolution with its SiLU on the CPU host kernels (training and prefill without a
+//! cache): each output row from the `W` input rows before it in one pass, the backward in two
+//! (the gradient of the activation's input, then `dx` and the taps' part), instead of the padded
+//! copy, `W` shifted products and sums, the SiLU and their autodiff nodes of the tensor ops.
+//!
+//! Per sequence, with `u[t, c] = Σ_i w[c, i] · x[t − W + 1 + i, c]` (rows before the sequence's
+//! first token are 0) and `y = silu(u)`:
+//!
+//! ```text
+//! du[t, c]   = dy[t, c] · silu'(u[t, c])
+//! dx[s, c]   = Σ_i w[c, i] · du[s + W − 1 − i, c]   (rows of the same sequence)
+//! dw[c, i]   = Σ_t du[t, c] · x[t − W + 1 + i, c]
+//! ```
+//!
+//! Rows go to rayon's pool in fixed blocks when the input is large; the taps' gradient sums each
+//! block's part, then the blocks in order, so the result does not depend on the number of threads.
+
+// Without a CPU backend (ndarray, flex) no backend reaches the host kernels: compiled, unused.
+#![cfg_attr(
+    not(any(feature = "ndarray", feature = "flex")),
+    allow(dead_code, unused_imports)
+)]
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use crate::ops::backend::host::{HostArray, HostOp};
+use crate::ops::backend::simd::{dispatch, Simd, WithSimd};
+use crate::ops::norm::host::{BLOCK_ROWS, MIN_PARALLEL};
+use crate::ops::precision::host::Unary;
+
+/// The causal depthwise convolution and SiLU on the host: inputs `x: [B, T, P]` and the taps
+/// `w: [P, W]`; output of `x`'s shape.
+#[derive(Debug, Clone)]
+pub(crate) struct ShortConvHost {
+    /// The sequences as `(first row, rows)` over the `B · T` token rows, covering every row.
+    pub segments: Arc<Vec<(usize, usize)>>,
+}
+
+/// A block of rows of one sequence: `(first row of the sequence, first row, end)`.
+type Block = (usize, usize, usize);
+
+impl ShortConvHost {
+    /// The blocks of at most [`BLOCK_ROWS`] rows of every sequence, in row order.
+    fn blocks(&self) -> Vec<Block> {
+        let mut out = Vec::new();
+        for &(start, len) in self.segments.iter() {
+            let mut lo = start;
+            while lo < start + len {
+                let hi = (lo + BLOCK_ROWS).min(start + len);
+                out.push((start, lo, hi));
+                lo = hi;
+            }
+        }
+        out
+    }
+}
+
+/// The taps `[P, W]` as `[W, P]`: one row of `P` per tap, so that the loops over channels read
+/// consecutive values.
+fn taps_by_row(w: &HostArray) -> Vec<f32> {
+    let (p, width) = (w.shape[0], w.shape[1]);
+    let mut out = vec![0.0f32; p * width];
+    for c in 0..p {
+        for i in 0..width {
+            out[i * p + c] = w.data[c * width + i];
+        }
+    }
+    out
+}
+
+/// `u` of row `r` into `u` (zeros on entry): `Σ_i taps[i] ⊙ x[r − W + 1 + i]` over the rows from
+/// `start` on, in tap order (as the tensor ops add them).
+#[inline(always)]
+fn pre_activation(u: &mut [f32], x: &[f32], taps: &[f32], start: usize, r: usize) {
+    let p = u.len();
+    let width = taps.len() / p.max(1);
+    for i in 0..width {
+        let Some(src) = (r + 1 + i).checked_sub(width) else {
+            continue;
+        };
+        if src < start {
+            continue;
+        }
+        let (xs, tap) = (&x[src * p..(src + 1) * p], &taps[i * p..(i + 1) * p]);
+        for c in 0..p {
+            u[c] += tap[c] * xs[c];
+        }
+    }
+}
+
+/// The forward of a block: `y = silu(u)` row by row.
+struct ForwardRows<'a> {
+    x: &'a [f32],
+    taps: &'a [f32],
+    block: Block,
+    /// The block's rows of the output, `P` each.
+    out: &'a mut [f32],
+    p: usize,
+}
+
+impl WithSimd for ForwardRows<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, _: S) {
+        let Self {
+            x,
+            taps,
+            block: (start, lo, _),
+            out,
+            p,
+        } = self;
+        for (j, y) in out.chunks_exact_mut(p).enumerate() {
+            pre_activation(y, x, taps, start, lo + j);
+            for v in y.iter_mut() {
+                *v = Unary::Silu.value(*v);
+            }
+        }
+    }
+}
+
+/// The first pass of the backward over a block: `du = dy ⊙ silu'(u)` row by row.
+struct ActivationGrad<'a> {
+    x: &'a [f32],
+    taps: &'a [f32],
+    dy: &'a [f32],
+    block: Block,
+    /// The block's rows of `du`, zeros on entry.
+    du: &'a mut [f32],
+    p: usize,
+}
+
+impl WithSimd for ActivationGrad<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, _: S) {
+        let Self {
+            x,
+            taps,
+            dy,
+            block: (start, lo, _),
+            du,
+            p,
+        } = self;
+        for (j, d) in du.chunks_exact_mut(p).enumerate() {
+            let r = lo + j;
+            pre_activation(d, x, taps, start, r);
+            let dy = &dy[r * p..(r + 1) * p];
+            for c in 0..p {
+                d[c] = dy[c] * Unary::Silu.derivative(d[c]);
+            }
+        }
+    }
+}
+
+/// The second pass of the backward over a block: its rows of `dx` and its part of the taps'
+/// gradient (`[W, P]`).
+struct InputGrads<'a> {
+    x: &'a [f32],
+    taps: &'a [f32],
+    du: &'a [f32],
+    block: Block,
+    /// The end of the block's sequence.
+    end: usize,
+    /// The block's rows of `dx`, zeros on entry.
+    dx: &'a mut [f32],
+    /// Zeros on entry.
+    dtaps: &'a mut [f32],
+    p: usize,
+}
+
+impl WithSimd for InputGrads<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, _: S) {
+        let Self {
+            x,
+            taps,
+            du,
+            block: (start, lo, _),
+            end,
+            dx,
+            dtaps,
+            p,
+        } = self;
+        let width = taps.len() / p;
+        for (j, dxs) in dx.chunks_exact_mut(p).enumerate() {
+            let s = lo + j;
+            // dx[s] = Σ_i taps[i] ⊙ du[s + W − 1 − i], for the rows of the same sequence.
+            for i in 0..width {
+                let t = s + width - 1 - i;
+                if t >= end {
+                    continue;
+                }
+                let (tap, dus) = (&taps[i * p..(i + 1) * p], &du[t * p..(t + 1) * p]);
+                for c in 0..p {
+                    dxs[c] += tap[c] * dus[c];
+                }
+            }
+            // dtaps[i] += du[s] ⊙ x[s − W + 1 + i], for the rows from the sequence's start on.
+            let dus = &du[s * p..(s + 1) * p];
+            for i in 0..width {
+                let Some(src) = (s + 1 + i).checked_sub(width) else {
+                    continue;
+                };
+                if src < start {
+                    continue;
+                }
+                let (xs, dt) = (&x[src * p..(src + 1) * p], &mut dtaps[i * p..(i + 1) * p]);
+                for c in 0..p {
+                    dt[c] += dus[c] * xs[c];
+                }
+            }
+        }
+    }
+}
+
+/// `f` on every block with its rows of `out` (`P` floats per row): on rayon's pool when `parallel`.
+fn for_blocks<'a, F>(blocks: &[Block], out: &'a mut [f32], p: usize, parallel: bool, f: F)
+where
+    F: Fn(usize, Block, &'a mut [f32]) + Sync + Send,
+{
+    let mut rest = out;
+    let mut jobs = Vec::with_capacity(blocks.len());
+    for (b, &block) in blocks.iter().enumerate() {
+        let (mine, tail) = std::mem::take(&mut rest).split_at_mut((block.2 - block.1) * p);
+        jobs.push((b, block, mine));
+        rest = tail;
+    }
+    if parallel {
+        jobs.into_par_iter()
+            .for_each(|(b, block, out)| f(b, block, out));
+    } else {
+        jobs.into_iter()
+            .for_each(|(b, block, out)| f(b, block, out));
+    }
+}
+
+impl HostOp<2> for ShortConvHost {
+    type Saved = ();
+
+    fn forward(&self, [x, w]: &[HostArray; 2], save: bool) -> (HostArray, Option<()>) {
+        let p = w.shape[0];
+        let taps = taps_by_row(w);
+        let mut out = vec![0.0f32; x.data.len()];
+        let blocks = self.blocks();
+        let parallel = out.len() * w.shape[1] >= MIN_PARALLEL;
+        for_blocks(&blocks, &mut out, p, parallel, |_, block, out| {
+            dispatch(ForwardRows {
+                x: &x.data,
+                taps: &taps,
+                block,
+                out,
+                p,
+            })
+        });
+        let out = HostArray {
+            data: out.into(),
+            shape: x.shape.clone(),
+        };
+        (out, save.then_some(()))
+    }
+
+    fn backward(&self, [x, w]: &[HostArray; 2], _: &(), grad: &HostArray) -> [HostArray; 2] {
+        let (p, width) = (w.shape[0], w.shape[1]);
+        let taps = taps_by_row(w);
+        let blocks = self.blocks();
+        let parallel = x.data.len() * width >= MIN_PARALLEL;
+        let mut du = vec![0.0f32; x.data.len()];
+        for_blocks(&blocks, &mut du, p, parallel, |_, block, du| {
+            dispatch(ActivationGrad {
+                x: &x.data,
+                taps: &taps,
+                dy: &grad.data,
+                block,
+                du,
+                p,
+            })
+        });
+        let mut dx = vec![0.0f32; x.data.len()];
+        let parts: Vec<std::sync::Mutex<Vec<f32>>> = (0..blocks.len())
+            .map(|_| std::sync::Mutex::new(vec![0.0f32; width * p]))
+            .collect();
+        let ends: Vec<usize> = blocks
+            .iter()
+            .map(|&(start, _, _)| {
+                let &(s, len) = self
+                    .segments
+                    .iter()
+                    .find(|&&(s, _)| s == start)
+                    .unwrap_or_else(|| unreachable!("every block starts in a sequence"));
+                s + len
+            })
+            .collect();
+        for_blocks(&blocks, &mut dx, p, parallel, |b, block, dx| {
+            let mut dtaps = parts[b].lock().unwrap_or_else(|e| e.into_inner());
+            dispatch(InputGrads {
+                x: &x.data,
+                taps: &taps,
+                du: &du,
+                block,
+                end: ends[b],
+                dx,
+                dtaps: &mut dtaps,
+                p,
+            })
+        });
+        // The blocks' parts, summed in block order, back to `[P, W]`.
+        let mut sum = vec![0.0f32; width * p];
+        for part in &parts {
+            let part = part.lock().unwrap_or_else(|e| e.into_inner());
+            for (a, b) in sum.iter_mut().zip(part.iter()) {
+                *a += b;
+            }
+        }
+        let mut dw = vec![0.0f32; p * width];
+        for c in 0..p {
+            for i in 0..width {
+                dw[c * width + i] = sum[i * p + c];
+            }
+        }
+        [
+            HostArray {
+                data: dx.into(),
+                shape: x.shape.clone(),
+            },
+            HostArray {
+                data: dw.into(),
+                shape: w.shape.clone(),
+            },
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn silu(u: f64) -> f64 {
+        u / (1.0 + (-u).exp())
+    }
+
+    /// `Σ c ⊙ silu(conv(x))` of the f64 formula over the sequences `segs` of `rows` rows.
+    fn objective(x: &[f64], w: &[f64], c: &[f64], segs: &[(usize, usize)], p: usize) -> f64 {
+        let width = w.len() / p;
+        let mut total = 0.0;
+        for &(start, len) in segs {
+            for r in start..start + len {
+                for ch in 0..p {
+                    let mut u = 0.0;
+                    for i in 0..width {
+                        let src = r as isize - (width as isize - 1) + i as isize;
+                        if src >= start as isize {
+                            u += w[ch * width + i] * x[src as usize * p + ch];
+                        }
+                    }
+                    total += c[r * p + ch] * silu(u);
+                }
+            }
+        }
+        total
+    }
+
+    fn numeric(x: &[f64], f: impl Fn(&[f64]) -> f64) -> Vec<f64> {
+        let h = 1e-6;
+        (0..x.len())
+            .map(|i| {
+                let (mut a, mut b) = (x.to_vec(), x.to_vec());
+                a[i] += h;
+                b[i] -= h;
+                (f(&a) - f(&b)) / (2.0 * h)
+            })
+            .collect()
+    }
+
+    fn close(what: &str, want: &[f64], got: &[f32], tol: f64) {
+        assert_eq!(want.len(), got.len(), "{what}: lengths");
+        let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-3);
+        for (i, (w, g)) in want.iter().zip(got).enumerate() {
+            assert!(
+                (w - *g as f64).abs() <= tol * scale,
+                "{what}[{i}]: {g} vs {w} (scale {scale})"
+            );
+        }
+    }
+
+    /// Output, `dx` and the taps' gradient against the f64 formula and its central differences:
+    /// rows of equal sequences, and packed sequences shorter than the window, one of them longer
+    /// than a block.
+    #[test]
+    fn short_conv_host_matches_the_f64_formula_and_its_differences() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let cases = [
+            (vec![(0, 6), (6, 6)], 3, 4),
+            (
+                vec![(0, 2), (2, 1), (3, BLOCK_ROWS + 4), (BLOCK_ROWS + 7, 5)],
+                5,
+                4,
+            ),
+            (vec![(0, 9)], 17, 2),
+        ];
+        for (segs, p, width) in cases {
+            let rows: usize = segs.iter().map(|s| s.1).sum();
+            let x: Vec<f64> = (0..rows * p).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let w: Vec<f64> = (0..p * width)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let c: Vec<f64> = (0..rows * p).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let f32s = |v: &[f64]| v.iter().map(|&a| a as f32).collect::<Vec<f32>>();
+            let array = |v: &[f64], shape: &[usize]| HostArray {
+                data: f32s(v).into(),
+                shape: shape.to_vec(),
+            };
+            let op = ShortConvHost {
+                segments: Arc::new(segs.clone()),
+            };
+            let inputs = [array(&x, &[1, rows, p]), array(&w, &[p, width])];
+            let (y, saved) = op.forward(&inputs, true);
+            let [dx, dw] = op.backward(&inputs, &saved.expect("saved"), &array(&c, &[1, rows, p]));
+            let what = format!("segments {segs:?} P {p} W {width}");
+            let want_y: Vec<f64> = (0..rows * p)
+                .map(|i| {
+                    let mut e = vec![0.0; rows * p];
+                    e[i] = 1.0;
+                    objective(&x, &w, &e, &segs, p)
+                })
+                .collect();
+            close(&format!("{what}: y"), &want_y, &y.data, 2e-6);
+            let f = |x: &[f64]| objective(x, &w, &c, &segs, p);
+            close(&format!("{what}: dx"), &numeric(&x, f), &dx.data, 1e-5);
+            let f = |w: &[f64]| objective(&x, w, &c, &segs, p);
+            close(&format!("{what}: dw"), &numeric(&w, f), &dw.data, 1e-5);
+        }
+    }
+}
