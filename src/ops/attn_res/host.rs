@@ -28,8 +28,9 @@ use crate::ops::backend::host::{HostArray, HostOp};
 use crate::ops::backend::simd::{dispatch, exp_lane, Simd, WithSimd};
 use crate::ops::norm::host::{dot3, inv_rms, BLOCK_ROWS, MIN_PARALLEL};
 
-/// The AttnRes mix on the host: inputs the stacked sources `v: [N, .., d]` and the query `[d]`;
-/// output `[.., d]` (`v`'s shape without its first dim).
+/// The AttnRes mix on the host. As `HostOp<M>`: inputs the `M − 1` sources `[.., d]` and the
+/// query `[d]` last, output of a source's shape; each source is its own input, so neither the
+/// forward stacks them nor the backward splits the gradient. [`Stacked`] takes them stacked.
 #[derive(Debug, Clone)]
 pub(crate) struct AttnResHost {
     /// Added to each source's mean square.
@@ -45,20 +46,11 @@ pub(crate) struct Saved {
     a: Vec<f32>,
 }
 
-/// The sizes of a call: sources, rows, width.
-fn sizes(v: &HostArray) -> (usize, usize, usize) {
-    let n = v.shape[0];
-    let d = *v.shape.last().unwrap_or(&0);
-    (n, v.data.len() / (n * d).max(1), d)
-}
-
 /// The forward of a block of rows.
 struct ForwardRows<'a> {
-    /// All the sources, `[N, rows, d]`.
-    v: &'a [f32],
+    /// The sources, `[rows, d]` each.
+    v: &'a [&'a [f32]],
     q: &'a [f32],
-    /// All the rows of the call.
-    rows: usize,
     /// The block's first row.
     first: usize,
     /// The block's rows of the output.
@@ -78,7 +70,6 @@ impl WithSimd for ForwardRows<'_> {
         let Self {
             v,
             q,
-            rows,
             first,
             out,
             p,
@@ -86,9 +77,8 @@ impl WithSimd for ForwardRows<'_> {
             a,
             eps,
         } = self;
-        let d = q.len();
-        let n = p.len() / (out.len() / d).max(1);
-        let source = |k: usize, t: usize| &v[(k * rows + t) * d..(k * rows + t + 1) * d];
+        let (d, n) = (q.len(), v.len());
+        let source = |k: usize, t: usize| &v[k][t * d..(t + 1) * d];
         for (i, out) in out.chunks_exact_mut(d).enumerate() {
             let t = first + i;
             let (p, r, a) = (
@@ -131,11 +121,11 @@ type BackwardJob<'a> = (usize, Vec<&'a mut [f32]>, &'a mut [f32]);
 
 /// The backward of a block of rows: its rows of `dv` and its part of `dq`.
 struct BackwardRows<'a> {
-    v: &'a [f32],
+    /// The sources, `[rows, d]` each.
+    v: &'a [&'a [f32]],
     q: &'a [f32],
     grad: &'a [f32],
     saved: &'a Saved,
-    rows: usize,
     first: usize,
     /// The block's rows of each source's gradient (`N` slices of `[block rows, d]`).
     dv: Vec<&'a mut [f32]>,
@@ -153,7 +143,6 @@ impl WithSimd for BackwardRows<'_> {
             q,
             grad,
             saved,
-            rows,
             first,
             mut dv,
             dq,
@@ -171,12 +160,12 @@ impl WithSimd for BackwardRows<'_> {
             );
             let mut c = 0.0f32;
             for k in 0..n {
-                let vk = &v[(k * rows + t) * d..(k * rows + t + 1) * d];
+                let vk = &v[k][t * d..(t + 1) * d];
                 dp[k] = dot3(g, vk, None);
                 c += p[k] * dp[k];
             }
             for (k, dvk) in dv.iter_mut().enumerate() {
-                let vk = &v[(k * rows + t) * d..(k * rows + t + 1) * d];
+                let vk = &v[k][t * d..(t + 1) * d];
                 let dvk = &mut dvk[i * d..(i + 1) * d];
                 let ds = p[k] * (dp[k] - c);
                 let (pk, along_q) = (p[k], ds * r[k]);
@@ -190,11 +179,12 @@ impl WithSimd for BackwardRows<'_> {
     }
 }
 
-impl HostOp<2> for AttnResHost {
-    type Saved = Saved;
-
-    fn forward(&self, [v, q]: &[HostArray; 2], save: bool) -> (HostArray, Option<Saved>) {
-        let (n, rows, d) = sizes(v);
+impl AttnResHost {
+    /// The mix of the sources (`[rows, d]` each) with the query: the output and what the
+    /// backward needs.
+    fn mix(&self, v: &[&[f32]], q: &[f32]) -> (Vec<f32>, Saved) {
+        let (n, d) = (v.len(), q.len());
+        let rows = v.first().map_or(0, |s| s.len() / d.max(1));
         let mut out = vec![0.0f32; rows * d];
         let (mut p, mut r, mut a) = (
             vec![0.0f32; rows * n],
@@ -210,9 +200,8 @@ impl HostOp<2> for AttnResHost {
                 .enumerate();
             let block = |(b, (((out, p), r), a)): (usize, (((&mut [f32], _), _), _))| {
                 dispatch(ForwardRows {
-                    v: &v.data,
-                    q: &q.data,
-                    rows,
+                    v,
+                    q,
                     first: b * BLOCK_ROWS,
                     out,
                     p,
@@ -227,22 +216,26 @@ impl HostOp<2> for AttnResHost {
                 jobs.for_each(block);
             }
         }
-        let out = HostArray {
-            data: out.into(),
-            shape: v.shape[1..].to_vec(),
-        };
-        (out, save.then_some(Saved { p, r, a }))
+        (out, Saved { p, r, a })
     }
 
-    fn backward(&self, [v, q]: &[HostArray; 2], saved: &Saved, grad: &HostArray) -> [HostArray; 2] {
-        let (n, rows, d) = sizes(v);
-        let mut dv = vec![0.0f32; n * rows * d];
+    /// The gradients of [`mix`](Self::mix): each source's into its slice of `dv`, and `dq`.
+    fn grads(
+        &self,
+        v: &[&[f32]],
+        q: &[f32],
+        saved: &Saved,
+        grad: &[f32],
+        dv: Vec<&mut [f32]>,
+    ) -> Vec<f32> {
+        let (n, d) = (v.len(), q.len());
+        let rows = v.first().map_or(0, |s| s.len() / d.max(1));
         let blocks = rows.div_ceil(BLOCK_ROWS);
         let mut parts = vec![0.0f32; blocks * d];
         if d > 0 && n > 0 {
             // Each block's rows of every source's gradient.
             let mut per_source: Vec<_> = dv
-                .chunks_mut(rows * d)
+                .into_iter()
                 .map(|s| s.chunks_mut(BLOCK_ROWS * d))
                 .collect();
             let jobs: Vec<BackwardJob> = parts
@@ -261,11 +254,10 @@ impl HostOp<2> for AttnResHost {
                 .collect();
             let block = |(b, dv, dq): BackwardJob| {
                 dispatch(BackwardRows {
-                    v: &v.data,
-                    q: &q.data,
-                    grad: &grad.data,
+                    v,
+                    q,
+                    grad,
                     saved,
-                    rows,
                     first: b * BLOCK_ROWS,
                     dv,
                     dq,
@@ -283,6 +275,90 @@ impl HostOp<2> for AttnResHost {
                 *a += b;
             }
         }
+        dq
+    }
+}
+
+impl<const M: usize> HostOp<M> for AttnResHost {
+    type Saved = Saved;
+
+    fn forward(&self, inputs: &[HostArray; M], save: bool) -> (HostArray, Option<Saved>) {
+        let (q, sources) = inputs
+            .split_last()
+            .unwrap_or_else(|| unreachable!("the query is an input"));
+        let v: Vec<&[f32]> = sources.iter().map(|s| &s.data[..]).collect();
+        let (out, saved) = self.mix(&v, &q.data);
+        let shape = sources.first().map_or_else(Vec::new, |s| s.shape.clone());
+        let out = HostArray {
+            data: out.into(),
+            shape,
+        };
+        (out, save.then_some(saved))
+    }
+
+    fn backward(&self, inputs: &[HostArray; M], saved: &Saved, grad: &HostArray) -> [HostArray; M] {
+        let (q, sources) = inputs
+            .split_last()
+            .unwrap_or_else(|| unreachable!("the query is an input"));
+        let v: Vec<&[f32]> = sources.iter().map(|s| &s.data[..]).collect();
+        let mut dv: Vec<Vec<f32>> = sources.iter().map(|s| vec![0.0f32; s.data.len()]).collect();
+        let dq = self.grads(
+            &v,
+            &q.data,
+            saved,
+            &grad.data,
+            dv.iter_mut().map(|x| &mut x[..]).collect(),
+        );
+        let mut dv = dv.into_iter();
+        std::array::from_fn(|i| match i + 1 < M {
+            true => HostArray {
+                data: dv
+                    .next()
+                    .unwrap_or_else(|| unreachable!("one per source"))
+                    .into(),
+                shape: inputs[i].shape.clone(),
+            },
+            false => HostArray {
+                data: dq.clone().into(),
+                shape: q.shape.clone(),
+            },
+        })
+    }
+}
+
+/// [`AttnResHost`] on stacked sources: inputs `v: [N, .., d]` and the query `[d]`; output `[.., d]`.
+/// For more sources than [`AttnResHost`] takes as separate inputs.
+#[derive(Debug, Clone)]
+pub(crate) struct Stacked(pub AttnResHost);
+
+/// `v: [N, ..]` cut into its `N` sources.
+fn unstack(v: &HostArray) -> Vec<&[f32]> {
+    let n = v.shape[0].max(1);
+    v.data.chunks((v.data.len() / n).max(1)).collect()
+}
+
+impl HostOp<2> for Stacked {
+    type Saved = Saved;
+
+    fn forward(&self, [v, q]: &[HostArray; 2], save: bool) -> (HostArray, Option<Saved>) {
+        let (out, saved) = self.0.mix(&unstack(v), &q.data);
+        let out = HostArray {
+            data: out.into(),
+            shape: v.shape[1..].to_vec(),
+        };
+        (out, save.then_some(saved))
+    }
+
+    fn backward(&self, [v, q]: &[HostArray; 2], saved: &Saved, grad: &HostArray) -> [HostArray; 2] {
+        let mut dv = vec![0.0f32; v.data.len()];
+        let per = dv.len() / v.shape[0].max(1);
+        let dq = self.0.grads(
+            &unstack(v),
+            &q.data,
+            saved,
+            &grad.data,
+            dv.chunks_mut(per.max(1)).collect(),
+        );
         [
             HostArray {
                 data: dv.into(),
@@ -367,10 +443,46 @@ mod tests {
                 data: f32s(x).into(),
                 shape: shape.to_vec(),
             };
-            let inputs = [array(&v, &[n, rows, d]), array(&q, &[d])];
             let op = AttnResHost { eps };
-            let (out, saved) = op.forward(&inputs, true);
-            let [dv, dq] = op.backward(&inputs, &saved.expect("saved"), &array(&c, &[rows, d]));
+            let dout = array(&c, &[rows, d]);
+            // Stacked, then each source its own input (`HostOp<N + 1>`).
+            let stacked = [array(&v, &[n, rows, d]), array(&q, &[d])];
+            let (out, saved) = Stacked(op.clone()).forward(&stacked, true);
+            let [dv, dq] = Stacked(op.clone()).backward(&stacked, &saved.expect("saved"), &dout);
+            let separate: Vec<HostArray> = v
+                .chunks(rows * d)
+                .map(|s| array(s, &[rows, d]))
+                .chain([array(&q, &[d])])
+                .collect();
+            fn run<const M: usize>(
+                op: &AttnResHost,
+                inputs: Vec<HostArray>,
+                dout: &HostArray,
+            ) -> (HostArray, Vec<HostArray>) {
+                let inputs: [HostArray; M] = inputs.try_into().expect("M inputs");
+                let (out, saved) = op.forward(&inputs, true);
+                (
+                    out,
+                    op.backward(&inputs, &saved.expect("saved"), dout).to_vec(),
+                )
+            }
+            let (out2, grads2) = match n {
+                1 => run::<2>(&op, separate, &dout),
+                3 => run::<4>(&op, separate, &dout),
+                _ => run::<6>(&op, separate, &dout),
+            };
+            assert_eq!(out2.shape, vec![rows, d]);
+            assert_eq!(
+                out.data, out2.data,
+                "stacked and separate sources give one mix"
+            );
+            let dv2: Vec<f32> = grads2[..n].iter().flat_map(|g| g.data.to_vec()).collect();
+            assert_eq!(
+                dv.data.to_vec(),
+                dv2,
+                "stacked and separate sources give one dv"
+            );
+            assert_eq!(dq.data, grads2[n].data);
             let what = format!("N {n} rows {rows} d {d}");
             let eps = eps as f64;
             let want_out: Vec<f64> = (0..rows * d)

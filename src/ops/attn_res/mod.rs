@@ -72,12 +72,7 @@ pub fn attn_res<B: Backend>(
         && query.dtype() == DType::F32
     {
         backend::record(FusedOp::AttnRes, KernelPath::Reference);
-        let op = host::AttnResHost { eps: eps as f32 };
-        let v = Tensor::stack::<4>(sources, 0);
-        return backend::host::run(
-            &op,
-            [v.into_primitive().tensor(), query.into_primitive().tensor()],
-        );
+        return host_mix(sources, query, eps as f32);
     }
     if usable {
         let op = AttnResOp {
@@ -104,6 +99,45 @@ pub fn attn_res<B: Backend>(
         attn_res_reference(Tensor::stack::<4>(sources, 0), query, eps),
         dtype,
     )
+}
+
+/// The most sources the host kernel takes as separate inputs; more are stacked first.
+const HOST_SOURCES: usize = 16;
+
+/// [`attn_res`] on the CPU host kernel (f32 sources and query): each source its own input up to
+/// [`HOST_SOURCES`], so that neither the forward stacks them (a copy of every source) nor the
+/// backward cuts the stacked gradient apart (another); stacked beyond that.
+fn host_mix<B: Backend>(sources: Vec<Tensor<B, 3>>, query: Tensor<B, 1>, eps: f32) -> Tensor<B, 3> {
+    let op = host::AttnResHost { eps };
+    let n = sources.len();
+    if n > HOST_SOURCES {
+        let v = Tensor::stack::<4>(sources, 0);
+        let inputs = [v.into_primitive().tensor(), query.into_primitive().tensor()];
+        return backend::host::run(&host::Stacked(op), inputs);
+    }
+    let inputs: Vec<FloatTensor<B>> = sources
+        .into_iter()
+        .map(|x| x.into_primitive().tensor())
+        .chain([query.into_primitive().tensor()])
+        .collect();
+    fn run<B: Backend, const M: usize>(
+        op: &host::AttnResHost,
+        inputs: Vec<FloatTensor<B>>,
+    ) -> Tensor<B, 3> {
+        let inputs: [FloatTensor<B>; M] = inputs
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("M = sources + 1 inputs"));
+        backend::host::run(op, inputs)
+    }
+    macro_rules! by_count {
+        ($($m:literal)*) => {
+            match n + 1 {
+                $($m => run::<B, $m>(&op, inputs),)*
+                _ => unreachable!("1 ≤ sources ≤ HOST_SOURCES"),
+            }
+        };
+    }
+    by_count!(2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17)
 }
 
 /// [`attn_res`] in tensor ops (any backend, Burn's autodiff) over the stacked f32 (or f64)
