@@ -7,7 +7,7 @@
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{backend::Backend, Int, Tensor, TensorPrimitive};
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorPrimitive};
 
 use super::backend::{self, same, FusedKernels, FusedOp, KernelOp, KernelPath};
 use super::precision::{restore, widen};
@@ -16,6 +16,7 @@ use super::precision::{restore, widen};
 mod autodiff;
 #[cfg(feature = "cubecl-kernels")]
 mod cube;
+mod host;
 
 /// Mean cross-entropy over the scored positions, `−(1/N)·Σ_{t: y_t ≠ ignore} log softmax(z_t)[y_t]`.
 ///
@@ -27,8 +28,9 @@ mod cube;
 /// at the next read of the loss instead of as an out-of-bounds read on the device.
 ///
 /// On the CubeCL backends (f32, f16, bf16 logits) one kernel computes the per-row losses and one
-/// the logits' gradient ([`CrossEntropyKernels`]), with f32 statistics; other backends run the
-/// tensor ops (the log-softmax in the logits' dtype).
+/// the logits' gradient ([`CrossEntropyKernels`]), with f32 statistics; on the CPU backends (f32
+/// logits) a host kernel makes one pass over each row for its log-sum-exp and one backward; other
+/// backends run the tensor ops (the log-softmax in the logits' dtype).
 ///
 /// # Panics
 /// When `targets` is not `[batch, seq]` of the logits.
@@ -45,6 +47,25 @@ pub fn masked_cross_entropy<B: Backend>(
         [batch, seq, vocab]
     );
     let rows = batch * seq;
+    if rows * vocab > 0
+        && vocab < 1 << 24
+        && ignore_index.unsigned_abs() < 1 << 24
+        && backend::host::is_cpu_backend::<B>()
+        && logits.dtype() == DType::F32
+    {
+        backend::record(FusedOp::CrossEntropy, KernelPath::Reference);
+        let op = host::CrossEntropyHost {
+            ignore: ignore_index,
+        };
+        // The targets as floats: exact below 2²⁴ in magnitude, as are the classes and the ignore
+        // index here; a larger target stays out of range (and so NaN) after the conversion.
+        let targets = targets.float().cast(DType::F32);
+        let inputs = [
+            logits.into_primitive().tensor(),
+            targets.into_primitive().tensor(),
+        ];
+        return backend::host::run(&op, inputs);
+    }
     let scored = targets.clone().not_equal_elem(ignore_index);
     // The sums and the count in f32 (f64 stays f64), the result in the logits' dtype.
     let count = widen(scored.clone().float()).0.sum().clamp_min(1.0);
