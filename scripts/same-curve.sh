@@ -4,8 +4,9 @@
 #
 #     scripts/same-curve.sh OLD [NEW] [STEPS]        NEW: HEAD, STEPS: 50
 #
-# Builds `examples/train_tiny` at both commits (git worktrees under target/same-curve, removed at
-# the end, built into this checkout's target folder so that the dependencies build once), runs each
+# Builds `examples/train_tiny` at both commits (one git worktree under target/same-curve, checked
+# out at each in turn and removed at the end, built into target/same-curve/target, whose
+# dependencies build on the first run only), runs each
 # with the same seed and data, `--steps STEPS --checkpoint-every 0`, `REPEATS` times in alternation
 # (default 2), and prints per step both losses and their absolute and relative difference, then
 # the median tokens/s of steps 5 and on of every run and the ratio NEW / OLD. A second run of the same binary must give
@@ -29,21 +30,33 @@ new="$(git rev-parse --short "${2:-HEAD}")"
 steps="${3:-50}"
 repeats="${REPEATS:-2}"
 work="target/same-curve"
-target="$(pwd)/target"
+# A target folder of its own, for the same reason: a build of the worktree into this checkout's
+# target folder would leave the next build here looking up to date, and the other way round.
+target="$(pwd)/$work/target"
 mkdir -p "$work"
 
+# One worktree for both commits, checked out in turn: cargo keeps one record of a workspace member
+# whatever folder it is built from and judges it up to date by its source files' times, so a build
+# in a second worktree could reuse the first one's binary (it did: two "commits" gave the same
+# losses to the last digit). A checkout gives every file it changes a new time.
+tree="$work/tree"
 build() {
-    local rev="$1" tree="$work/tree-$1"
+    local rev="$1"
     if [ ! -d "$tree" ]; then
         git worktree add --detach "$tree" "$rev" >/dev/null
+    else
+        git -C "$tree" checkout --detach --quiet "$rev"
     fi
     (cd "$tree" && CARGO_TARGET_DIR="$target" cargo build --release --example train_tiny)
     cp "$target/release/examples/train_tiny" "$work/train_tiny-$rev"
 }
-# The worktrees go when the script ends (the builds stay in the target folder).
-trap 'for t in "$work"/tree-*; do [ -d "$t" ] && git worktree remove --force "$t"; done' EXIT
+# The worktree goes when the script ends (the builds stay in the target folder).
+trap '[ -d "$tree" ] && git worktree remove --force "$tree"' EXIT
 build "$old"
 build "$new"
+if [ "$old" != "$new" ] && cmp -s "$work/train_tiny-$old" "$work/train_tiny-$new"; then
+    echo "note: the binaries of $old and $new are identical" >&2
+fi
 
 for r in $(seq 1 "$repeats"); do
     for rev in "$old" "$new"; do
