@@ -867,3 +867,33 @@ pub(crate) fn parallel_map_sized<T: Send, F: Fn(usize) -> T + Sync + Send>(
     }
     (0..n).into_par_iter().map(f).collect()
 }
+
+/// Helpers of the host kernels' unit tests: central differences and a comparison scaled to the
+/// largest expected value.
+#[cfg(test)]
+pub(crate) mod testing {
+    /// Central differences of `f` at `x`, coordinate by coordinate (step 1e-6).
+    pub(crate) fn numeric(x: &[f64], f: impl Fn(&[f64]) -> f64) -> Vec<f64> {
+        let h = 1e-6;
+        (0..x.len())
+            .map(|i| {
+                let (mut a, mut b) = (x.to_vec(), x.to_vec());
+                a[i] += h;
+                b[i] -= h;
+                (f(&a) - f(&b)) / (2.0 * h)
+            })
+            .collect()
+    }
+
+    /// Every element of `got` within `tol` times the largest `|want|` (at least 1e-3) of `want`.
+    pub(crate) fn close(what: &str, want: &[f64], got: &[f32], tol: f64) {
+        assert_eq!(want.len(), got.len(), "{what}: lengths");
+        let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-3);
+        for (i, (w, g)) in want.iter().zip(got).enumerate() {
+            assert!(
+                (w - *g as f64).abs() <= tol * scale,
+                "{what}[{i}]: {g} vs {w} (scale {scale})"
+            );
+        }
+    }
+}

@@ -339,6 +339,7 @@ impl HostOp<2> for ShortConvHost {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::backend::host::testing::{close, numeric};
     use rand::{Rng, SeedableRng};
 
     fn silu(u: f64) -> f64 {
@@ -364,29 +365,6 @@ mod tests {
             }
         }
         total
-    }
-
-    fn numeric(x: &[f64], f: impl Fn(&[f64]) -> f64) -> Vec<f64> {
-        let h = 1e-6;
-        (0..x.len())
-            .map(|i| {
-                let (mut a, mut b) = (x.to_vec(), x.to_vec());
-                a[i] += h;
-                b[i] -= h;
-                (f(&a) - f(&b)) / (2.0 * h)
-            })
-            .collect()
-    }
-
-    fn close(what: &str, want: &[f64], got: &[f32], tol: f64) {
-        assert_eq!(want.len(), got.len(), "{what}: lengths");
-        let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-3);
-        for (i, (w, g)) in want.iter().zip(got).enumerate() {
-            assert!(
-                (w - *g as f64).abs() <= tol * scale,
-                "{what}[{i}]: {g} vs {w} (scale {scale})"
-            );
-        }
     }
 
     /// Output, `dx` and the taps' gradient against the f64 formula and its central differences:

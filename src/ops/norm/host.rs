@@ -372,6 +372,7 @@ impl HostOp<3> for RmsNormGatedHost {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::backend::host::testing::{close, numeric};
     use rand::{Rng, SeedableRng};
 
     fn array(data: Vec<f32>, shape: &[usize]) -> HostArray {
@@ -393,30 +394,6 @@ mod tests {
             }
         }
         total
-    }
-
-    /// Central differences of `f` at `x`, coordinate by coordinate.
-    fn numeric(x: &[f64], f: impl Fn(&[f64]) -> f64) -> Vec<f64> {
-        let h = 1e-6;
-        (0..x.len())
-            .map(|i| {
-                let (mut a, mut b) = (x.to_vec(), x.to_vec());
-                a[i] += h;
-                b[i] -= h;
-                (f(&a) - f(&b)) / (2.0 * h)
-            })
-            .collect()
-    }
-
-    fn close(what: &str, want: &[f64], got: &[f32], tol: f64) {
-        assert_eq!(want.len(), got.len(), "{what}: lengths");
-        let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-3);
-        for (i, (w, g)) in want.iter().zip(got).enumerate() {
-            assert!(
-                (w - *g as f64).abs() <= tol * scale,
-                "{what}[{i}]: {g} vs {w} (scale {scale})"
-            );
-        }
     }
 
     /// Both ops, values and every gradient, against the f64 formula and its central differences,
