@@ -340,15 +340,44 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     hsum(&acc) + tail
 }
 
-/// The largest element of `x` (`−∞` when empty), NaN when any element is NaN.
+/// Elements (1 MiB) from which [`max`] splits its pass over rayon's pool: a pass over memory that
+/// the public KDA ops' gate check makes on the calling thread while the pool waits (2 MiB at
+/// T = 2048 of the benches, 8 MiB at 8192).
+const MAX_PARALLEL: usize = 1 << 18;
+
+/// The largest element of `x` (`−∞` when empty), NaN when any element is NaN; in parts on
+/// rayon's pool for long inputs (the same result: the largest of the parts' largest).
 pub(crate) fn max(x: &[f32]) -> f32 {
+    use rayon::prelude::*;
+    if x.len() >= MAX_PARALLEL {
+        return x
+            .par_chunks(MAX_PARALLEL / 4)
+            .map(max_serial)
+            .reduce(|| f32::NEG_INFINITY, max_of);
+    }
+    max_serial(x)
+}
+
+/// The larger of `m` and `v`, NaN when either is NaN (`m < v` and `v ≠ v` are both false for a
+/// NaN `m`).
+#[inline(always)]
+fn max_of(m: f32, v: f32) -> f32 {
+    if m < v || v.is_nan() {
+        v
+    } else {
+        m
+    }
+}
+
+/// [`max`] on the calling thread.
+fn max_serial(x: &[f32]) -> f32 {
     struct Max<'a>(&'a [f32]);
     impl WithSimd for Max<'_> {
         type Output = f32;
         #[inline(always)]
         fn with_simd<S: Simd>(self, _simd: S) -> f32 {
-            // Per lane: NaN once seen stays (`m < v` and `v ≠ v` are both false for a NaN `m`).
-            let step = |m: f32, v: f32| if m < v || v.is_nan() { v } else { m };
+            // Per lane: NaN once seen stays.
+            let step = max_of;
             let (blocks, tail) = self.0.as_chunks::<LANES>();
             let mut m = [f32::NEG_INFINITY; LANES];
             for block in blocks {
@@ -447,6 +476,14 @@ mod tests {
             ys[at] = f32::NAN;
             assert!(max(&ys).is_nan(), "NaN at {at}");
         }
+        // Long enough to be split over the pool: the largest in one part, a NaN in the last.
+        let n = 2 * MAX_PARALLEL + 3;
+        let mut long: Vec<f32> = (0..n).map(|i| -((i % 977) as f32)).collect();
+        long[MAX_PARALLEL / 4 * 5 + 11] = 7.5;
+        assert_eq!(max(&long), 7.5);
+        assert_eq!(max(&long), max_serial(&long));
+        long[n - 1] = f32::NAN;
+        assert!(max(&long).is_nan());
     }
 
     #[test]
