@@ -25,8 +25,8 @@
 use rayon::prelude::*;
 
 use crate::ops::backend::host::{HostArray, HostOp};
-use crate::ops::backend::simd::{dispatch, exp_lane, Simd, WithSimd};
-use crate::ops::norm::host::{dot3, inv_rms, BLOCK_ROWS, MIN_PARALLEL};
+use crate::ops::backend::simd::{dispatch, dot, exp_lane, Simd, WithSimd};
+use crate::ops::norm::host::{inv_rms, BLOCK_ROWS, MIN_PARALLEL};
 
 /// The AttnRes mix on the host. As `HostOp<M>`: inputs the `M − 1` sources `[.., d]` and the
 /// query `[d]` last, output of a source's shape; each source is its own input, so neither the
@@ -90,7 +90,7 @@ impl WithSimd for ForwardRows<'_> {
             for k in 0..n {
                 let vk = source(k, t);
                 r[k] = inv_rms(vk, eps);
-                a[k] = dot3(vk, q, None);
+                a[k] = dot(vk, q);
                 p[k] = a[k] * r[k];
                 max = max.max(p[k]);
             }
@@ -161,7 +161,7 @@ impl WithSimd for BackwardRows<'_> {
             let mut c = 0.0f32;
             for k in 0..n {
                 let vk = &v[k][t * d..(t + 1) * d];
-                dp[k] = dot3(g, vk, None);
+                dp[k] = dot(g, vk);
                 c += p[k] * dp[k];
             }
             for (k, dvk) in dv.iter_mut().enumerate() {
@@ -309,19 +309,13 @@ impl<const M: usize> HostOp<M> for AttnResHost {
             &grad.data,
             dv.iter_mut().map(|x| &mut x[..]).collect(),
         );
-        let mut dv = dv.into_iter();
-        std::array::from_fn(|i| match i + 1 < M {
-            true => HostArray {
-                data: dv
-                    .next()
-                    .unwrap_or_else(|| unreachable!("one per source"))
-                    .into(),
-                shape: inputs[i].shape.clone(),
-            },
-            false => HostArray {
-                data: dq.clone().into(),
-                shape: q.shape.clone(),
-            },
+        // The sources' gradients in input order, then the query's.
+        let mut grads = dv.into_iter().map(Vec::into).chain([dq.into()]);
+        std::array::from_fn(|i| HostArray {
+            data: grads
+                .next()
+                .unwrap_or_else(|| unreachable!("one gradient per input")),
+            shape: inputs[i].shape.clone(),
         })
     }
 }

@@ -38,19 +38,24 @@ pub(crate) struct ShortConvHost {
     pub segments: Arc<Vec<(usize, usize)>>,
 }
 
-/// A block of rows of one sequence: `(first row of the sequence, first row, end)`.
-type Block = (usize, usize, usize);
+/// A block of rows `lo..hi` of the sequence of rows `start..end`.
+#[derive(Debug, Clone, Copy)]
+struct Block {
+    start: usize,
+    end: usize,
+    lo: usize,
+    hi: usize,
+}
 
 impl ShortConvHost {
     /// The blocks of at most [`BLOCK_ROWS`] rows of every sequence, in row order.
     fn blocks(&self) -> Vec<Block> {
         let mut out = Vec::new();
         for &(start, len) in self.segments.iter() {
-            let mut lo = start;
-            while lo < start + len {
-                let hi = (lo + BLOCK_ROWS).min(start + len);
-                out.push((start, lo, hi));
-                lo = hi;
+            let end = start + len;
+            for lo in (start..end).step_by(BLOCK_ROWS) {
+                let hi = (lo + BLOCK_ROWS).min(end);
+                out.push(Block { start, end, lo, hi });
             }
         }
         out
@@ -61,10 +66,11 @@ impl ShortConvHost {
 /// consecutive values.
 fn taps_by_row(w: &HostArray) -> Vec<f32> {
     let (p, width) = (w.shape[0], w.shape[1]);
+    let taps = &w.data[..];
     let mut out = vec![0.0f32; p * width];
     for c in 0..p {
         for i in 0..width {
-            out[i * p + c] = w.data[c * width + i];
+            out[i * p + c] = taps[c * width + i];
         }
     }
     out
@@ -108,12 +114,12 @@ impl WithSimd for ForwardRows<'_> {
         let Self {
             x,
             taps,
-            block: (start, lo, _),
+            block,
             out,
             p,
         } = self;
         for (j, y) in out.chunks_exact_mut(p).enumerate() {
-            pre_activation(y, x, taps, start, lo + j);
+            pre_activation(y, x, taps, block.start, block.lo + j);
             for v in y.iter_mut() {
                 *v = Unary::Silu.value(*v);
             }
@@ -141,13 +147,13 @@ impl WithSimd for ActivationGrad<'_> {
             x,
             taps,
             dy,
-            block: (start, lo, _),
+            block,
             du,
             p,
         } = self;
         for (j, d) in du.chunks_exact_mut(p).enumerate() {
-            let r = lo + j;
-            pre_activation(d, x, taps, start, r);
+            let r = block.lo + j;
+            pre_activation(d, x, taps, block.start, r);
             let dy = &dy[r * p..(r + 1) * p];
             for c in 0..p {
                 d[c] = dy[c] * Unary::Silu.derivative(d[c]);
@@ -163,8 +169,6 @@ struct InputGrads<'a> {
     taps: &'a [f32],
     du: &'a [f32],
     block: Block,
-    /// The end of the block's sequence.
-    end: usize,
     /// The block's rows of `dx`, zeros on entry.
     dx: &'a mut [f32],
     /// Zeros on entry.
@@ -181,8 +185,7 @@ impl WithSimd for InputGrads<'_> {
             x,
             taps,
             du,
-            block: (start, lo, _),
-            end,
+            block: Block { start, end, lo, .. },
             dx,
             dtaps,
             p,
@@ -219,24 +222,34 @@ impl WithSimd for InputGrads<'_> {
     }
 }
 
-/// `f` on every block with its rows of `out` (`P` floats per row): on rayon's pool when `parallel`.
-fn for_blocks<'a, F>(blocks: &[Block], out: &'a mut [f32], p: usize, parallel: bool, f: F)
-where
-    F: Fn(usize, Block, &'a mut [f32]) + Sync + Send,
+/// `f` on every block with its rows of `out` (`P` floats per row) and its `part` floats of
+/// `parts` (a per-block partial sum; `part` may be 0): on rayon's pool when `parallel`.
+#[allow(clippy::too_many_arguments)]
+fn for_blocks<'a, F>(
+    blocks: &[Block],
+    out: &'a mut [f32],
+    p: usize,
+    parts: &'a mut [f32],
+    part: usize,
+    parallel: bool,
+    f: F,
+) where
+    F: Fn(Block, &'a mut [f32], &'a mut [f32]) + Sync + Send,
 {
-    let mut rest = out;
+    let (mut rest, mut rest_parts) = (out, parts);
     let mut jobs = Vec::with_capacity(blocks.len());
-    for (b, &block) in blocks.iter().enumerate() {
-        let (mine, tail) = std::mem::take(&mut rest).split_at_mut((block.2 - block.1) * p);
-        jobs.push((b, block, mine));
-        rest = tail;
+    for &block in blocks {
+        let (mine, tail) = std::mem::take(&mut rest).split_at_mut((block.hi - block.lo) * p);
+        let (my_part, parts_tail) = std::mem::take(&mut rest_parts).split_at_mut(part);
+        jobs.push((block, mine, my_part));
+        (rest, rest_parts) = (tail, parts_tail);
     }
     if parallel {
         jobs.into_par_iter()
-            .for_each(|(b, block, out)| f(b, block, out));
+            .for_each(|(block, out, part)| f(block, out, part));
     } else {
         jobs.into_iter()
-            .for_each(|(b, block, out)| f(b, block, out));
+            .for_each(|(block, out, part)| f(block, out, part));
     }
 }
 
@@ -249,15 +262,23 @@ impl HostOp<2> for ShortConvHost {
         let mut out = vec![0.0f32; x.data.len()];
         let blocks = self.blocks();
         let parallel = out.len() * w.shape[1] >= MIN_PARALLEL;
-        for_blocks(&blocks, &mut out, p, parallel, |_, block, out| {
-            dispatch(ForwardRows {
-                x: &x.data,
-                taps: &taps,
-                block,
-                out,
-                p,
-            })
-        });
+        for_blocks(
+            &blocks,
+            &mut out,
+            p,
+            &mut [],
+            0,
+            parallel,
+            |block, out, _| {
+                dispatch(ForwardRows {
+                    x: &x.data,
+                    taps: &taps,
+                    block,
+                    out,
+                    p,
+                })
+            },
+        );
         let out = HostArray {
             data: out.into(),
             shape: x.shape.clone(),
@@ -271,7 +292,7 @@ impl HostOp<2> for ShortConvHost {
         let blocks = self.blocks();
         let parallel = x.data.len() * width >= MIN_PARALLEL;
         let mut du = vec![0.0f32; x.data.len()];
-        for_blocks(&blocks, &mut du, p, parallel, |_, block, du| {
+        for_blocks(&blocks, &mut du, p, &mut [], 0, parallel, |block, du, _| {
             dispatch(ActivationGrad {
                 x: &x.data,
                 taps: &taps,
@@ -282,38 +303,31 @@ impl HostOp<2> for ShortConvHost {
             })
         });
         let mut dx = vec![0.0f32; x.data.len()];
-        let parts: Vec<std::sync::Mutex<Vec<f32>>> = (0..blocks.len())
-            .map(|_| std::sync::Mutex::new(vec![0.0f32; width * p]))
-            .collect();
-        let ends: Vec<usize> = blocks
-            .iter()
-            .map(|&(start, _, _)| {
-                let &(s, len) = self
-                    .segments
-                    .iter()
-                    .find(|&&(s, _)| s == start)
-                    .unwrap_or_else(|| unreachable!("every block starts in a sequence"));
-                s + len
-            })
-            .collect();
-        for_blocks(&blocks, &mut dx, p, parallel, |b, block, dx| {
-            let mut dtaps = parts[b].lock().unwrap_or_else(|e| e.into_inner());
-            dispatch(InputGrads {
-                x: &x.data,
-                taps: &taps,
-                du: &du,
-                block,
-                end: ends[b],
-                dx,
-                dtaps: &mut dtaps,
-                p,
-            })
-        });
-        // The blocks' parts, summed in block order, back to `[P, W]`.
-        let mut sum = vec![0.0f32; width * p];
-        for part in &parts {
-            let part = part.lock().unwrap_or_else(|e| e.into_inner());
-            for (a, b) in sum.iter_mut().zip(part.iter()) {
+        // Each block's part of the taps' gradient (`[W, P]`), summed in block order below.
+        let mut parts = vec![0.0f32; blocks.len() * width * p];
+        let part = width * p;
+        for_blocks(
+            &blocks,
+            &mut dx,
+            p,
+            &mut parts,
+            part,
+            parallel,
+            |block, dx, dtaps| {
+                dispatch(InputGrads {
+                    x: &x.data,
+                    taps: &taps,
+                    du: &du,
+                    block,
+                    dx,
+                    dtaps,
+                    p,
+                })
+            },
+        );
+        let mut sum = vec![0.0f32; part];
+        for block_part in parts.chunks_exact(part.max(1)) {
+            for (a, b) in sum.iter_mut().zip(block_part) {
                 *a += b;
             }
         }
@@ -368,13 +382,15 @@ mod tests {
     }
 
     /// Output, `dx` and the taps' gradient against the f64 formula and its central differences:
-    /// rows of equal sequences, and packed sequences shorter than the window, one of them longer
-    /// than a block.
+    /// rows of equal sequences, empty sequences, and packed sequences shorter than the window, one
+    /// of them longer than a block.
     #[test]
     fn short_conv_host_matches_the_f64_formula_and_its_differences() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         let cases = [
             (vec![(0, 6), (6, 6)], 3, 4),
+            // Empty sequences starting where the next one does.
+            (vec![(0, 0), (0, 5), (5, 0), (5, 4)], 2, 3),
             (
                 vec![(0, 2), (2, 1), (3, BLOCK_ROWS + 4), (BLOCK_ROWS + 7, 5)],
                 5,

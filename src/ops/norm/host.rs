@@ -26,7 +26,7 @@
 use rayon::prelude::*;
 
 use crate::ops::backend::host::{HostArray, HostOp};
-use crate::ops::backend::simd::{dispatch, hsum, Simd, WithSimd, LANES};
+use crate::ops::backend::simd::{dispatch, dot, hsum, Simd, WithSimd, LANES};
 use crate::ops::precision::host::sigmoid_pair;
 
 /// Rows per block: the unit of work of a thread and of `dw`'s partial sums.
@@ -51,37 +51,23 @@ pub(crate) struct RmsNormGatedHost {
     pub eps: f32,
 }
 
-/// `Σ a_j b_j c_j` (`c` absent: `Σ a_j b_j`), lane by lane in blocks of [`LANES`], then across
-/// the lanes: the same order on every instruction set.
+/// `Σ a_j b_j c_j`, lane by lane in blocks of [`LANES`], then across the lanes (the order of
+/// [`dot`], the same on every instruction set).
 #[inline(always)]
-pub(crate) fn dot3(a: &[f32], b: &[f32], c: Option<&[f32]>) -> f32 {
+fn dot3(a: &[f32], b: &[f32], c: &[f32]) -> f32 {
     let n = a.len();
     let (ab, at) = a.as_chunks::<LANES>();
     let (bb, bt) = b[..n].as_chunks::<LANES>();
+    let (cb, ct) = c[..n].as_chunks::<LANES>();
     let mut acc = [0.0f32; LANES];
+    for ((x, y), z) in ab.iter().zip(bb).zip(cb) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l] * z[l];
+        }
+    }
     let mut tail = 0.0f32;
-    match c {
-        None => {
-            for (x, y) in ab.iter().zip(bb) {
-                for l in 0..LANES {
-                    acc[l] += x[l] * y[l];
-                }
-            }
-            for (x, y) in at.iter().zip(bt) {
-                tail += x * y;
-            }
-        }
-        Some(c) => {
-            let (cb, ct) = c[..n].as_chunks::<LANES>();
-            for ((x, y), z) in ab.iter().zip(bb).zip(cb) {
-                for l in 0..LANES {
-                    acc[l] += x[l] * y[l] * z[l];
-                }
-            }
-            for ((x, y), z) in at.iter().zip(bt).zip(ct) {
-                tail += x * y * z;
-            }
-        }
+    for ((x, y), z) in at.iter().zip(bt).zip(ct) {
+        tail += x * y * z;
     }
     hsum(&acc) + tail
 }
@@ -90,7 +76,7 @@ pub(crate) fn dot3(a: &[f32], b: &[f32], c: Option<&[f32]>) -> f32 {
 /// square root, the reciprocal).
 #[inline(always)]
 pub(crate) fn inv_rms(x: &[f32], eps: f32) -> f32 {
-    1.0 / (dot3(x, x, None) / x.len() as f32 + eps).sqrt()
+    1.0 / (dot(x, x) / x.len() as f32 + eps).sqrt()
 }
 
 /// The forward of a block of rows: `out = (x · r) · w` (`⊙ σ(z)` with `z`), `r` per row.
@@ -187,7 +173,7 @@ impl WithSimd for BackwardRows<'_> {
                 _ => dy,
             };
             // mean(dn ⊙ n) = r · Σ g w x / d.
-            let c = r * dot3(g, w, Some(x)) / d as f32;
+            let c = r * dot3(g, w, x) / d as f32;
             for j in 0..d {
                 let n = x[j] * r;
                 dx[j] = r * (g[j] * w[j] - n * c);
@@ -195,11 +181,6 @@ impl WithSimd for BackwardRows<'_> {
             }
         }
     }
-}
-
-/// Rows of `d` in `x`.
-fn rows_of(x: &HostArray, d: usize) -> usize {
-    x.data.len() / d.max(1)
 }
 
 /// Whether a call of `len` elements spreads its blocks over rayon's pool.
@@ -317,7 +298,7 @@ impl HostOp<2> for RmsNormHost {
     }
 
     fn backward(&self, [x, w]: &[HostArray; 2], r: &Vec<f32>, grad: &HostArray) -> [HostArray; 2] {
-        debug_assert_eq!(rows_of(x, w.data.len()), r.len());
+        debug_assert_eq!(x.data.len() / w.data.len().max(1), r.len());
         let (dx, dw, _) = backward(&x.data, None, &w.data, r, &grad.data);
         [
             HostArray {
