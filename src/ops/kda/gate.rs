@@ -2,6 +2,7 @@
 
 use burn::tensor::{backend::Backend, DType, Tensor};
 
+use super::gate_host::KdaGateHost;
 use super::kernels::NormGatedOp;
 use crate::error::{Error, Result};
 use crate::ops::backend::{self, FusedOp, KernelPath};
@@ -19,6 +20,9 @@ use crate::ops::precision::{restore, sigmoid, softplus, widen};
 /// `f: [B, T, H, K]` (the output of `f_b_proj`, split into heads), `a_log: [H]`,
 /// `dt_bias: [H·K]` (head-major, as in the checkpoint) → `g: [B, T, H, K]`, every value ≤ 0, in
 /// f32 whatever the input dtype (the ops consume it in f32). The safe gate keeps `g ∈ (lb, 0)`.
+///
+/// On the CPU backends (f32 inputs) one host pass forward and one backward with the derived
+/// gradients; elsewhere tensor ops.
 ///
 /// # Panics
 /// On invalid input; see [`try_kda_gate`].
@@ -57,6 +61,17 @@ pub fn try_kda_gate<B: Backend>(
                 format!("the safe-gate lower bound must lie in [-5, 0), got {lb}"),
             ));
         }
+    }
+    if backend::host::is_cpu_backend::<B>()
+        && [f.dtype(), a_log.dtype(), dt_bias.dtype()] == [DType::F32; 3]
+    {
+        // One host pass each way (`gate_host`).
+        let inputs = [
+            f.into_primitive().tensor(),
+            a_log.into_primitive().tensor(),
+            dt_bias.into_primitive().tensor(),
+        ];
+        return Ok(backend::host::run(&KdaGateHost { lower_bound }, inputs));
     }
     let (f, _) = widen(f);
     let x = f.add(widen(dt_bias).0.reshape([1, 1, h, k]));

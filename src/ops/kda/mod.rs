@@ -27,6 +27,7 @@ mod cube;
 mod cube_chunk;
 mod fused_recurrent;
 mod gate;
+mod gate_host;
 mod intra;
 pub(crate) mod kernels;
 mod naive;
