@@ -857,6 +857,61 @@ fn adamw_update_on_the_cpu_is_burns_adamw_bit_for_bit() {
     );
 }
 
+/// The CPU host passes of `adamw_update` and `scaled_sum` against their tensor-op forms (the
+/// kernels switched off), bit for bit: with inputs that something else still holds (the host
+/// writes new buffers and leaves those alone) and with inputs handed over (it writes in place),
+/// at a size split over the thread pool, plain and under `Autodiff` (untracked there).
+fn optimiser_updates_on_the_host_are_their_tensor_ops<B: Backend>() {
+    use kimi_burn::ops::optim::{adamw_update, scaled_sum, AdamWScalars};
+    use kimi_burn::ops::with_kernels;
+    let device = Default::default();
+    let mut rng = rng(44);
+    for shape in [[7, 13], [600, 500]] {
+        let x = randn::<B, 2>(&mut rng, shape, 0.5, &device);
+        let y = randn::<B, 2>(&mut rng, shape, 0.1, &device);
+        let m2 = randn::<B, 2>(&mut rng, shape, 0.01, &device).abs();
+        let before = [host(x.clone()), host(y.clone()), host(m2.clone())];
+        for (a, b) in [(0.999, -0.02), (1.0, -0.5), (0.95, 1.0)] {
+            let want = host(with_kernels(false, || {
+                scaled_sum(x.clone(), a, y.clone(), b)
+            }));
+            let shared = host(scaled_sum(x.clone(), a, y.clone(), b));
+            let handed_over = host(scaled_sum(
+                Tensor::<B, 2>::from_data(x.to_data(), &device),
+                a,
+                y.clone(),
+                b,
+            ));
+            assert_eq!(shared, want, "scaled_sum {shape:?}, a {a}, b {b}");
+            assert_eq!(
+                handed_over, want,
+                "scaled_sum in place {shape:?}, a {a}, b {b}"
+            );
+        }
+        for (time, weight_decay) in [(1, 0.1), (7, 0.0)] {
+            let s = AdamWScalars::new(0.9, 0.95, 1e-8, weight_decay, 0.01, time);
+            let step = |p: Tensor<B, 2>, m1: Tensor<B, 2>, m2: Tensor<B, 2>| {
+                let (p, m1, m2) = adamw_update(p, y.clone(), m1, m2, s);
+                [host(p), host(m1), host(m2)]
+            };
+            let want = with_kernels(false, || step(x.clone(), y.clone(), m2.clone()));
+            let shared = step(x.clone(), y.clone(), m2.clone());
+            let copy = |t: &Tensor<B, 2>| Tensor::<B, 2>::from_data(t.to_data(), &device);
+            let handed_over = step(copy(&x), copy(&y), copy(&m2));
+            assert_eq!(shared, want, "adamw {shape:?}, step {time}");
+            assert_eq!(handed_over, want, "adamw in place {shape:?}, step {time}");
+        }
+        let after = [host(x), host(y), host(m2)];
+        assert_eq!(before, after, "inputs held elsewhere are left alone");
+    }
+}
+
+#[test]
+fn optimiser_updates_on_the_host_are_their_tensor_ops_on_ndarray() {
+    optimiser_updates_on_the_host_are_their_tensor_ops::<Cpu>();
+    optimiser_updates_on_the_host_are_their_tensor_ops::<CpuAd>();
+}
+
 #[cfg(all(feature = "cuda", not(feature = "wgpu")))]
 use kimi_burn::backends::{CudaCube as GpuCube, CudaFusion as GpuFusion};
 /// The GPU backend under test without Burn's fusion, and with it.

@@ -390,6 +390,56 @@ pub(crate) fn run_parts<B: Backend, O: HostOp<N>, const N: usize>(
     out
 }
 
+/// `f` of the inputs on the host, its outputs as tensors, when `B` is a CPU backend, plain or
+/// `Autodiff` (whose outputs are then untracked: for updates that are never differentiated, such
+/// as an optimiser step); the inputs back otherwise. The inputs are moved in so that `f` may write
+/// into one nothing else holds ([`HostData::unique_mut`]).
+pub(crate) fn run_untracked<B: Backend, const N: usize, const M: usize>(
+    inputs: [FloatTensor<B>; N],
+    f: impl FnOnce([HostArray; N]) -> [HostArray; M],
+) -> std::result::Result<[FloatTensor<B>; M], [FloatTensor<B>; N]> {
+    let mut f = Some(f);
+    let out = Err(inputs);
+    #[cfg(feature = "ndarray")]
+    let out =
+        out.or_else(|inputs| untracked_on::<B, burn::backend::NdArray<f32>, N, M>(inputs, &mut f));
+    #[cfg(feature = "flex")]
+    let out = out.or_else(|inputs| untracked_on::<B, burn::backend::Flex, N, M>(inputs, &mut f));
+    let _ = &mut f;
+    out
+}
+
+/// [`run_untracked`] when `B` is `X` or `Autodiff<X>` (`f` is taken then).
+#[cfg(any(feature = "ndarray", feature = "flex"))]
+#[allow(clippy::type_complexity)]
+fn untracked_on<B: Backend, X: Backend, const N: usize, const M: usize>(
+    inputs: [FloatTensor<B>; N],
+    f: &mut Option<impl FnOnce([HostArray; N]) -> [HostArray; M]>,
+) -> std::result::Result<[FloatTensor<B>; M], [FloatTensor<B>; N]> {
+    use burn::backend::Autodiff;
+    use burn::tensor::backend::AutodiffBackend;
+    let mut apply = |host: [HostArray; N], device: &X::Device| {
+        let f = f
+            .take()
+            .unwrap_or_else(|| unreachable!("one backend matches"));
+        f(host).map(|out| from_host::<X>(out, device))
+    };
+    if TypeId::of::<B>() == TypeId::of::<Autodiff<X>>() {
+        let prims: [FloatTensor<X>; N] = inputs.map(|x| {
+            let x: FloatTensor<Autodiff<X>> =
+                cast(x).unwrap_or_else(|| unreachable!("B is Autodiff<X>"));
+            Autodiff::<X>::inner(x)
+        });
+        let device = X::float_device(&prims[0]);
+        let out = apply(prims.map(to_host::<X>), &device);
+        return Ok(out.map(|o| {
+            cast(Autodiff::<X>::from_inner(o)).unwrap_or_else(|| unreachable!("B is Autodiff<X>"))
+        }));
+    }
+    let (host, device) = plain_inputs::<B, X, N>(inputs)?;
+    Ok(apply(host, &device).map(|o| cast(o).unwrap_or_else(|| unreachable!("B is X"))))
+}
+
 /// [`run_parts`] when `B` is the plain backend `X`.
 #[cfg(any(feature = "ndarray", feature = "flex"))]
 fn run_parts_on<B: Backend, X: Backend, O: HostOp<N>, const N: usize>(

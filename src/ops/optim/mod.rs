@@ -2,19 +2,21 @@
 //!
 //! [`adamw_update`] is one AdamW step of one parameter: on the CubeCL backends a single kernel
 //! ([`OptimKernels`]) instead of Burn's fourteen or so tensor ops, each a launch over the whole
-//! parameter; elsewhere the same arithmetic in tensor ops. [`KimiAdamW`](crate::optim::KimiAdamW)
+//! parameter; on the CPU backends one host pass (`host`), in place where the parameter and its
+//! moments are not held elsewhere; elsewhere the same arithmetic in tensor ops. [`KimiAdamW`](crate::optim::KimiAdamW)
 //! steps its parameters through it. [`scaled_sum`] (`a·x + b·y`, one kernel for three tensor ops)
 //! is Muon's update of the weights and the two combinations of each Newton–Schulz iteration in
 //! [`KimiOptimizer`](crate::optim::KimiOptimizer) (its momentum stays Burn's `Momentum`, whose
 //! state keeps the velocity private).
 
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{backend::Backend, Tensor, TensorPrimitive};
+use burn::tensor::{backend::Backend, DType, Tensor, TensorPrimitive};
 
 use super::backend::{self, same, FusedKernels, FusedOp, KernelOp, KernelPath};
 
 #[cfg(feature = "cubecl-kernels")]
 mod cube;
+mod host;
 
 /// The scalars of one AdamW step, each in f32 as the tensor-op form rounds them.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -66,8 +68,11 @@ impl AdamWScalars {
 /// ```
 ///
 /// On the CubeCL backends (f32, f16, bf16) one kernel computes all three in f32 and stores them in
-/// the parameter's dtype; elsewhere the same operations run as tensor ops, in the order of Burn's
-/// `AdamW`, which they match bit for bit on the CPU backends.
+/// the parameter's dtype. On the CPU backends (f32) one host pass computes the operations of
+/// Burn's `AdamW` in its order, each rounded as there, so it matches it bit for bit; it writes
+/// into the buffers of `param`, `m1` and `m2` when nothing else holds them (untracked under
+/// `Autodiff`: an optimiser step is not differentiated). Elsewhere the same operations run as
+/// tensor ops.
 ///
 /// # Panics
 /// When the four tensors' shapes differ.
@@ -90,6 +95,17 @@ pub fn adamw_update<B: Backend, const D: usize>(
         );
     }
     let len = shape.num_elements();
+    let f32s = [param.dtype(), grad.dtype(), m1.dtype(), m2.dtype()] == [DType::F32; 4];
+    if f32s && len > 0 && backend::host::is_cpu_backend::<B>() {
+        let inputs = [param, grad, m1, m2].map(|t| t.into_primitive().tensor());
+        match backend::host::run_untracked::<B, 4, 3>(inputs, |x| host::adamw(scalars, x)) {
+            Ok([p, a, b]) => {
+                backend::record(FusedOp::AdamW, KernelPath::Reference);
+                return (float(p), float(a), float(b));
+            }
+            Err(_) => unreachable!("a CPU backend runs host ops untracked"),
+        }
+    }
     if backend::kernel_dtype(param.dtype()) && len > 0 && backend::kernels_available::<B>() {
         let flat = |t: Tensor<B, D>| t.reshape([len]);
         let op = AdamWOp {
@@ -117,6 +133,11 @@ pub fn adamw_update<B: Backend, const D: usize>(
     adamw_reference(param, grad, m1, m2, scalars)
 }
 
+/// A float primitive as a tensor.
+fn float<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(x))
+}
+
 /// [`adamw_update`] in tensor ops, in the order of Burn's `AdamW` (any backend).
 fn adamw_reference<B: Backend, const D: usize>(
     param: Tensor<B, D>,
@@ -140,8 +161,9 @@ fn adamw_reference<B: Backend, const D: usize>(
 }
 
 /// `a·x + b·y` for two tensors of one shape: on the CubeCL backends one kernel (f32 arithmetic
-/// with `a` and `b` rounded to f32, each product rounded, then the sum), elsewhere `x·a + y·b` in
-/// tensor ops (the factors converted to the tensors' element type; a factor of exactly 1 skips its
+/// with `a` and `b` rounded to f32, each product rounded, then the sum); on the CPU backends (f32)
+/// the same arithmetic in one host pass, into `x`'s buffer when nothing else holds it (untracked
+/// under `Autodiff`), the bits of the tensor-op form; elsewhere `x·a + y·b` in tensor ops (the factors converted to the tensors' element type; a factor of exactly 1 skips its
 /// product), which is what the tensor-op forms of Muon's update and Newton–Schulz steps compute.
 ///
 /// # Panics
@@ -159,6 +181,19 @@ pub fn scaled_sum<B: Backend, const D: usize>(
         y.shape()
     );
     let len = shape.num_elements();
+    if [x.dtype(), y.dtype()] == [DType::F32; 2] && len > 0 && backend::host::is_cpu_backend::<B>()
+    {
+        let inputs = [x, y].map(|t| t.into_primitive().tensor());
+        match backend::host::run_untracked::<B, 2, 1>(inputs, |v| {
+            host::scaled_sum(a as f32, b as f32, v)
+        }) {
+            Ok([out]) => {
+                backend::record(FusedOp::ScaledSum, KernelPath::Reference);
+                return float(out);
+            }
+            Err(_) => unreachable!("a CPU backend runs host ops untracked"),
+        }
+    }
     if backend::kernel_dtype(x.dtype()) && len > 0 && backend::kernels_available::<B>() {
         let op = ScaledSumOp {
             x: x.reshape([len]),
