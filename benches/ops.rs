@@ -1,0 +1,88 @@
+//! The smaller public ops on the CPU backend, each twice in the same run: `host` (the crate's host
+//! kernel) and `reference` (its tensor-op form, the kernels switched off).
+//!
+//! * `kda_gate_4x512x16x64`: [`kda_gate`] forward + backward on `Autodiff<NdArray>`, the softplus
+//!   gate and the safe gate (`lower_bound = −5`), `f: [4, 512, 16, 64]`.
+//! * `adamw_update_1024x1024`, `scaled_sum_1024x1024`: one AdamW step and one `a·x + b·y` on
+//!   `NdArray`, each call handing its outputs to the next as an optimiser does.
+//!
+//! `cargo bench --bench ops -- --warm-up-time 1 --measurement-time 3`
+// Reading tensors back is this program's business: the crate's read counter covers the library.
+#![allow(clippy::disallowed_methods)]
+
+use burn::backend::{Autodiff, NdArray};
+use burn::tensor::{Distribution, Tensor};
+use criterion::{criterion_group, criterion_main, Criterion};
+use kimi_burn::ops::kda::kda_gate;
+use kimi_burn::ops::optim::{adamw_update, scaled_sum, AdamWScalars};
+use kimi_burn::ops::with_kernels;
+
+type Cpu = NdArray<f32>;
+type Ad = Autodiff<Cpu>;
+
+/// The two paths of every group: `(name, kernels on)`.
+const PATHS: [(&str, bool); 2] = [("host", true), ("reference", false)];
+
+fn bench_gate(c: &mut Criterion) {
+    let device = Default::default();
+    let (h, k) = (16, 64);
+    let f = Tensor::<Ad, 4>::random([4, 512, h, k], Distribution::Normal(0.0, 2.0), &device)
+        .require_grad();
+    let a_log =
+        Tensor::<Ad, 1>::random([h], Distribution::Normal(0.0, 0.5), &device).require_grad();
+    let dt =
+        Tensor::<Ad, 1>::random([h * k], Distribution::Normal(0.0, 0.5), &device).require_grad();
+    let dout = Tensor::<Ad, 4>::random([4, 512, h, k], Distribution::Normal(0.0, 1.0), &device);
+    let mut group = c.benchmark_group("kda_gate_4x512x16x64");
+    group.sample_size(20);
+    for (gate, lower_bound) in [("softplus", None), ("safe", Some(-5.0))] {
+        for (path, on) in PATHS {
+            group.bench_function(format!("forward_backward_{gate}/{path}"), |b| {
+                b.iter(|| {
+                    with_kernels(on, || {
+                        let g = kda_gate(f.clone(), a_log.clone(), dt.clone(), lower_bound);
+                        g.mul(dout.clone()).sum().backward()
+                    })
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+fn bench_optim(c: &mut Criterion) {
+    let device = Default::default();
+    let shape = [1024, 1024];
+    let randn = |std: f64| Tensor::<Cpu, 2>::random(shape, Distribution::Normal(0.0, std), &device);
+    let grad = randn(1e-3);
+    let scalars = AdamWScalars::new(0.9, 0.95, 1e-8, 0.1, 1e-3, 10);
+    let mut group = c.benchmark_group("adamw_update_1024x1024");
+    for (path, on) in PATHS {
+        let mut state = Some((randn(0.5), randn(1e-3), randn(1e-6).abs()));
+        group.bench_function(path, |b| {
+            b.iter(|| {
+                let (p, m1, m2) = state.take().expect("the state of the last call");
+                state = Some(with_kernels(on, || {
+                    adamw_update(p, grad.clone(), m1, m2, scalars)
+                }));
+            })
+        });
+    }
+    group.finish();
+    let mut group = c.benchmark_group("scaled_sum_1024x1024");
+    for (path, on) in PATHS {
+        let mut x = Some(randn(0.5));
+        group.bench_function(path, |b| {
+            b.iter(|| {
+                let v = x.take().expect("the output of the last call");
+                x = Some(with_kernels(on, || {
+                    scaled_sum(v, 0.999, grad.clone(), -0.02)
+                }));
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_gate, bench_optim);
+criterion_main!(benches);
