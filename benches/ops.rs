@@ -3,6 +3,8 @@
 //!
 //! * `kda_gate_4x512x16x64`: [`kda_gate`] forward + backward on `Autodiff<NdArray>`, the softplus
 //!   gate and the safe gate (`lower_bound = −5`), `f: [4, 512, 16, 64]`.
+//! * `masked_softmax_4x8x256x256` (a causal mask), `rotary_4x8x1024x64`: forward + backward on
+//!   `Autodiff<NdArray>`.
 //! * `adamw_update_1024x1024`, `scaled_sum_1024x1024`: one AdamW step and one `a·x + b·y` on
 //!   `NdArray`, each call handing its outputs to the next as an optimiser does.
 //!
@@ -14,6 +16,7 @@ use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Distribution, Tensor};
 use criterion::{criterion_group, criterion_main, Criterion};
 use kimi_burn::ops::kda::kda_gate;
+use kimi_burn::ops::mla::{causal_mask, masked_softmax, rotary};
 use kimi_burn::ops::optim::{adamw_update, scaled_sum, AdamWScalars};
 use kimi_burn::ops::with_kernels;
 
@@ -46,6 +49,49 @@ fn bench_gate(c: &mut Criterion) {
                 })
             });
         }
+    }
+    group.finish();
+}
+
+fn bench_mla_helpers(c: &mut Criterion) {
+    let device = Default::default();
+    let randn =
+        |shape: [usize; 4]| Tensor::<Ad, 4>::random(shape, Distribution::Normal(0.0, 1.0), &device);
+    let (scores, dp) = (
+        randn([4, 8, 256, 256]).require_grad(),
+        randn([4, 8, 256, 256]),
+    );
+    let mask = causal_mask::<Ad>(256, 256, &device)
+        .reshape([1, 1, 256, 256])
+        .expand([4, 8, 256, 256]);
+    let mut group = c.benchmark_group("masked_softmax_4x8x256x256");
+    group.sample_size(20);
+    for (path, on) in PATHS {
+        group.bench_function(format!("forward_backward/{path}"), |b| {
+            b.iter(|| {
+                with_kernels(on, || {
+                    let p = masked_softmax(scores.clone(), mask.clone());
+                    p.mul(dp.clone()).sum().backward()
+                })
+            })
+        });
+    }
+    group.finish();
+    let (x, dy) = (
+        randn([4, 8, 1024, 64]).require_grad(),
+        randn([4, 8, 1024, 64]),
+    );
+    let mut group = c.benchmark_group("rotary_4x8x1024x64");
+    group.sample_size(20);
+    for (path, on) in PATHS {
+        group.bench_function(format!("forward_backward/{path}"), |b| {
+            b.iter(|| {
+                with_kernels(on, || {
+                    let y = rotary(x.clone(), 0, 10_000.0);
+                    y.mul(dy.clone()).sum().backward()
+                })
+            })
+        });
     }
     group.finish();
 }
@@ -84,5 +130,5 @@ fn bench_optim(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_gate, bench_optim);
+criterion_group!(benches, bench_gate, bench_mla_helpers, bench_optim);
 criterion_main!(benches);

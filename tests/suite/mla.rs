@@ -721,3 +721,42 @@ mod kernel {
         let _ = causal_attention(x.clone(), x.clone(), x, Some(pad), AttentionKind::Fused);
     }
 }
+
+/// The CPU host kernels of `masked_softmax` and `rotary` against their tensor-op forms (kernels
+/// switched off) on `Autodiff<NdArray>`: values and input gradients, with rows partly and wholly
+/// masked.
+#[test]
+fn mla_helpers_on_the_host_are_their_tensor_ops() {
+    use kimi_burn::ops::mla::{masked_softmax, rotary};
+    use kimi_burn::ops::with_kernels;
+    let device = Default::default();
+    let mut rng = rng(71);
+    let scores = randn::<CpuAd, 4>(&mut rng, [2, 3, 5, 9], 3.0, &device).require_grad();
+    let x = randn::<CpuAd, 4>(&mut rng, [2, 3, 5, 8], 1.0, &device).require_grad();
+    let dout = randn::<CpuAd, 4>(&mut rng, [2, 3, 5, 9], 1.0, &device);
+    let draw = randn::<CpuAd, 4>(&mut rng, [2, 3, 5, 9], 1.0, &device);
+    // About a third masked; query row 1 of every head wholly masked.
+    let mask = draw.lower_elem(-0.45).bool_or(
+        Tensor::<CpuAd, 1, burn::tensor::Int>::arange(0..5, &device)
+            .equal_elem(1)
+            .reshape([1, 1, 5, 1])
+            .expand([2, 3, 5, 9]),
+    );
+    let run = |kernels: bool| {
+        with_kernels(kernels, || {
+            let p = masked_softmax(scores.clone(), mask.clone());
+            let y = rotary(x.clone(), 4, 10_000.0);
+            let loss = p.clone().mul(dout.clone()).sum()
+                + y.clone().mul(dout.clone().narrow(3, 0, 8)).sum();
+            let grads = loss.backward();
+            let ds = scores.grad(&grads).expect("a score gradient");
+            let dx = x.grad(&grads).expect("an x gradient");
+            [host(p), host(y), host(ds), host(dx)]
+        })
+    };
+    let (ours, reference) = (run(true), run(false));
+    for (i, what) in ["softmax", "rotary", "d scores", "d x"].iter().enumerate() {
+        assert_close(what, &reference[i], &ours[i], 1e-6);
+    }
+    assert!(ours[0].iter().take(9 * 2).skip(9).all(|p| *p == 0.0));
+}

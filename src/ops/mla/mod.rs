@@ -6,7 +6,9 @@
 
 use burn::tensor::module::attention as burn_attention;
 use burn::tensor::ops::{AttentionModuleOptions, FloatTensor, IntTensor};
-use burn::tensor::{backend::Backend, Bool, Int, Tensor, TensorData, TensorPrimitive};
+use std::sync::Arc;
+
+use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData, TensorPrimitive};
 use serde::{Deserialize, Serialize};
 
 use super::backend::{self, same, FusedKernels, FusedOp, KernelOp, KernelPath};
@@ -16,6 +18,7 @@ use super::precision::{restore, widen};
 mod autodiff;
 #[cfg(feature = "cubecl-kernels")]
 mod cube;
+mod host;
 
 /// Which implementation computes the training / prefill attention of the expanded form.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -82,10 +85,22 @@ pub fn attention_mask<B: Backend>(
 /// `scores: [..., tk]`, `mask` of the same shape. A row whose positions are all masked gets all
 /// zeros (not NaN, not a uniform average over the masked keys). Computed in f32 (f64 stays f64).
 /// The row maximum `m` is detached: the softmax does not depend on it, so its gradient is zero.
+/// On the CPU backends (f32 scores) one host pass per row each way, with the derived gradient
+/// `ds = p ⊙ (dp − Σ p·dp)`; elsewhere tensor ops.
 pub fn masked_softmax<B: Backend, const D: usize>(
     scores: Tensor<B, D>,
     mask: Tensor<B, D, Bool>,
 ) -> Tensor<B, D> {
+    if scores.dtype() == DType::F32
+        && scores.dims() == mask.dims()
+        && backend::host::is_cpu_backend::<B>()
+    {
+        let inputs = [
+            scores.into_primitive().tensor(),
+            mask.float().into_primitive().tensor(),
+        ];
+        return backend::host::run(&host::MaskedSoftmaxHost, inputs);
+    }
     let (s, dtype) = widen(scores);
     let s = s.mask_fill(mask.clone(), MASKED_SCORE);
     let max = s.clone().max_dim(D - 1).detach();
@@ -354,7 +369,9 @@ pub fn absorbed_attention<B: Backend>(
 ///
 /// `x: [B, N, T, dr]` (dr even) holding positions `offset..offset + T`: with `x = [a | b]`
 /// (halves), `θ_i = base^(−2i/dr)`, `y = [a·cos − b·sin | b·cos + a·sin]` at angle `pos·θ_i`.
-/// The angles are computed on the host in f64, so long positions keep their precision.
+/// The angles are computed on the host in f64, so long positions keep their precision. On the
+/// CPU backends (f32) one host pass each way (the backward rotates the gradient back); elsewhere
+/// tensor ops.
 pub fn rotary<B: Backend>(x: Tensor<B, 4>, offset: usize, base: f64) -> Tensor<B, 4> {
     let [_, _, t, dr] = x.dims();
     let half = dr / 2;
@@ -366,6 +383,14 @@ pub fn rotary<B: Backend>(x: Tensor<B, 4>, offset: usize, base: f64) -> Tensor<B
             cos.push(angle.cos());
             sin.push(angle.sin());
         }
+    }
+    if x.dtype() == DType::F32 && dr % 2 == 0 && backend::host::is_cpu_backend::<B>() {
+        let f32s = |v: Vec<f64>| Arc::new(v.into_iter().map(|c| c as f32).collect::<Vec<_>>());
+        let op = host::RotaryHost {
+            cos: f32s(cos),
+            sin: f32s(sin),
+        };
+        return backend::host::run(&op, [x.into_primitive().tensor()]);
     }
     let device = x.device();
     let table = |v: Vec<f64>| {
