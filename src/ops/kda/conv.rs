@@ -1,6 +1,6 @@
 //! The causal depthwise short convolution in front of KDA's q, k and v (design §4.2).
 
-use burn::tensor::{backend::Backend, DType, Tensor};
+use burn::tensor::{backend::Backend, DType, Tensor, TensorPrimitive};
 
 use super::conv_host::ShortConvHost;
 use super::gather_tokens;
@@ -24,25 +24,43 @@ pub(crate) fn causal_conv1d_silu<B: Backend>(
     want_tail: bool,
 ) -> (Tensor<B, 3>, Option<Tensor<B, 3>>) {
     let [b, t, p] = x.dims();
-    if tail.is_none()
-        && !want_tail
-        && b * t * p > 0
+    let on_host = b * t * p > 0
         && backend::host::is_cpu_backend::<B>()
         && [x.dtype(), weight.dtype()] == [DType::F32; 2]
-    {
-        backend::record(FusedOp::ShortConv, KernelPath::Reference);
-        let segments = match seqs {
-            None => (0..b).map(|i| (i * t, t)).collect(),
-            Some(spans) => spans.to_vec(),
-        };
+        && tail.as_ref().is_none_or(|tl| tl.dtype() == DType::F32);
+    if on_host {
         let op = ShortConvHost {
-            segments: std::sync::Arc::new(segments),
+            segments: std::sync::Arc::new(match seqs {
+                None => (0..b).map(|i| (i * t, t)).collect(),
+                Some(spans) => spans.to_vec(),
+            }),
         };
-        let inputs = [
-            x.into_primitive().tensor(),
-            weight.into_primitive().tensor(),
-        ];
-        return (backend::host::run(&op, inputs), None);
+        let prim = |x: Tensor<B, 3>| x.into_primitive().tensor();
+        let wprim = weight.clone().into_primitive().tensor();
+        if tail.is_none() && !want_tail {
+            backend::record(FusedOp::ShortConv, KernelPath::Reference);
+            return (backend::host::run(&op, [prim(x), wprim]), None);
+        }
+        // With a history (prefill into a cache, decode): untracked calls only; a tracked one
+        // takes the tensor ops, whose graph reaches `x` through the tail too.
+        if !B::ad_enabled(&x.device()) {
+            backend::record(FusedOp::ShortConv, KernelPath::Reference);
+            let outputs = match tail {
+                Some(tl) => backend::host::run_untracked::<B, 3, 2>(
+                    [prim(x), wprim, tl.into_primitive().tensor()],
+                    |[x, w, tl]| op.forward_with_tail(&x, &w, Some(&tl)),
+                )
+                .ok(),
+                None => backend::host::run_untracked::<B, 2, 2>([prim(x), wprim], |[x, w]| {
+                    op.forward_with_tail(&x, &w, None)
+                })
+                .ok(),
+            };
+            let [y, new_tail] =
+                outputs.unwrap_or_else(|| unreachable!("a CPU backend runs host ops untracked"));
+            let tensor = |t| Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(t));
+            return (tensor(y), want_tail.then(|| tensor(new_tail)));
+        }
     }
     let (mut x, mut weight, mut tail) = (x, weight, tail);
     if backend::kernel_dtype(x.dtype()) && backend::kernels_available::<B>() {

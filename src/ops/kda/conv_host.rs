@@ -350,6 +350,134 @@ impl HostOp<2> for ShortConvHost {
     }
 }
 
+/// The forward of one sequence with its history: `y = silu(u)` per row of `x` (`P` each), where
+/// the `W − 1` rows before the first come from `history` (`[W − 1, P]`, oldest first); returns
+/// nothing, writes `out`, and leaves the last `W − 1` rows of `[history | x]` in `history`.
+struct WithHistory<'a> {
+    x: &'a [f32],
+    taps: &'a [f32],
+    history: &'a mut [f32],
+    out: &'a mut [f32],
+    p: usize,
+}
+
+impl WithSimd for WithHistory<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, _: S) {
+        let Self {
+            x,
+            taps,
+            history,
+            out,
+            p,
+        } = self;
+        let keep = history.len() / p.max(1);
+        let width = keep + 1;
+        for (j, y) in out.chunks_exact_mut(p).enumerate() {
+            // Tap `i` reads row `j + i` of the padded sequence `[history | x]`.
+            for i in 0..width {
+                let q = j + i;
+                let src = if q < keep {
+                    &history[q * p..(q + 1) * p]
+                } else {
+                    &x[(q - keep) * p..(q - keep + 1) * p]
+                };
+                let tap = &taps[i * p..(i + 1) * p];
+                for c in 0..p {
+                    y[c] += tap[c] * src[c];
+                }
+            }
+            for v in y.iter_mut() {
+                *v = Unary::Silu.value(*v);
+            }
+        }
+        // The new history: the last `W − 1` padded rows, oldest first.
+        let len = out.len() / p.max(1);
+        if len >= keep {
+            history.copy_from_slice(&x[(len - keep) * p..len * p]);
+        } else {
+            history.copy_within(len * p.., 0);
+            let from = (keep - len) * p;
+            history[from..].copy_from_slice(&x[..len * p]);
+        }
+    }
+}
+
+impl ShortConvHost {
+    /// The forward with a history per sequence (prefill into a cache, decode): `x: [B, T, P]`,
+    /// the taps `w: [P, W]`, `tail: [N, P, W − 1]` (each sequence's last `W − 1` raw inputs before
+    /// this call; zeros when `None`) → `[y, new tail]`. Untracked: no backward.
+    pub(crate) fn forward_with_tail(
+        &self,
+        x: &HostArray,
+        w: &HostArray,
+        tail: Option<&HostArray>,
+    ) -> [HostArray; 2] {
+        let (p, width) = (w.shape[0], w.shape[1]);
+        let keep = width - 1;
+        let taps = taps_by_row(w);
+        let n = self.segments.len();
+        // The histories as rows `[N, W − 1, P]`, oldest first.
+        let mut history = vec![0.0f32; n * keep * p];
+        if let Some(tail) = tail {
+            let tv = &tail.data[..];
+            for s in 0..n {
+                for c in 0..p {
+                    for m in 0..keep {
+                        history[(s * keep + m) * p + c] = tv[(s * p + c) * keep + m];
+                    }
+                }
+            }
+        }
+        let mut out = vec![0.0f32; x.data.len()];
+        let xv = &x.data[..];
+        // Each sequence with its rows of the output and its history.
+        let mut jobs = Vec::with_capacity(n);
+        let (mut rest, mut hist) = (&mut out[..], &mut history[..]);
+        for &(start, len) in self.segments.iter() {
+            let (mine, tail_rows) = std::mem::take(&mut rest).split_at_mut(len * p);
+            let (h, hist_rest) = std::mem::take(&mut hist).split_at_mut(keep * p);
+            jobs.push((start, mine, h));
+            (rest, hist) = (tail_rows, hist_rest);
+        }
+        let job = |(start, out, history): (usize, &mut [f32], &mut [f32])| {
+            let len = out.len() / p.max(1);
+            dispatch(WithHistory {
+                x: &xv[start * p..(start + len) * p],
+                taps: &taps,
+                history,
+                out,
+                p,
+            })
+        };
+        if xv.len() * width >= MIN_PARALLEL {
+            jobs.into_par_iter().for_each(job);
+        } else {
+            jobs.into_iter().for_each(job);
+        }
+        let mut new_tail = vec![0.0f32; n * p * keep];
+        for s in 0..n {
+            for m in 0..keep {
+                for c in 0..p {
+                    new_tail[(s * p + c) * keep + m] = history[(s * keep + m) * p + c];
+                }
+            }
+        }
+        [
+            HostArray {
+                data: out.into(),
+                shape: x.shape.clone(),
+            },
+            HostArray {
+                data: new_tail.into(),
+                shape: vec![n, p, keep],
+            },
+        ]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -379,6 +507,73 @@ mod tests {
             }
         }
         total
+    }
+
+    /// The forward with a history against the f64 formula over `[history | x]`, and the new
+    /// tail against the last `W − 1` padded rows: sequences longer than the window, shorter than
+    /// the history (the tail keeps part of the old one), empty, one row (decode), and without a
+    /// history (zeros).
+    #[test]
+    fn short_conv_host_with_a_history_matches_the_f64_formula() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(6);
+        let (p, width) = (5, 4);
+        let keep = width - 1;
+        for segs in [
+            vec![(0, 9), (9, 2), (11, 0), (11, 1)],
+            vec![(0, 1), (1, 1), (2, 1)],
+        ] {
+            let (n, rows) = (segs.len(), segs.iter().map(|s| s.1).sum::<usize>());
+            let mut draw = |len: usize| -> Vec<f64> {
+                (0..len)
+                    .map(|_| rng.random_range(-2.0f64..2.0) as f32 as f64)
+                    .collect()
+            };
+            let (x, w, tail) = (draw(rows * p), draw(p * width), draw(n * p * keep));
+            let array = |v: &[f64], shape: &[usize]| HostArray {
+                data: v.iter().map(|&a| a as f32).collect::<Vec<f32>>().into(),
+                shape: shape.to_vec(),
+            };
+            let op = ShortConvHost {
+                segments: Arc::new(segs.clone()),
+            };
+            for with_tail in [true, false] {
+                let tail_in = array(&tail, &[n, p, keep]);
+                let [y, new_tail] = op.forward_with_tail(
+                    &array(&x, &[1, rows, p]),
+                    &array(&w, &[p, width]),
+                    with_tail.then_some(&tail_in),
+                );
+                let (mut want_y, mut want_tail) = (vec![0.0; rows * p], vec![0.0; n * p * keep]);
+                for (s, &(start, len)) in segs.iter().enumerate() {
+                    // Channel `c` of the padded sequence, oldest first.
+                    let padded = |c: usize| -> Vec<f64> {
+                        let old = (0..keep).map(|m| {
+                            if with_tail {
+                                tail[(s * p + c) * keep + m]
+                            } else {
+                                0.0
+                            }
+                        });
+                        old.chain((start..start + len).map(|r| x[r * p + c]))
+                            .collect()
+                    };
+                    for c in 0..p {
+                        let col = padded(c);
+                        for j in 0..len {
+                            let u: f64 = (0..width).map(|i| w[c * width + i] * col[j + i]).sum();
+                            want_y[(start + j) * p + c] = silu(u);
+                        }
+                        for m in 0..keep {
+                            want_tail[(s * p + c) * keep + m] = col[len + m];
+                        }
+                    }
+                }
+                let what = format!("segments {segs:?}, history {with_tail}");
+                close(&format!("{what}: y"), &want_y, &y.data, 2e-6);
+                close(&format!("{what}: tail"), &want_tail, &new_tail.data, 0.0);
+                assert_eq!(new_tail.shape, [n, p, keep]);
+            }
+        }
     }
 
     /// Output, `dx` and the taps' gradient against the f64 formula and its central differences:
