@@ -27,7 +27,7 @@ use rayon::prelude::*;
 
 use crate::ops::backend::host::{HostArray, HostOp};
 use crate::ops::backend::simd::{dispatch, exp_lane, ln_1p_unit_lane, Simd, WithSimd};
-use crate::ops::norm::host::{BLOCK_ROWS, MIN_PARALLEL};
+use crate::ops::norm::host::{for_row_blocks, BLOCK_ROWS, MIN_PARALLEL};
 use crate::ops::precision::host::sigmoid_pair;
 
 /// Above this, softplus is the identity (design §4.2), as in the tensor ops.
@@ -192,24 +192,16 @@ impl KdaGateHost {
     fn forward_rows<G: Gate>(&self, gate: G, f: &[f32], dt: &[f32], a: &[f32]) -> Vec<f32> {
         let w = dt.len();
         let mut out = vec![0.0f32; f.len()];
-        if w == 0 {
-            return out;
-        }
-        let block = |(out, f): (&mut [f32], &[f32])| {
+        for_row_blocks(&mut out, w, |first, out| {
+            let span = first * w..first * w + out.len();
             dispatch(Rows {
                 gate,
-                f,
+                f: &f[span],
                 dt,
                 a,
                 out,
             })
-        };
-        let blocks = out.chunks_mut(BLOCK_ROWS * w).zip(f.chunks(BLOCK_ROWS * w));
-        if f.len() >= MIN_PARALLEL {
-            blocks.collect::<Vec<_>>().into_par_iter().for_each(block);
-        } else {
-            blocks.for_each(block);
-        }
+        });
         out
     }
 

@@ -21,12 +21,10 @@
 
 use std::sync::Arc;
 
-use rayon::prelude::*;
-
 use super::MASKED_SCORE;
 use crate::ops::backend::host::{HostArray, HostOp};
 use crate::ops::backend::simd::{dispatch, exp_lane, Simd, WithSimd};
-use crate::ops::norm::host::{BLOCK_ROWS, MIN_PARALLEL};
+use crate::ops::norm::host::for_row_blocks;
 
 /// The masked softmax on the host: inputs `scores: [.., tk]` and the mask as floats of the same
 /// shape (non-zero: masked); output of the scores' shape.
@@ -108,22 +106,6 @@ impl WithSimd for SoftmaxGradRows<'_> {
                 ds[j] *= dp[j] - dot;
             }
         }
-    }
-}
-
-/// `f` over blocks of [`BLOCK_ROWS`] rows of `n` values of `out` (`f(first row, rows of out)`),
-/// on rayon's pool when `out` is large.
-fn for_row_blocks(out: &mut [f32], n: usize, f: impl Fn(usize, &mut [f32]) + Send + Sync) {
-    if n == 0 {
-        return;
-    }
-    let parallel = out.len() >= MIN_PARALLEL;
-    let blocks = out.chunks_mut(BLOCK_ROWS * n).enumerate();
-    let block = |(b, rows): (usize, &mut [f32])| f(b * BLOCK_ROWS, rows);
-    if parallel {
-        blocks.collect::<Vec<_>>().into_par_iter().for_each(block);
-    } else {
-        blocks.for_each(block);
     }
 }
 

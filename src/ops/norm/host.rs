@@ -36,6 +36,26 @@ pub(crate) const BLOCK_ROWS: usize = 32;
 /// of microseconds, the time of about this much of it).
 pub(crate) const MIN_PARALLEL: usize = 1 << 18;
 
+/// `f` over blocks of [`BLOCK_ROWS`] rows of `n` values of `out` (`f(first row, rows of out)`),
+/// on rayon's pool when `out` is large.
+pub(crate) fn for_row_blocks(
+    out: &mut [f32],
+    n: usize,
+    f: impl Fn(usize, &mut [f32]) + Send + Sync,
+) {
+    if n == 0 {
+        return;
+    }
+    let parallel = out.len() >= MIN_PARALLEL;
+    let blocks = out.chunks_mut(BLOCK_ROWS * n).enumerate();
+    let block = |(b, rows): (usize, &mut [f32])| f(b * BLOCK_ROWS, rows);
+    if parallel {
+        blocks.collect::<Vec<_>>().into_par_iter().for_each(block);
+    } else {
+        blocks.for_each(block);
+    }
+}
+
 /// RMSNorm over the last dim on the host: inputs `x: [.., d]`, `w: [d]`, and with `gated` a
 /// third, `z` of `x`'s shape; output of `x`'s shape.
 #[derive(Debug, Clone)]
