@@ -1,6 +1,7 @@
 //! The Kimi Delta Attention layer (design §4.2): projections, short convolutions, gates, the KDA
 //! op, the gated output norm and the output projection.
 
+use crate::ops::layout;
 use crate::ops::linear::{linear, matmul_last};
 use burn::config::Config;
 use burn::module::{Module, Param};
@@ -397,20 +398,40 @@ impl<B: Backend> KimiDeltaAttention<B> {
             None => (None, None),
         };
 
-        // Short convolutions of q, k and v as one depthwise convolution over 3P channels.
-        let qkv = self.qkv_proj(x.clone());
-        let taps = Tensor::cat(
-            vec![
-                self.q_conv1d.weight.val(),
-                self.k_conv1d.weight.val(),
-                self.v_conv1d.weight.val(),
-            ],
-            0,
-        );
         let want_tail = cache.is_some();
-        let (qkv, new_tail) = causal_conv1d_silu(qkv, taps, seqs.as_deref(), conv_tail, want_tail);
-        let heads = |i: usize| qkv.clone().narrow(2, i * p, p).reshape([b, t, h, k]);
-        let (q, k_, v) = (heads(0), heads(1), heads(2));
+        let (q, k_, v, new_tail) = if cache.is_none() {
+            // Without a cache (training, prefill) q, k and v each get their product and short
+            // convolution: no `[B, T, 3P]` tensor to cut into three, whose cuts cost a copy each
+            // forward and, backward, a zero-filled `[B, T, 3P]` gradient each, summed (about 6%
+            // of the tiny model's CPU training step; BENCHMARKS).
+            let part = |proj: &Linear<B>, conv: Tensor<B, 2>| {
+                let y = linear(proj, x.clone());
+                let (y, _) = causal_conv1d_silu(y, conv, seqs.as_deref(), None, false);
+                layout::reshape(y, [b, t, h, k])
+            };
+            (
+                part(&self.q_proj, self.q_conv1d.weight.val()),
+                part(&self.k_proj, self.k_conv1d.weight.val()),
+                part(&self.v_proj, self.v_conv1d.weight.val()),
+                None,
+            )
+        } else {
+            // With a cache, whose tail holds the 3P channels together: short convolutions of q, k
+            // and v as one depthwise convolution over 3P channels.
+            let qkv = self.qkv_proj(x.clone());
+            let taps = Tensor::cat(
+                vec![
+                    self.q_conv1d.weight.val(),
+                    self.k_conv1d.weight.val(),
+                    self.v_conv1d.weight.val(),
+                ],
+                0,
+            );
+            let (qkv, new_tail) =
+                causal_conv1d_silu(qkv, taps, seqs.as_deref(), conv_tail, want_tail);
+            let heads = |i: usize| qkv.clone().narrow(2, i * p, p).reshape([b, t, h, k]);
+            (heads(0), heads(1), heads(2), new_tail)
+        };
 
         let f = linear(&self.f_b_proj, linear(&self.f_a_proj, x.clone()));
         let g = kda_gate(
@@ -452,10 +473,10 @@ impl<B: Backend> KimiDeltaAttention<B> {
 
 impl<B: Backend> KimiDeltaAttention<B> {
     /// The q, k and v projections of `x: [B, T, d]` side by side, `[B, T, 3P]` (the channel order
-    /// of the short convolutions). With at least as many tokens as model dims (training, prefill)
-    /// and no biases, one product with the three weights side by side: a copy of `d × 3P` weights
-    /// instead of the `B·T × 3P` outputs (and of their gradients in the backward). A decode step's
-    /// few tokens take three products and the copy of their outputs.
+    /// of the short convolutions and of the cache's tail). With at least as many tokens as model
+    /// dims (a prefill into a cache) and no biases, one product with the three weights side by
+    /// side: a copy of `d × 3P` weights instead of the `B·T × 3P` outputs. A decode step's few
+    /// tokens take three products and the copy of their outputs.
     fn qkv_proj(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
         let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
