@@ -36,10 +36,10 @@ pub(crate) fn causal_conv1d_silu<B: Backend>(
             }),
         };
         let prim = |x: Tensor<B, 3>| x.into_primitive().tensor();
-        let wprim = weight.clone().into_primitive().tensor();
+        let wprim = |w: Tensor<B, 2>| w.into_primitive().tensor();
         if tail.is_none() && !want_tail {
             backend::record(FusedOp::ShortConv, KernelPath::Reference);
-            return (backend::host::run(&op, [prim(x), wprim]), None);
+            return (backend::host::run(&op, [prim(x), wprim(weight)]), None);
         }
         // With a history (prefill into a cache, decode): untracked calls only; a tracked one
         // takes the tensor ops, whose graph reaches `x` through the tail too.
@@ -47,14 +47,16 @@ pub(crate) fn causal_conv1d_silu<B: Backend>(
             backend::record(FusedOp::ShortConv, KernelPath::Reference);
             let outputs = match tail {
                 Some(tl) => backend::host::run_untracked::<B, 3, 2>(
-                    [prim(x), wprim, tl.into_primitive().tensor()],
+                    [prim(x), wprim(weight), prim(tl)],
                     |[x, w, tl]| op.forward_with_tail(&x, &w, Some(&tl)),
                 )
                 .ok(),
-                None => backend::host::run_untracked::<B, 2, 2>([prim(x), wprim], |[x, w]| {
-                    op.forward_with_tail(&x, &w, None)
-                })
-                .ok(),
+                None => {
+                    backend::host::run_untracked::<B, 2, 2>([prim(x), wprim(weight)], |[x, w]| {
+                        op.forward_with_tail(&x, &w, None)
+                    })
+                    .ok()
+                }
             };
             let [y, new_tail] =
                 outputs.unwrap_or_else(|| unreachable!("a CPU backend runs host ops untracked"));

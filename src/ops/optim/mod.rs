@@ -3,8 +3,8 @@
 //! [`adamw_update`] is one AdamW step of one parameter: on the CubeCL backends a single kernel
 //! ([`OptimKernels`]) instead of Burn's fourteen or so tensor ops, each a launch over the whole
 //! parameter; on the CPU backends one host pass (`host`), in place where the parameter and its
-//! moments are not held elsewhere; elsewhere the same arithmetic in tensor ops. [`KimiAdamW`](crate::optim::KimiAdamW)
-//! steps its parameters through it. [`scaled_sum`] (`a·x + b·y`, one kernel for three tensor ops)
+//! moments are not held elsewhere; elsewhere the same arithmetic in tensor ops.
+//! [`KimiAdamW`](crate::optim::KimiAdamW) steps its parameters through it. [`scaled_sum`] (`a·x + b·y`, one kernel for three tensor ops)
 //! is Muon's update of the weights and the two combinations of each Newton–Schulz iteration in
 //! [`KimiOptimizer`](crate::optim::KimiOptimizer) (its momentum stays Burn's `Momentum`, whose
 //! state keeps the velocity private).
