@@ -398,7 +398,6 @@ impl<B: Backend> KimiDeltaAttention<B> {
             None => (None, None),
         };
 
-        let want_tail = cache.is_some();
         let (q, k_, v, new_tail) = if cache.is_none() {
             // Without a cache (training, prefill) q, k and v each get their product and short
             // convolution: no `[B, T, 3P]` tensor to cut into three, whose cuts cost a copy each
@@ -427,8 +426,7 @@ impl<B: Backend> KimiDeltaAttention<B> {
                 ],
                 0,
             );
-            let (qkv, new_tail) =
-                causal_conv1d_silu(qkv, taps, seqs.as_deref(), conv_tail, want_tail);
+            let (qkv, new_tail) = causal_conv1d_silu(qkv, taps, seqs.as_deref(), conv_tail, true);
             let heads = |i: usize| qkv.clone().narrow(2, i * p, p).reshape([b, t, h, k]);
             (heads(0), heads(1), heads(2), new_tail)
         };

@@ -15,7 +15,9 @@ use crate::ops::precision::silu;
 /// fused launch (and its backward three more under autodiff); untracked calls (prefill, decode)
 /// also update the tail in one launch, tracked ones take the tail from the tensor ops so that its
 /// graph reaches `x`. On the CPU backends (f32), a call without a tail in or out (training,
-/// prefill without a cache) runs a host kernel.
+/// prefill without a cache) runs a host kernel forward and backward, and an untracked call with a
+/// tail (prefill into a cache, decode) one host pass that also writes the new tail; a tracked
+/// call with a tail takes the tensor ops.
 pub(crate) fn causal_conv1d_silu<B: Backend>(
     x: Tensor<B, 3>,
     weight: Tensor<B, 2>,

@@ -1,5 +1,6 @@
 //! The short convolution with its SiLU on the CPU host kernels (training and prefill without a
-//! cache): each output row from the `W` input rows before it in one pass, the backward in two
+//! cache; untracked calls with a cache through [`ShortConvHost::forward_with_tail`], forward
+//! only): each output row from the `W` input rows before it in one pass, the backward in two
 //! (the gradient of the activation's input, then `dx` and the taps' part), instead of the padded
 //! copy, `W` shifted products and sums, the SiLU and their autodiff nodes of the tensor ops.
 //!

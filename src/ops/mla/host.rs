@@ -268,7 +268,7 @@ impl HostOp<1> for RotaryHost {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::backend::host::testing::close;
+    use crate::ops::backend::host::testing::{close, numeric};
     use rand::{Rng, SeedableRng};
 
     /// The masked softmax of one row in f64 (an all-masked row all zeros).
@@ -280,11 +280,6 @@ mod tests {
             .zip(mask)
             .map(|(v, hidden)| if *hidden { 0.0 } else { (v - m).exp() / den })
             .collect()
-    }
-
-    /// Central differences of `f` at each coordinate of `x` (step 1e-6).
-    fn differences(x: &[f64], f: impl Fn(&[f64]) -> f64) -> Vec<f64> {
-        crate::ops::backend::host::testing::numeric(x, f)
     }
 
     /// Values and the gradient of `Σ c ⊙ p` against the f64 softmax and its central differences,
@@ -321,7 +316,7 @@ mod tests {
                 let row = r * n..(r + 1) * n;
                 let (sr, mr, cr) = (&s[row.clone()], &mask[row.clone()], &c[row]);
                 want_p.extend(softmax64(sr, mr));
-                want_ds.extend(differences(sr, |x| {
+                want_ds.extend(numeric(sr, |x| {
                     softmax64(x, mr).iter().zip(cr).map(|(p, c)| p * c).sum()
                 }));
             }
@@ -377,7 +372,7 @@ mod tests {
                 let pos = offset + r % t;
                 want_y.extend(rotate(&x[span.clone()], pos));
                 let cr = &c[span.clone()];
-                want_dx.extend(differences(&x[span], |row| {
+                want_dx.extend(numeric(&x[span], |row| {
                     rotate(row, pos).iter().zip(cr).map(|(y, c)| y * c).sum()
                 }));
             }

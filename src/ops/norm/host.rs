@@ -46,7 +46,7 @@ pub(crate) fn for_row_blocks(
     if n == 0 {
         return;
     }
-    let parallel = out.len() >= MIN_PARALLEL;
+    let parallel = parallel(out.len());
     let blocks = out.chunks_mut(BLOCK_ROWS * n).enumerate();
     let block = |(b, rows): (usize, &mut [f32])| f(b * BLOCK_ROWS, rows);
     if parallel {
