@@ -15,6 +15,7 @@ use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use kimi_burn::model::{KimiConfig, KimiForCausalLM};
+use kimi_burn::ops::backend::on_cpu_pool;
 
 type Cpu = NdArray<f32>;
 type Ad = Autodiff<Cpu>;
@@ -49,8 +50,10 @@ fn bench_layers(c: &mut Criterion) {
         let model: KimiForCausalLM<Ad> = config.init(&device);
         let x = ids::<Ad>(8, 256, config.vocab_size, &device);
         group.bench_function(BenchmarkId::new("forward_backward", name), |b| {
+            // Forward and backward as one piece on rayon's pool, as a training loop of a user's
+            // own runs them (`accumulate_gradients` does the same).
             b.iter(|| {
-                let grads = model.forward(x.clone()).sum().backward();
+                let grads = on_cpu_pool::<Ad, _>(|| model.forward(x.clone()).sum().backward());
                 model.update_balance();
                 drop(grads);
                 Cpu::sync(&device).unwrap();

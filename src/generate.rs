@@ -173,7 +173,11 @@ impl<B: Backend> KimiForCausalLM<B> {
         sampling: Sampling,
     ) -> Result<Tensor<B, 2, Int>> {
         let options = GenerateOptions::new(max_new_tokens).with_sampling(sampling);
-        self.generate_stream(prompt, &options, |_| true)
+        // On the CPU backends the whole generation runs on rayon's pool as one piece; a stream's
+        // callback may not be `Send`, so `generate_stream` moves each step there instead.
+        crate::ops::backend::on_cpu_pool::<B, _>(|| {
+            self.generate_stream(prompt, &options, |_| true)
+        })
     }
 
     /// [`generate`](Self::generate), streaming: after each step (the first is the prefill),
@@ -182,6 +186,11 @@ impl<B: Backend> KimiForCausalLM<B> {
     /// then on, and generation stops once every sequence has ended (or after `max_new_tokens`,
     /// or when `on_step` says so). Returns the prompt and every generated token,
     /// `[B, T + steps]`.
+    ///
+    /// On the CPU backends each step runs on rayon's pool
+    /// ([`on_cpu_pool`](crate::ops::backend::on_cpu_pool)) and `on_step` on the calling thread;
+    /// call this inside `on_cpu_pool` (with a `Send` callback) to run the whole generation there,
+    /// as [`generate`](Self::generate) does.
     pub fn generate_stream(
         &self,
         prompt: Tensor<B, 2, Int>,

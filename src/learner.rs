@@ -201,9 +201,13 @@ impl<B: AutodiffBackend> TrainStep for KimiForCausalLM<B> {
     type Output = LmOutput<B>;
 
     fn step(&self, batch: LmBatch<B>) -> TrainOutput<LmOutput<B>> {
-        let (loss, mut output) = forward(self, batch);
-        let grads = loss.backward();
-        output.loss = output.loss.detach();
+        // Forward and backward as one piece on rayon's pool on the CPU backends.
+        let (grads, output) = crate::ops::backend::on_cpu_pool::<B, _>(|| {
+            let (loss, mut output) = forward(self, batch);
+            let grads = loss.backward();
+            output.loss = output.loss.detach();
+            (grads, output)
+        });
         TrainOutput::new(self, grads, output)
     }
 

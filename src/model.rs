@@ -280,7 +280,20 @@ impl<B: Backend> KimiForCausalLM<B> {
     /// `ids: [B, T]`; `padding: [B, T]` (`true` = padding: never attended to by MLA, never routed
     /// or counted by the MoE; KDA layers are causal, so right padding cannot affect valid tokens);
     /// `cache`: continue the cached sequences and advance the cache (prefill, then decode).
+    ///
+    /// On the CPU backends the pass runs on rayon's pool as one piece
+    /// ([`on_cpu_pool`](crate::ops::backend::on_cpu_pool)).
     pub fn try_forward(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        padding: Option<Tensor<B, 2, Bool>>,
+        cache: Option<&mut KimiCache<B>>,
+    ) -> Result<CausalLmOutput<B>> {
+        crate::ops::backend::on_cpu_pool::<B, _>(|| self.forward_here(ids, padding, cache))
+    }
+
+    /// [`try_forward`](Self::try_forward) on this thread.
+    fn forward_here(
         &self,
         ids: Tensor<B, 2, Int>,
         padding: Option<Tensor<B, 2, Bool>>,

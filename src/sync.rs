@@ -52,6 +52,18 @@ pub fn set_eager_checks(on: bool) {
     EAGER.with(|e| e.set(Some(on)));
 }
 
+/// This thread's read count and [`eager_checks`] setting, as the pool carries them between a
+/// caller and the pool thread that runs its work.
+pub(crate) fn thread_state() -> (u64, Option<bool>) {
+    (READS.with(Cell::get), EAGER.with(Cell::get))
+}
+
+/// Makes `(reads, eager)` this thread's state (see [`thread_state`]).
+pub(crate) fn set_thread_state((reads, eager): (u64, Option<bool>)) {
+    READS.with(|c| c.set(reads));
+    EAGER.with(|c| c.set(eager));
+}
+
 /// Reads a tensor back to the host, counting the read. The one place the crate calls
 /// `into_data`.
 pub(crate) fn read<B: Backend, const D: usize, K: BasicOps<B>>(t: Tensor<B, D, K>) -> TensorData {

@@ -43,6 +43,9 @@ pub struct StepGradients {
 ///
 /// Errors when `parts` does not divide the batch, when `scored_total` is smaller than the batch's
 /// own scored targets, or when a forward fails (a token outside the vocabulary).
+///
+/// On the CPU backends the step runs on rayon's pool as one piece
+/// ([`on_cpu_pool`](crate::ops::backend::on_cpu_pool)).
 pub fn accumulate_gradients<B: AutodiffBackend>(
     model: &KimiForCausalLM<B>,
     batch: &Batch,
@@ -59,6 +62,18 @@ pub fn accumulate_gradients<B: AutodiffBackend>(
             ),
         ));
     }
+    // On the CPU backends the whole step runs on rayon's pool as one piece.
+    crate::ops::backend::on_cpu_pool::<B, _>(|| step(model, batch, parts, scored_total, device))
+}
+
+/// [`accumulate_gradients`] on this thread.
+fn step<B: AutodiffBackend>(
+    model: &KimiForCausalLM<B>,
+    batch: &Batch,
+    parts: usize,
+    scored_total: usize,
+    device: &B::Device,
+) -> Result<StepGradients> {
     let denominator = scored_total.max(1) as f64;
     let mut grads = GradientsAccumulator::new();
     // What the step reports is read after every micro-batch's backward is queued, so the

@@ -342,7 +342,7 @@ impl<B: Backend> LatentMoe<B> {
         // forwards stay in one order, so that the autodiff graph (and with it the summation
         // order of the gradients) is the same on every run.
         let ((loads, u), shared) = if !training && host::is_cpu_backend::<B>() {
-            let (routed, shared) = rayon::join(routed, shared);
+            let (routed, shared) = crate::ops::backend::join(routed, shared);
             (routed?, shared)
         } else {
             (routed()?, shared())

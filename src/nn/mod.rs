@@ -50,6 +50,12 @@ thread_local! {
     static SKELETON: Cell<bool> = const { Cell::new(false) };
 }
 
+/// Sets what [`in_skeleton`] says on this thread: the pool carries it between a caller and the
+/// pool thread that runs its work.
+pub(crate) fn set_skeleton(on: bool) {
+    SKELETON.with(|s| s.set(on));
+}
+
 /// Runs `f` (a model's `init`) so that its large parameters (linear layers, the embedding, the
 /// stacked routed experts) are built without drawing their values: they stay lazily initialised,
 /// and a checkpoint loader replaces them without ever materialising the random model. Used by

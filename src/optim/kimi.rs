@@ -237,21 +237,27 @@ impl<M: AutodiffModule<B>, B: AutodiffBackend> Optimizer<M, B> for KimiOptimizer
         AdaptorRecordOf<KimiAdamW, M, B>,
     );
 
+    /// On the CPU backends the step runs on rayon's pool as one piece
+    /// ([`on_cpu_pool`](crate::ops::backend::on_cpu_pool)).
     fn step(&mut self, lr: LearningRate, module: M, mut grads: GradientsParams) -> M {
-        let groups = self.split(&module, &mut grads);
-        self.apply(lr, module, groups)
+        crate::ops::backend::on_cpu_pool::<B, _>(|| {
+            let groups = self.split(&module, &mut grads);
+            self.apply(lr, module, groups)
+        })
     }
 
     fn step_multi(&mut self, lr: LearningRate, module: M, grads: MultiGradientsParams) -> M {
-        // Every group keeps one entry per device, in the original order: Burn picks the device
-        // that accumulates a parameter by its index in this list.
-        let mut groups = Groups::<MultiGradientsParams>::default();
-        for (mut device_grads, device) in grads.grads {
-            let device_groups = self.split(&module, &mut device_grads);
-            groups.muon.grads.push((device_groups.muon, device));
-            groups.adamw.grads.push((device_groups.adamw, device));
-        }
-        self.apply(lr, module, groups)
+        crate::ops::backend::on_cpu_pool::<B, _>(|| {
+            // Every group keeps one entry per device, in the original order: Burn picks the
+            // device that accumulates a parameter by its index in this list.
+            let mut groups = Groups::<MultiGradientsParams>::default();
+            for (mut device_grads, device) in grads.grads {
+                let device_groups = self.split(&module, &mut device_grads);
+                groups.muon.grads.push((device_groups.muon, device));
+                groups.adamw.grads.push((device_groups.adamw, device));
+            }
+            self.apply(lr, module, groups)
+        })
     }
 
     fn to_record(&self) -> Self::Record {

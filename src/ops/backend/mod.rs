@@ -59,7 +59,11 @@ pub(crate) mod cube;
 mod fusion;
 pub(crate) mod host;
 pub(crate) mod matmul;
+mod pool;
 pub(crate) mod simd;
+
+pub(crate) use pool::join;
+pub use pool::on_cpu_pool;
 
 /// Whether the kernels handle a float dtype (f32, f16, bf16 storage).
 pub fn kernel_dtype(dtype: burn::tensor::DType) -> bool {
@@ -149,6 +153,64 @@ thread_local! {
     static THREAD_SWITCH: Cell<Option<bool>> = const { Cell::new(None) };
     static TENSOR_CORES: Cell<Option<bool>> = const { Cell::new(None) };
     static TENSOR_CORE_LAUNCHES: Cell<u64> = const { Cell::new(0) };
+}
+
+/// This thread's switches and records of the ops' paths, as [`pool`] carries them between a
+/// caller and the pool thread that runs its work.
+#[derive(Clone, Copy)]
+pub(crate) struct PathState {
+    calls: [u64; N_OPS],
+    last: [Option<KernelPath>; N_OPS],
+    switch: Option<bool>,
+    tensor_cores: Option<bool>,
+    tensor_core_launches: u64,
+}
+
+impl PathState {
+    /// This thread's state now.
+    pub(crate) fn current() -> Self {
+        Self {
+            calls: CALLS.with(Cell::get),
+            last: LAST.with(Cell::get),
+            switch: THREAD_SWITCH.with(Cell::get),
+            tensor_cores: TENSOR_CORES.with(Cell::get),
+            tensor_core_launches: TENSOR_CORE_LAUNCHES.with(Cell::get),
+        }
+    }
+
+    /// Makes `self` this thread's state.
+    pub(crate) fn install(self) {
+        CALLS.with(|c| c.set(self.calls));
+        LAST.with(|c| c.set(self.last));
+        THREAD_SWITCH.with(|c| c.set(self.switch));
+        TENSOR_CORES.with(|c| c.set(self.tensor_cores));
+        TENSOR_CORE_LAUNCHES.with(|c| c.set(self.tensor_core_launches));
+    }
+
+    /// The same switches with nothing recorded yet.
+    pub(crate) fn switches_only(self) -> Self {
+        Self {
+            calls: [0; N_OPS],
+            last: [None; N_OPS],
+            tensor_core_launches: 0,
+            ..self
+        }
+    }
+
+    /// Adds what `records` (a state that started from [`switches_only`](Self::switches_only))
+    /// recorded to this state.
+    pub(crate) fn merge(mut self, records: &Self) -> Self {
+        for (c, r) in self.calls.iter_mut().zip(&records.calls) {
+            *c += r;
+        }
+        for (l, r) in self.last.iter_mut().zip(&records.last) {
+            if r.is_some() {
+                *l = *r;
+            }
+        }
+        self.tensor_core_launches += records.tensor_core_launches;
+        self
+    }
 }
 
 /// Runs `f` with the kernels' tensor-core (cooperative matrix) paths switched on or off on this
