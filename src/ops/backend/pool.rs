@@ -51,14 +51,17 @@ use super::PathState;
 /// runs on a pool thread already, or another thread's computation is on the pool through this
 /// function at the time, `f` runs right here: one whole computation on the pool at a time, so
 /// that a pool thread that waits for its parts never picks up a second one (with the first one's
-/// autodiff graph locked on its stack).
+/// autodiff graph locked on its stack). With a pool of one thread `f` runs right here too: a
+/// computation on the pool may wait for another thread's (a collective operation of data
+/// parallelism, say), and that thread's ops need a pool thread left to run on.
 ///
 /// [`KimiForCausalLM::try_forward`]: crate::model::KimiForCausalLM::try_forward
 /// [`generate`]: crate::model::KimiForCausalLM::generate
 /// [`accumulate_gradients`]: crate::train::accumulate_gradients
 /// [`KimiOptimizer`]: crate::optim::KimiOptimizer
 pub fn on_cpu_pool<B: Backend, R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    if !is_cpu::<B>() || rayon::current_thread_index().is_some() {
+    if !is_cpu::<B>() || rayon::current_thread_index().is_some() || rayon::current_num_threads() < 2
+    {
         return f();
     }
     let Some(_claim) = Claim::take() else {
