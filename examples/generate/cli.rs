@@ -116,7 +116,11 @@ fn eos_ids(config: &Path, tokenizer: &Tokenizer) -> Result<Vec<i64>> {
 
 /// Loads the model folder of `args`, generates on `device` and streams the text to `out` as it
 /// is produced. Every problem with the folder is an error naming the file (and the tensor).
-pub fn run<B: Backend>(args: &Args, device: &B::Device, out: &mut dyn Write) -> Result<Report> {
+pub fn run<B: Backend>(
+    args: &Args,
+    device: &B::Device,
+    out: &mut (dyn Write + Send),
+) -> Result<Report> {
     let dir = &args.model;
     let config_path = dir.join("config.json");
     let config = KimiConfig::from_hf_config(&config_path)?;
@@ -171,36 +175,41 @@ pub fn run<B: Backend>(args: &Args, device: &B::Device, out: &mut dyn Write) -> 
     let mut failure: Option<Error> = None;
     let start = Instant::now();
     let mut first_token_at = None;
-    model.generate_stream(prompt, &options, |ids| {
-        first_token_at.get_or_insert_with(Instant::now);
-        let id = ids[0];
-        generated.push(id);
-        if stop.contains(&id) {
-            return false;
-        }
-        let piece = u32::try_from(id)
-            .map_err(|_| Error::argument("ids", format!("negative token {id}")))
-            .and_then(|id| stream.push(id))
-            .and_then(|piece| {
-                out.write_all(piece.as_bytes())
-                    .and_then(|()| out.flush())
-                    .map_err(|source| Error::Io {
-                        path: PathBuf::from("<output>"),
-                        source,
-                    })
-                    .map(|()| piece)
-            });
-        match piece {
-            Ok(piece) => {
-                text.push_str(&piece);
-                true
+    // The whole generation on rayon's pool on the CPU backends (the callback is `Send`), rather
+    // than each step handed there on its own.
+    let generation = || {
+        model.generate_stream(prompt, &options, |ids| {
+            first_token_at.get_or_insert_with(Instant::now);
+            let id = ids[0];
+            generated.push(id);
+            if stop.contains(&id) {
+                return false;
             }
-            Err(e) => {
-                failure = Some(e);
-                false
+            let piece = u32::try_from(id)
+                .map_err(|_| Error::argument("ids", format!("negative token {id}")))
+                .and_then(|id| stream.push(id))
+                .and_then(|piece| {
+                    out.write_all(piece.as_bytes())
+                        .and_then(|()| out.flush())
+                        .map_err(|source| Error::Io {
+                            path: PathBuf::from("<output>"),
+                            source,
+                        })
+                        .map(|()| piece)
+                });
+            match piece {
+                Ok(piece) => {
+                    text.push_str(&piece);
+                    true
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    false
+                }
             }
-        }
-    })?;
+        })
+    };
+    kimi_burn::ops::backend::on_cpu_pool::<B, _>(generation)?;
     let end = Instant::now();
     if let Some(e) = failure {
         return Err(e);
