@@ -366,7 +366,20 @@ impl<B: Backend> KimiDeltaAttention<B> {
     /// [`forward`](Self::forward) (`cu_seqlens = None`) or
     /// [`forward_packed`](Self::forward_packed), reporting a width mismatch, a malformed
     /// `cu_seqlens` and a cache whose tensors are not `[N, H, K, K]` and `[N, 3·H·K, W − 1]`.
+    ///
+    /// On the CPU backends it runs on rayon's pool as one piece
+    /// ([`on_cpu_pool`](crate::ops::backend::on_cpu_pool)).
     pub fn try_forward(
+        &self,
+        x: Tensor<B, 3>,
+        cu_seqlens: Option<&[usize]>,
+        cache: Option<&mut KdaCache<B>>,
+    ) -> Result<Tensor<B, 3>> {
+        crate::ops::backend::on_cpu_pool::<B, _>(|| self.try_forward_here(x, cu_seqlens, cache))
+    }
+
+    /// [`try_forward`](Self::try_forward) on this thread.
+    fn try_forward_here(
         &self,
         x: Tensor<B, 3>,
         cu_seqlens: Option<&[usize]>,

@@ -244,7 +244,19 @@ impl<B: Backend> LatentMoe<B> {
     ///
     /// On the kernel path (the CubeCL backends) nothing is read back to the host: the routing,
     /// the balancer's counts, the expert loads and the padding mask stay on the device.
+    ///
+    /// On the CPU backends it runs on rayon's pool as one piece
+    /// ([`on_cpu_pool`](crate::ops::backend::on_cpu_pool)).
     pub fn try_forward(
+        &self,
+        x: Tensor<B, 3>,
+        padding: Option<Tensor<B, 2, Bool>>,
+    ) -> Result<MoeOutput<B>> {
+        crate::ops::backend::on_cpu_pool::<B, _>(|| self.try_forward_here(x, padding))
+    }
+
+    /// [`try_forward`](Self::try_forward) on this thread.
+    fn try_forward_here(
         &self,
         x: Tensor<B, 3>,
         padding: Option<Tensor<B, 2, Bool>>,

@@ -283,7 +283,19 @@ impl<B: Backend> GatedMla<B> {
     }
 
     /// [`forward`](Self::forward), reporting a wrong input or mask shape as an [`Error`].
+    ///
+    /// On the CPU backends it runs on rayon's pool as one piece
+    /// ([`on_cpu_pool`](crate::ops::backend::on_cpu_pool)).
     pub fn try_forward(
+        &self,
+        x: Tensor<B, 3>,
+        padding: Option<Tensor<B, 2, Bool>>,
+    ) -> Result<Tensor<B, 3>> {
+        crate::ops::backend::on_cpu_pool::<B, _>(|| self.try_forward_here(x, padding))
+    }
+
+    /// [`try_forward`](Self::try_forward) on this thread.
+    fn try_forward_here(
         &self,
         x: Tensor<B, 3>,
         padding: Option<Tensor<B, 2, Bool>>,
@@ -368,7 +380,20 @@ impl<B: Backend> GatedMla<B> {
 
     /// [`forward_cached`](Self::forward_cached), reporting a wrong input, mask or cache shape as
     /// an [`Error`]; the cache is left unchanged on error.
+    ///
+    /// On the CPU backends it runs on rayon's pool as one piece
+    /// ([`on_cpu_pool`](crate::ops::backend::on_cpu_pool)).
     pub fn try_forward_cached(
+        &self,
+        x: Tensor<B, 3>,
+        padding: Option<Tensor<B, 2, Bool>>,
+        cache: &mut MlaCache<B>,
+    ) -> Result<Tensor<B, 3>> {
+        crate::ops::backend::on_cpu_pool::<B, _>(|| self.try_forward_cached_here(x, padding, cache))
+    }
+
+    /// [`try_forward_cached`](Self::try_forward_cached) on this thread.
+    fn try_forward_cached_here(
         &self,
         x: Tensor<B, 3>,
         padding: Option<Tensor<B, 2, Bool>>,
