@@ -289,11 +289,11 @@ impl<B: Backend> KimiForCausalLM<B> {
         padding: Option<Tensor<B, 2, Bool>>,
         cache: Option<&mut KimiCache<B>>,
     ) -> Result<CausalLmOutput<B>> {
-        crate::ops::backend::on_cpu_pool::<B, _>(|| self.forward_here(ids, padding, cache))
+        crate::ops::backend::on_cpu_pool::<B, _>(|| self.try_forward_here(ids, padding, cache))
     }
 
     /// [`try_forward`](Self::try_forward) on this thread.
-    fn forward_here(
+    fn try_forward_here(
         &self,
         ids: Tensor<B, 2, Int>,
         padding: Option<Tensor<B, 2, Bool>>,

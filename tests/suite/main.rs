@@ -28,6 +28,7 @@ mod norm_loss;
 mod optim;
 #[cfg(feature = "collective")]
 mod parallel;
+mod pool;
 mod quant;
 #[cfg(feature = "wgpu")]
 mod reads;
