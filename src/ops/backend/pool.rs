@@ -11,9 +11,9 @@
 //! What the crate keeps per thread (the [`with_kernels`](super::with_kernels) and
 //! [`with_tensor_cores`](super::with_tensor_cores) switches, [`kernel_calls`](super::kernel_calls),
 //! [`last_path`](super::last_path), [`device_reads`](crate::sync::device_reads),
-//! [`eager_checks`](crate::sync::eager_checks)) goes along: the computation sees the caller's
-//! switches, and what it records is the caller's afterwards, as if it had run on the caller's
-//! thread.
+//! [`eager_checks`](crate::sync::eager_checks), a checkpoint loader's lazy parameters) goes
+//! along: the computation sees the caller's switches, and what it records is the caller's
+//! afterwards, as if it had run on the caller's thread.
 
 use std::any::TypeId;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,11 +26,11 @@ use super::PathState;
 /// under `Autodiff`), and on this thread otherwise; returns its result.
 ///
 /// The crate's own entry points already do this ([`KimiForCausalLM::try_forward`], and so
-/// [`generate`] and every forward of the model; [`accumulate_gradients`]; the
-/// [`KimiOptimizer`]'s step). Wrap a training step of your own in it, forward and backward
-/// together, when it calls the crate's modules and ops directly: on a small model a step with
-/// its ops called from outside the pool took about a fifth longer, a cached decode about half
-/// longer (BENCHMARKS, "The whole step on the pool").
+/// [`generate`] and every forward of the model; the forwards of the MLA, KDA and LatentMoe
+/// layers; [`accumulate_gradients`]; the [`KimiOptimizer`]'s step). Wrap a training step of your
+/// own in it, forward and backward together, when it calls the crate's modules and ops directly:
+/// on a small model a step with its ops called from outside the pool took about a fifth longer,
+/// a cached decode about half longer (BENCHMARKS, "The whole step on the pool").
 ///
 /// ```
 /// # use burn::backend::{Autodiff, NdArray};
