@@ -6,8 +6,9 @@
 
 use crate::common::*;
 use crate::train::small_mqar;
-use burn::tensor::Tensor;
-use kimi_burn::data::{SeededRng, Task};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
+use kimi_burn::data::{Batch, SeededRng, Task};
 use kimi_burn::model::KimiForCausalLM;
 use kimi_burn::ops::with_kernels;
 use kimi_burn::sync::count_reads;
@@ -30,13 +31,19 @@ fn bits(t: Tensor<Cpu, 3>) -> Vec<u32> {
         .collect()
 }
 
-#[test]
-fn the_kernel_switch_reaches_a_forward_on_the_pool() {
+/// The tiny model on `B`, a batch of two MQAR sequences drawn with `seed`, and its input ids.
+fn tiny_model<B: Backend>(seed: u64) -> (KimiForCausalLM<B>, Batch, Tensor<B, 2, Int>) {
     let device = Default::default();
     let (task, config) = small_mqar();
-    let model: KimiForCausalLM<Cpu> = config.try_init(&device).expect("tiny preset");
-    let batch = task.sample_batch(2, &mut SeededRng::new(3));
-    let (ids, _) = batch.to_tensors::<Cpu>(&device);
+    let model = config.try_init(&device).expect("tiny preset");
+    let batch = task.sample_batch(2, &mut SeededRng::new(seed));
+    let (ids, _) = batch.to_tensors::<B>(&device);
+    (model, batch, ids)
+}
+
+#[test]
+fn the_kernel_switch_reaches_a_forward_on_the_pool() {
+    let (model, _, ids) = tiny_model::<Cpu>(3);
     let host = bits(model.forward(ids.clone()));
     let reference = on_a_pool_thread(|| bits(with_kernels(false, || model.forward(ids.clone()))));
     // The two paths round differently somewhere in the model, so the comparison below can tell
@@ -55,10 +62,7 @@ fn the_kernel_switch_reaches_a_forward_on_the_pool() {
 #[test]
 fn reads_on_the_pool_count_for_the_caller() {
     let device = Default::default();
-    let (task, config) = small_mqar();
-    let model: KimiForCausalLM<CpuAd> = config.try_init(&device).expect("tiny preset");
-    let batch = task.sample_batch(2, &mut SeededRng::new(4));
-    let (ids, _) = batch.to_tensors::<CpuAd>(&device);
+    let (model, batch, ids) = tiny_model::<CpuAd>(4);
     let forward = || model.try_forward(ids.clone(), None, None).expect("forward");
     let (_, here) = count_reads(forward);
     let (_, there) = on_a_pool_thread(|| count_reads(forward));
