@@ -1,6 +1,9 @@
 //! Newton–Schulz orthogonalisation (design §8), the core of Muon.
 
-use burn::tensor::{backend::Backend, Tensor};
+use burn::tensor::{backend::Backend, DType, Tensor, TensorPrimitive};
+
+use crate::ops::backend::host::{is_cpu_backend, run_untracked, HostArray, HostData};
+use crate::ops::backend::matmul::{matmul, matmul_serial, Layout};
 
 use crate::ops::optim::scaled_sum;
 use crate::ops::precision::{restore, widen};
@@ -30,9 +33,25 @@ pub fn newton_schulz<B: Backend>(x: Tensor<B, 2>, steps: usize) -> Tensor<B, 2> 
 
 /// [`newton_schulz`] on each matrix of `x: [batch, rows, cols]` independently (each is
 /// normalised by its own Frobenius norm); returns `[batch, rows, cols]`.
+///
+/// On the CPU backends (f32) every matrix runs on the host, its products through the crate's
+/// `gemm` kernels, untracked on `Autodiff` (as the optimiser's updates are).
 pub fn newton_schulz_batched<B: Backend>(x: Tensor<B, 3>, steps: usize) -> Tensor<B, 3> {
     let (x, dtype) = widen(x);
-    let [_, rows, cols] = x.dims();
+    let [batch, rows, cols] = x.dims();
+    let x = if x.dtype() == DType::F32 && x.shape().num_elements() > 0 && is_cpu_backend::<B>() {
+        let dims = [batch, rows, cols];
+        match run_untracked::<B, 1, 1>([x.into_primitive().tensor()], |[x]| {
+            [host_batched(&x, dims, steps)]
+        }) {
+            Ok([out]) => {
+                return restore(Tensor::from_primitive(TensorPrimitive::Float(out)), dtype)
+            }
+            Err([x]) => Tensor::from_primitive(TensorPrimitive::Float(x)),
+        }
+    } else {
+        x
+    };
     // X Xᵀ is then the smaller Gram matrix; the result is the same, only cheaper.
     let tall = rows > cols;
     let mut x = if tall { x.swap_dims(1, 2) } else { x };
@@ -55,6 +74,94 @@ pub fn newton_schulz_batched<B: Backend>(x: Tensor<B, 3>, steps: usize) -> Tenso
     }
     let x = if tall { x.swap_dims(1, 2) } else { x };
     restore(x, dtype)
+}
+
+/// [`newton_schulz_batched`] of the `[batch, rows, cols]` values of `x` on the host: the same
+/// operations in the same order, each product by `gemm` (the matrices in parallel).
+fn host_batched(x: &HostArray, [batch, rows, cols]: [usize; 3], steps: usize) -> HostArray {
+    use rayon::prelude::*;
+    let size = rows * cols;
+    // Each matrix as `[m, n]` with `m ≤ n` (transposed when tall), so that `X Xᵀ` is the
+    // smaller Gram matrix.
+    let tall = rows > cols;
+    let (m, n) = if tall { (cols, rows) } else { (rows, cols) };
+    let (a, b, c) = NS_COEFFICIENTS;
+    let (a, b, c) = (a as f32, b as f32, c as f32);
+    let mut out = vec![0.0f32; batch * size];
+    // The matrices in parallel when there are several and enough work, each product on its
+    // thread; otherwise one after the other, each product split over the pool when large.
+    let across = batch > 1 && batch * m * m * n >= 1 << 18;
+    let product = if across { matmul_serial } else { matmul };
+    let one = |(src, dst): (&[f32], &mut [f32])| {
+        let mut x = vec![0.0f32; size];
+        if tall {
+            for (i, row) in src.chunks_exact(cols).enumerate() {
+                for (j, &v) in row.iter().enumerate() {
+                    x[j * n + i] = v;
+                }
+            }
+        } else {
+            x.copy_from_slice(src);
+        }
+        let norm = x.iter().map(|v| v * v).sum::<f32>().sqrt() + NS_EPSILON as f32;
+        x.iter_mut().for_each(|v| *v /= norm);
+        let (mut gram, mut square, mut step) =
+            (vec![0.0; m * m], vec![0.0; m * m], vec![0.0; size]);
+        for _ in 0..steps {
+            product(
+                &mut gram,
+                &x,
+                Layout::Plain,
+                &x,
+                Layout::Transposed,
+                [m, n, m],
+                false,
+            );
+            product(
+                &mut square,
+                &gram,
+                Layout::Plain,
+                &gram,
+                Layout::Plain,
+                [m, m, m],
+                false,
+            );
+            for (g, s) in gram.iter_mut().zip(&square) {
+                *g = b * *g + c * s;
+            }
+            product(
+                &mut step,
+                &gram,
+                Layout::Plain,
+                &x,
+                Layout::Plain,
+                [m, m, n],
+                false,
+            );
+            for (v, s) in x.iter_mut().zip(&step) {
+                *v = a * *v + s;
+            }
+        }
+        if tall {
+            for (i, row) in dst.chunks_exact_mut(cols).enumerate() {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = x[j * n + i];
+                }
+            }
+        } else {
+            dst.copy_from_slice(&x);
+        }
+    };
+    let pairs = x.data.chunks_exact(size).zip(out.chunks_exact_mut(size));
+    if across {
+        pairs.collect::<Vec<_>>().into_par_iter().for_each(one);
+    } else {
+        pairs.for_each(one);
+    }
+    HostArray {
+        data: HostData::Owned(out),
+        shape: vec![batch, rows, cols],
+    }
 }
 
 #[cfg(test)]
