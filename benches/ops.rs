@@ -7,6 +7,8 @@
 //!   `Autodiff<NdArray>`.
 //! * `adamw_update_1024x1024`, `scaled_sum_1024x1024`: one AdamW step and one `a·x + b·y` on
 //!   `NdArray`, each call handing its outputs to the next as an optimiser does.
+//! * `newton_schulz_8x64x256`, `newton_schulz_1x512x1536`: [`newton_schulz_batched`] (five steps)
+//!   on `NdArray`, a batch of small blocks and one larger matrix.
 //!
 //! `cargo bench --bench ops -- --warm-up-time 1 --measurement-time 3`
 // Reading tensors back is this program's business: the crate's read counter covers the library.
@@ -19,6 +21,7 @@ use kimi_burn::ops::kda::kda_gate;
 use kimi_burn::ops::mla::{causal_mask, masked_softmax, rotary};
 use kimi_burn::ops::optim::{adamw_update, scaled_sum, AdamWScalars};
 use kimi_burn::ops::with_kernels;
+use kimi_burn::optim::{newton_schulz_batched, NS_STEPS};
 
 type Cpu = NdArray<f32>;
 type Ad = Autodiff<Cpu>;
@@ -130,5 +133,29 @@ fn bench_optim(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_gate, bench_mla_helpers, bench_optim);
+fn bench_newton_schulz(c: &mut Criterion) {
+    let device = Default::default();
+    // A batch of small blocks (one shape of Muon's batched orthogonalisation at the tiny
+    // preset's widths) and one larger matrix.
+    for shape in [[8, 64, 256], [1, 512, 1536]] {
+        let x = Tensor::<Cpu, 3>::random(shape, Distribution::Normal(0.0, 1.0), &device);
+        let [b, m, n] = shape;
+        let mut group = c.benchmark_group(format!("newton_schulz_{b}x{m}x{n}"));
+        group.sample_size(20);
+        for (path, on) in PATHS {
+            group.bench_function(path, |bench| {
+                bench.iter(|| with_kernels(on, || newton_schulz_batched(x.clone(), NS_STEPS)))
+            });
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(
+    benches,
+    bench_gate,
+    bench_mla_helpers,
+    bench_optim,
+    bench_newton_schulz
+);
 criterion_main!(benches);
