@@ -77,7 +77,7 @@ pub fn newton_schulz_batched<B: Backend>(x: Tensor<B, 3>, steps: usize) -> Tenso
 }
 
 /// [`newton_schulz_batched`] of the `[batch, rows, cols]` values of `x` on the host: the same
-/// operations in the same order, each product by `gemm` (the matrices in parallel).
+/// iteration, its norm summed in f64 and each product by `gemm`.
 fn host_batched(x: &HostArray, [batch, rows, cols]: [usize; 3], steps: usize) -> HostArray {
     use rayon::prelude::*;
     let size = rows * cols;
@@ -103,7 +103,13 @@ fn host_batched(x: &HostArray, [batch, rows, cols]: [usize; 3], steps: usize) ->
         } else {
             x.copy_from_slice(src);
         }
-        let norm = x.iter().map(|v| v * v).sum::<f32>().sqrt() + NS_EPSILON as f32;
+        // Summed in f64: one running f32 sum over a large matrix would drift.
+        let norm = (x
+            .iter()
+            .map(|&v| f64::from(v) * f64::from(v))
+            .sum::<f64>()
+            .sqrt()
+            + NS_EPSILON) as f32;
         x.iter_mut().for_each(|v| *v /= norm);
         let (mut gram, mut square, mut step) =
             (vec![0.0; m * m], vec![0.0; m * m], vec![0.0; size]);
