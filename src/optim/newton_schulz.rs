@@ -2,7 +2,9 @@
 
 use burn::tensor::{backend::Backend, DType, Tensor, TensorPrimitive};
 
-use crate::ops::backend::host::{is_cpu_backend, run_untracked, HostArray, HostData};
+use crate::ops::backend::host::{
+    is_cpu_backend, run_untracked, HostArray, HostData, MIN_PARALLEL_WORK,
+};
 use crate::ops::backend::matmul::{matmul, matmul_serial, Layout};
 
 use crate::ops::optim::scaled_sum;
@@ -88,9 +90,11 @@ fn host_batched(x: &HostArray, [batch, rows, cols]: [usize; 3], steps: usize) ->
     let (a, b, c) = NS_COEFFICIENTS;
     let (a, b, c) = (a as f32, b as f32, c as f32);
     let mut out = vec![0.0f32; batch * size];
-    // The matrices in parallel when there are several and enough work, each product on its
-    // thread; otherwise one after the other, each product split over the pool when large.
-    let across = batch > 1 && batch * m * m * n >= 1 << 18;
+    // The matrices in parallel when there are several and enough work (the multiply-adds of
+    // every step's three products), each product on its thread; otherwise one after the other,
+    // each product split over the pool when large.
+    let work = batch * steps * (2 * m * m * n + m * m * m);
+    let across = batch > 1 && work >= MIN_PARALLEL_WORK;
     let product = if across { matmul_serial } else { matmul };
     let one = |(src, dst): (&[f32], &mut [f32])| {
         let mut x = vec![0.0f32; size];

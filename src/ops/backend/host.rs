@@ -900,7 +900,7 @@ pub(crate) fn scratch(len: usize) -> Scratch {
 /// Work (in element operations, roughly) below which [`parallel_map_sized`] stays on the calling
 /// thread: handing work to the thread pool and waking the caller again costs tens of microseconds
 /// on a busy or virtualised machine, the time of about this much work.
-const MIN_PARALLEL_WORK: usize = 1 << 20;
+pub(crate) const MIN_PARALLEL_WORK: usize = 1 << 20;
 
 /// `f(i)` for `i in 0..n`, results in order: on rayon's thread pool when the whole call does at
 /// least [`MIN_PARALLEL_WORK`] element operations (`work`), a plain loop on the calling thread

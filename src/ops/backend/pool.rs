@@ -272,14 +272,18 @@ mod tests {
             on_cpu_pool::<NdArray<f32>, _>(|| panic!("inside"));
         });
         assert!(caught.is_err());
-        // Other tests may hold the pool at this moment; wait until nobody does.
-        let free = (0..10_000).any(|_| {
-            let taken = Claim::take();
-            if taken.is_none() {
-                std::thread::yield_now();
+        // Another test thread may hold the pool for one of its computations at this moment:
+        // wait until nobody does (a leaked claim never frees).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let free = loop {
+            if Claim::take().is_some() {
+                break true;
             }
-            taken.is_some()
-        });
+            if std::time::Instant::now() > deadline {
+                break false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        };
         assert!(free, "the pool stayed claimed after a panic");
     }
 

@@ -4,8 +4,10 @@
 //! ([`OptimKernels`]) instead of Burn's fourteen or so tensor ops, each a launch over the whole
 //! parameter; on the CPU backends one host pass (`host`), in place where the parameter and its
 //! moments are not held elsewhere; elsewhere the same arithmetic in tensor ops.
-//! [`KimiAdamW`](crate::optim::KimiAdamW) steps its parameters through it. [`scaled_sum`] (`a·x + b·y`, one kernel for three tensor ops)
-//! is Muon's update of the weights and the two combinations of each Newton–Schulz iteration in
+//! [`KimiAdamW`](crate::optim::KimiAdamW) steps its parameters through it. [`scaled_sum`]
+//! (`a·x + b·y`, one kernel for three tensor ops) is Muon's update of the weights and the two
+//! combinations of each Newton–Schulz iteration (on the CPU backends, whose Newton–Schulz runs on
+//! the host as a whole, only the weights' update) in
 //! [`KimiOptimizer`](crate::optim::KimiOptimizer) (its momentum stays Burn's `Momentum`, whose
 //! state keeps the velocity private).
 
