@@ -1,6 +1,6 @@
 //! KDA op benchmarks: `chunk_kda` forward and forward + backward at B = 1, H = 4, K = V = 64 for
-//! T ∈ {512, 2048, 8192} (on ndarray also B = 4 at T = 2048, the `…_b4` groups, and the forward on
-//! inputs out of every cache, the `…_cold` group), and `fused_recurrent_kda` per decode token at
+//! T ∈ {512, 2048, 8192} (on ndarray also B = 4 at T = 2048, the `…_b4` groups, and both on inputs
+//! out of every cache, the `…_cold` groups), and `fused_recurrent_kda` per decode token at
 //! B = 1 and 16; on CUDA also the target shape B = 1, H = 64, K = V = 128, T = 16384. On ndarray,
 //! and on wgpu with `--features wgpu` (CUDA with `--features cuda`), where every group runs twice:
 //! `…-kernel` (the CubeCL KDA kernels) and `…-reference` (tensor ops, kernels switched off).
@@ -118,77 +118,98 @@ fn call<B: Backend>(x: &Inputs<B>, state: bool) {
     sync(o);
 }
 
+/// The inputs of the `…_cold` groups span at least this many bytes: beyond any last-level cache.
+const COLD_BYTES: usize = 256 << 20;
+
+/// The sets of inputs that the calls of a bench take in turn: one set, reused (it stays in the
+/// last-level cache from call to call when small), or with `cold` copies spanning at least
+/// [`COLD_BYTES`], so that each call reads inputs that the calls before it have pushed out of
+/// every cache, as in training, where a layer's inputs were produced a whole layer earlier. Made
+/// when the bench first runs, so that a filtered-out group costs nothing.
+fn input_sets<B: Backend>(t: usize, dims: &Dims, cold: bool, device: &B::Device) -> Vec<Inputs<B>> {
+    // q, k, g, v, dout and o: six rows of K = V floats per token and head.
+    let bytes = dims.batch * t * dims.h * dims.k * 6 * 4;
+    let copies = if cold {
+        COLD_BYTES.div_ceil(bytes).max(2)
+    } else {
+        1
+    };
+    (0..copies)
+        .map(|_| inputs::<B>(dims.batch, t, dims, device))
+        .collect()
+}
+
+/// The group name suffix of the inputs out of every cache.
+fn cold_suffix(cold: bool) -> &'static str {
+    if cold {
+        "_cold"
+    } else {
+        ""
+    }
+}
+
+/// `chunk_kda` forward (`…_cold`: on inputs out of every cache, see [`input_sets`]).
 fn forward<B: Backend>(
     c: &mut Criterion,
     backend: &str,
     dims: &Dims,
     state: bool,
+    cold: bool,
     device: &B::Device,
 ) {
-    let name = format!("chunk_kda_fwd{}{}/{backend}", dims.name, suffix(state));
+    let name = format!(
+        "chunk_kda_fwd{}{}{}/{backend}",
+        dims.name,
+        suffix(state),
+        cold_suffix(cold)
+    );
     let mut group = c.benchmark_group(name);
     group.sample_size(10);
     for &t in dims.lengths {
-        let x = inputs::<B>(dims.batch, t, dims, device);
+        let (mut sets, mut turn) = (None, 0usize);
         group.throughput(Throughput::Elements((dims.batch * t) as u64));
         group.bench_with_input(BenchmarkId::from_parameter(t), &t, |bench, _| {
-            bench.iter(|| call(&x, state))
-        });
-    }
-    group.finish();
-}
-
-/// The inputs of the `…_cold` groups span at least this many bytes: beyond any last-level cache.
-const COLD_BYTES: usize = 256 << 20;
-
-/// The forward on inputs that are not in any cache: several copies of the inputs, together at
-/// least [`COLD_BYTES`], taken in turn, so that each call reads what the calls before it have
-/// pushed out (as in training, where a layer's inputs were produced a whole layer earlier). The
-/// plain groups reuse one set, which stays in the last-level cache from call to call when small.
-fn forward_cold<B: Backend>(c: &mut Criterion, backend: &str, dims: &Dims, device: &B::Device) {
-    let name = format!("chunk_kda_fwd{}_cold/{backend}", dims.name);
-    let mut group = c.benchmark_group(name);
-    group.sample_size(10);
-    for &t in dims.lengths {
-        // q, k, g (K wide), v and o (V wide; V = K here): five rows per token and head, f32.
-        let bytes = dims.batch * t * dims.h * dims.k * 5 * 4;
-        let copies = COLD_BYTES.div_ceil(bytes).max(2);
-        let sets: Vec<_> = (0..copies)
-            .map(|_| inputs::<B>(dims.batch, t, dims, device))
-            .collect();
-        let mut turn = 0;
-        group.throughput(Throughput::Elements((dims.batch * t) as u64));
-        group.bench_with_input(BenchmarkId::from_parameter(t), &t, |bench, _| {
+            let sets = sets.get_or_insert_with(|| input_sets::<B>(t, dims, cold, device));
             bench.iter(|| {
                 turn += 1;
-                call(&sets[turn % copies], false)
+                call(&sets[turn % sets.len()], state)
             })
         });
     }
     group.finish();
 }
 
+/// `chunk_kda` forward and the backward of its loss (`…_cold`: on inputs out of every cache).
 fn forward_backward<B: AutodiffBackend>(
     c: &mut Criterion,
     backend: &str,
     dims: &Dims,
     state: bool,
+    cold: bool,
     device: &B::Device,
 ) {
-    let name = format!("chunk_kda_fwd_bwd{}{}/{backend}", dims.name, suffix(state));
+    let name = format!(
+        "chunk_kda_fwd_bwd{}{}{}/{backend}",
+        dims.name,
+        suffix(state),
+        cold_suffix(cold)
+    );
     let mut group = c.benchmark_group(name);
     group.sample_size(10);
     for &t in dims.lengths {
-        let x = inputs::<B>(dims.batch, t, dims, device);
+        let (mut sets, mut turn) = (None, 0usize);
         group.throughput(Throughput::Elements((dims.batch * t) as u64));
         group.bench_with_input(BenchmarkId::from_parameter(t), &t, |bench, _| {
+            let sets = sets.get_or_insert_with(|| input_sets::<B>(t, dims, cold, device));
             bench.iter(|| {
+                turn += 1;
+                let x = &sets[turn % sets.len()];
                 let q = x.q.clone().require_grad();
                 let k = x.k.clone().require_grad();
                 let v = x.v.clone().require_grad();
                 let g = x.g.clone().require_grad();
                 let beta = x.beta.clone().require_grad();
-                let (o, s) = chunk_kda(q.clone(), k, v, g, beta, options(&x, state));
+                let (o, s) = chunk_kda(q.clone(), k, v, g, beta, options(x, state));
                 let loss = match s {
                     Some(s) => o.sum().add(s.sum()),
                     None => o.mul(x.dout.clone()).sum(),
@@ -237,14 +258,16 @@ fn decode<B: Backend>(c: &mut Criterion, backend: &str, batch: usize, device: &B
 
 fn ndarray(c: &mut Criterion) {
     let device = Default::default();
-    forward::<NdArray<f32>>(c, "ndarray", &SMALL, false, &device);
-    forward_cold::<NdArray<f32>>(c, "ndarray", &SMALL, &device);
-    forward_backward::<Autodiff<NdArray<f32>>>(c, "ndarray", &SMALL, false, &device);
+    type A = Autodiff<NdArray<f32>>;
+    for cold in [false, true] {
+        forward::<NdArray<f32>>(c, "ndarray", &SMALL, false, cold, &device);
+        forward_backward::<A>(c, "ndarray", &SMALL, false, cold, &device);
+    }
     let one = Dims {
         lengths: &[2048],
         ..SMALL
     };
-    forward_backward::<Autodiff<NdArray<f32>>>(c, "ndarray", &one, true, &device);
+    forward_backward::<A>(c, "ndarray", &one, true, false, &device);
     // The tokens of T = 8192 in four rows, as a training batch brings them: every row's heads
     // can run together on one thread.
     let rows = Dims {
@@ -253,8 +276,8 @@ fn ndarray(c: &mut Criterion) {
         lengths: &[2048],
         ..SMALL
     };
-    forward::<NdArray<f32>>(c, "ndarray", &rows, false, &device);
-    forward_backward::<Autodiff<NdArray<f32>>>(c, "ndarray", &rows, false, &device);
+    forward::<NdArray<f32>>(c, "ndarray", &rows, false, false, &device);
+    forward_backward::<A>(c, "ndarray", &rows, false, false, &device);
     for batch in [1, 16] {
         decode::<NdArray<f32>>(c, "ndarray", batch, &device);
     }
@@ -273,7 +296,7 @@ fn kernel_vs_reference<B: Backend>(
     use kimi_burn::ops::with_kernels;
     for (path, on) in [("kernel", true), ("reference", false)] {
         with_kernels(on, || {
-            forward::<B>(c, &format!("{backend}-{path}"), dims, true, device);
+            forward::<B>(c, &format!("{backend}-{path}"), dims, true, false, device);
             if dims.name.is_empty() {
                 decode::<B>(c, &format!("{backend}-{path}"), 1, device);
             }
@@ -293,7 +316,7 @@ fn kernel_vs_reference_backward<B: AutodiffBackend>(
     use kimi_burn::ops::with_kernels;
     for (path, on) in [("kernel", true), ("reference", false)] {
         with_kernels(on, || {
-            forward_backward::<B>(c, &format!("{backend}-{path}"), dims, true, device);
+            forward_backward::<B>(c, &format!("{backend}-{path}"), dims, true, false, device);
         });
     }
 }

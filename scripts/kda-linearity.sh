@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # How KDA's time on the CPU grows with T: the `kda` bench's forward and forward + backward groups
 # on `NdArray<f32>` at T = 512, 2048 and 8192, run ROUNDS times (default 8), and the time per 4× T
-# of each round and of the medians.
+# of each round and of the medians: the plain groups (one set of inputs, reused from call to call)
+# and the `…_cold` groups (inputs out of every cache).
 #
 #     scripts/kda-linearity.sh [ROUNDS]
 #
@@ -10,6 +11,11 @@
 # per-round range shows how far to trust them. Every round measures all sizes back to back
 # (`--warm-up-time 2 --measurement-time 3`), so a neighbour's load hits the sizes of one round
 # alike. Keep the machine otherwise idle.
+#
+# The plain groups' ratio from 2048 to 8192 also compares two cache regimes: one call's inputs and
+# output (10 MiB at 2048) stay in a 32 MiB last-level cache between calls, those of 8192 (40 MiB)
+# do not. The cold groups read every call's inputs from main memory at all three lengths, as a
+# training step does, so their ratio is the time per token's alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,13 +27,14 @@ cargo bench --bench kda --no-run
 for r in $(seq 1 "$rounds"); do
     echo "round $r of $rounds" >&2
     cargo bench --bench kda -- --warm-up-time 2 --measurement-time 3 \
-        '^chunk_kda_fwd(_bwd)?/ndarray/(512|2048|8192)$' >"$out/round-$r.txt" 2>&1
+        '^chunk_kda_fwd(_bwd)?(_cold)?/ndarray/(512|2048|8192)$' >"$out/round-$r.txt" 2>&1
     python3 - "$r" "$out" <<'EOF'
 import json, sys
 
 r, out = sys.argv[1], sys.argv[2]
 times = {}
-for group in ("chunk_kda_fwd_ndarray", "chunk_kda_fwd_bwd_ndarray"):
+for group in ("chunk_kda_fwd_ndarray", "chunk_kda_fwd_bwd_ndarray", "chunk_kda_fwd_cold_ndarray",
+              "chunk_kda_fwd_bwd_cold_ndarray"):
     for t in (512, 2048, 8192):
         path = f"target/criterion/{group}/{t}/new/estimates.json"
         times[f"{group}/{t}"] = json.load(open(path))["median"]["point_estimate"] / 1e6
@@ -43,7 +50,9 @@ runs = [json.load(open(f"{out}/round-{r}.json")) for r in range(1, rounds + 1)]
 print("| bench | T = 512 | T = 2048 | T = 8192 | 512 → 2048 | 2048 → 8192 |")
 print("|---|---|---|---|---|---|")
 for group, name in (("chunk_kda_fwd_ndarray", "forward"),
-                    ("chunk_kda_fwd_bwd_ndarray", "forward + backward")):
+                    ("chunk_kda_fwd_bwd_ndarray", "forward + backward"),
+                    ("chunk_kda_fwd_cold_ndarray", "forward, cold inputs"),
+                    ("chunk_kda_fwd_bwd_cold_ndarray", "forward + backward, cold inputs")):
     ms = [statistics.median(x[f"{group}/{t}"] for x in runs) for t in (512, 2048, 8192)]
     per_round = [(x[f"{group}/2048"] / x[f"{group}/512"], x[f"{group}/8192"] / x[f"{group}/2048"])
                  for x in runs]
