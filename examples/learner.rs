@@ -64,6 +64,9 @@ struct Args {
 }
 
 fn main() {
+    // Each step's freed buffers serve the next step instead of going back to the operating
+    // system and being faulted in again (glibc; see `retain_freed_memory`).
+    kimi_burn::ops::backend::retain_freed_memory();
     if let Err(e) = run(&Args::parse()) {
         eprintln!("error: {e}");
         std::process::exit(2);

@@ -18,6 +18,9 @@ use cli::{Args, BackendKind};
 
 fn main() {
     let args = Args::parse();
+    // Each step's freed buffers serve the next step instead of going back to the operating
+    // system and being faulted in again (glibc; see `retain_freed_memory`).
+    kimi_burn::ops::backend::retain_freed_memory();
     let mut stdout = std::io::stdout();
     let report = match args.backend {
         BackendKind::Ndarray => {

@@ -299,6 +299,9 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
+    // Each step's freed buffers serve the next step instead of going back to the operating
+    // system and being faulted in again (glibc; see `retain_freed_memory`).
+    kimi_burn::ops::backend::retain_freed_memory();
     if let Err(msg) = dispatch(&args) {
         eprintln!("error: {msg}");
         std::process::exit(2);

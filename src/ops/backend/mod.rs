@@ -59,9 +59,11 @@ pub(crate) mod cube;
 mod fusion;
 pub(crate) mod host;
 pub(crate) mod matmul;
+mod memory;
 mod pool;
 pub(crate) mod simd;
 
+pub use memory::retain_freed_memory;
 pub(crate) use pool::join;
 pub use pool::on_cpu_pool;
 
