@@ -21,9 +21,12 @@
 /// the same without code: `GLIBC_TUNABLES=glibc.malloc.trim_threshold=2147483647:glibc.malloc.mmap_max=0`.
 ///
 /// What it buys on this project's 2-core machine (BENCHMARKS, "Freed memory kept in the
-/// process"): `chunk_kda` forward + backward at T = 8192 about an eighth faster, where each call
-/// frees about 70 MiB and glibc gave back and faulted in again about a quarter of it; the
-/// default `train_tiny` run about 6% more tokens per second.
+/// process"): `chunk_kda` forward + backward at T = 8192, each call of which frees about 70 MiB,
+/// about a tenth faster (glibc had returned about 16 MiB per call to the kernel), and linear in T
+/// again; the default `train_tiny` run, whose buffers are smaller, about 2% (within its spread).
+/// glibc gives each thread that allocates concurrently an arena of its own, and those still unmap
+/// a heap of theirs that a step frees completely: `MALLOC_ARENA_MAX=1` in the environment keeps
+/// every thread on the one heap (`train_tiny`: from about 1950 page faults per step to 65).
 ///
 /// Safe to call more than once and from any thread; the settings are applied once.
 ///
