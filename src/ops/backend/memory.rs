@@ -4,29 +4,33 @@
 //! an op returns them) and frees them at its end. glibc's `malloc` hands a freed block at the top
 //! of its heap back to the operating system once more than its trim threshold is free there (by
 //! default twice the largest block it has mapped on its own, at most 64 MiB), and maps blocks
-//! above its mmap threshold on their own, unmapping them when freed. Either way the next step's
-//! buffers arrive as new pages, which the kernel zeroes and faults in one by one on first touch.
-//! [`retain_freed_memory`] turns that off for the whole process.
+//! above its mmap threshold on their own, unmapping them when freed; and a thread that allocates
+//! while others do gets an arena of its own, whose heaps (64 MiB each) are unmapped as soon as a
+//! step frees one whole. Each way the next step's buffers arrive as new pages, which the kernel
+//! zeroes and faults in one by one on first touch. [`retain_freed_memory`] turns that off for the
+//! whole process.
 
 /// Keeps the memory that the process frees for its next allocations instead of returning it to
-/// the operating system: with glibc (Linux), the allocator's trim threshold is raised to its
-/// maximum (2 GiB) and no block is mapped on its own. Returns whether the settings were applied:
-/// `false` where the C library is not glibc (musl, macOS, Windows), whose allocators behave
-/// otherwise.
+/// the operating system: with glibc (Linux), the allocator's trim threshold goes to its maximum
+/// (2 GiB), no block is mapped on its own, and threads that allocate from now on share the main
+/// heap (one arena): glibc gives each thread that allocates concurrently an arena of its own
+/// otherwise, and such an arena unmaps every heap of its that a step frees completely, whatever
+/// the trim threshold. Returns whether the settings were applied: `false` where the C library is
+/// not glibc (musl, macOS, Windows), whose allocators behave otherwise.
 ///
-/// Opt in from a CPU training or generation program (the crate's examples do): it changes the
-/// allocator of the whole process, and its resident memory then stays at its peak instead of
-/// shrinking between steps. Where a program has chosen another global allocator (mimalloc,
-/// jemalloc), this changes nothing for the memory that allocator manages. The environment gives
-/// the same without code: `GLIBC_TUNABLES=glibc.malloc.trim_threshold=2147483647:glibc.malloc.mmap_max=0`.
+/// Opt in at the start of a CPU training or generation program, before other threads allocate
+/// (the crate's examples do): it changes the allocator of the whole process, whose resident
+/// memory then stays at its peak instead of shrinking between steps, and threads that already
+/// have an arena keep it. Where a program has chosen another global allocator (mimalloc,
+/// jemalloc), it changes nothing for the memory that allocator manages. The environment gives
+/// the same without code: `MALLOC_ARENA_MAX=1
+/// GLIBC_TUNABLES=glibc.malloc.trim_threshold=2147483647:glibc.malloc.mmap_max=0`.
 ///
 /// What it buys on this project's 2-core machine (BENCHMARKS, "Freed memory kept in the
 /// process"): `chunk_kda` forward + backward at T = 8192, each call of which frees about 70 MiB,
 /// about a tenth faster (glibc had returned about 16 MiB per call to the kernel), and linear in T
-/// again; the default `train_tiny` run, whose buffers are smaller, about 2% (within its spread).
-/// glibc gives each thread that allocates concurrently an arena of its own, and those still unmap
-/// a heap of theirs that a step frees completely: `MALLOC_ARENA_MAX=1` in the environment keeps
-/// every thread on the one heap (`train_tiny`: from about 1950 page faults per step to 65).
+/// again; the default `train_tiny` run, whose pool threads allocate most of its buffers, from
+/// about 2150 page faults per step to 65 and a few percent more tokens per second.
 ///
 /// Safe to call more than once and from any thread; the settings are applied once.
 ///
@@ -42,13 +46,14 @@ pub fn retain_freed_memory() -> bool {
         *APPLIED.get_or_init(|| {
             // SAFETY: `mallopt` only changes the allocator's parameters; glibc takes its own
             // locks. Each returns 1 on success.
-            let (trim, mmap) = unsafe {
+            let (trim, mmap, arenas) = unsafe {
                 (
                     libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX),
                     libc::mallopt(libc::M_MMAP_MAX, 0),
+                    libc::mallopt(libc::M_ARENA_MAX, 1),
                 )
             };
-            trim == 1 && mmap == 1
+            trim == 1 && mmap == 1 && arenas == 1
         })
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
@@ -105,6 +110,86 @@ mod tests {
         assert!(
             faulted < pages as i64,
             "{faulted} page faults in five cycles of {pages} pages each"
+        );
+    }
+
+    /// The environment variable that makes [`churn_on_a_new_thread`] run (in the child process
+    /// of [`pool_threads_keep_their_memory`]); its value says whether to call
+    /// [`retain_freed_memory`] first.
+    const CHILD: &str = "KIMI_BURN_MEMORY_CHILD";
+
+    /// In a fresh process: optionally [`retain_freed_memory`], then a new thread (as rayon's pool
+    /// threads are) allocates, writes and frees three 40 MiB buffers six times, and the page
+    /// faults of its last five cycles are printed. Each buffer is more than half of glibc's
+    /// 64 MiB per-thread heap, so in an arena of the thread's own every buffer after the first
+    /// takes a heap of its own, which goes back to the kernel when freed.
+    #[test]
+    #[ignore = "the child process of pool_threads_keep_their_memory"]
+    fn churn_on_a_new_thread() {
+        let Some(retain) = std::env::var_os(CHILD) else {
+            return;
+        };
+        if retain == "1" {
+            assert!(retain_freed_memory());
+        }
+        let faulted = std::thread::spawn(|| {
+            let mut before = 0;
+            for cycle in 0..6 {
+                if cycle == 1 {
+                    before = faults();
+                }
+                let bufs: Vec<Vec<u8>> = (0..3).map(|i| vec![i as u8 + 1; 40 << 20]).collect();
+                std::hint::black_box(&bufs);
+            }
+            faults() - before
+        })
+        .join()
+        .expect("the churning thread");
+        println!("churn faults {faulted}");
+    }
+
+    /// The page faults [`churn_on_a_new_thread`] reports in a child process of this test binary.
+    fn churn_in_a_child(retain: bool) -> i64 {
+        let out = std::process::Command::new(std::env::current_exe().expect("the test binary"))
+            .args([
+                "--exact",
+                "ops::backend::memory::tests::churn_on_a_new_thread",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, if retain { "1" } else { "0" })
+            .output()
+            .expect("the child process runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "the child failed: {stdout}");
+        stdout
+            .lines()
+            .find_map(|line| line.split("churn faults ").nth(1))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no fault count in the child's output: {stdout}"))
+    }
+
+    /// A thread that starts after [`retain_freed_memory`] allocates from the main heap, which
+    /// keeps what it frees: its later cycles fault in (almost) nothing, where the same thread
+    /// without the call faults in at least one 40 MiB buffer per cycle again. The control shows
+    /// that this machine's glibc behaves as the setting assumes; both run in fresh processes,
+    /// since the setting is the whole process's and arenas once made stay.
+    #[test]
+    fn pool_threads_keep_their_memory() {
+        let pages = (40i64 << 20) / 4096;
+        let without = churn_in_a_child(false);
+        assert!(
+            without >= 5 * pages,
+            "without the setting a new thread faulted in only {without} pages in five cycles \
+             (expected at least {} for one 40 MiB buffer per cycle)",
+            5 * pages
+        );
+        let with = churn_in_a_child(true);
+        assert!(
+            with < pages,
+            "with the setting a new thread still faulted in {with} pages in five cycles \
+             (without: {without})"
         );
     }
 }
