@@ -117,37 +117,17 @@ fn host_batched(x: &HostArray, [batch, rows, cols]: [usize; 3], steps: usize) ->
         x.iter_mut().for_each(|v| *v /= norm);
         let (mut gram, mut square, mut step) =
             (vec![0.0; m * m], vec![0.0; m * m], vec![0.0; size]);
+        // `dst = lhs · rhs` (or `lhs · rhsᵀ`) for `[rows, inner, cols]`.
+        let mul = |dst: &mut [f32], lhs: &[f32], rhs: &[f32], rhs_layout, dims| {
+            product(dst, lhs, Layout::Plain, rhs, rhs_layout, dims, false)
+        };
         for _ in 0..steps {
-            product(
-                &mut gram,
-                &x,
-                Layout::Plain,
-                &x,
-                Layout::Transposed,
-                [m, n, m],
-                false,
-            );
-            product(
-                &mut square,
-                &gram,
-                Layout::Plain,
-                &gram,
-                Layout::Plain,
-                [m, m, m],
-                false,
-            );
+            mul(&mut gram, &x, &x, Layout::Transposed, [m, n, m]);
+            mul(&mut square, &gram, &gram, Layout::Plain, [m, m, m]);
             for (g, s) in gram.iter_mut().zip(&square) {
                 *g = b * *g + c * s;
             }
-            product(
-                &mut step,
-                &gram,
-                Layout::Plain,
-                &x,
-                Layout::Plain,
-                [m, m, n],
-                false,
-            );
+            mul(&mut step, &gram, &x, Layout::Plain, [m, m, n]);
             for (v, s) in x.iter_mut().zip(&step) {
                 *v = a * *v + s;
             }
