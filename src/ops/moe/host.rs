@@ -69,7 +69,7 @@ impl RoutedExperts {
     fn act_into(&self, out: &mut [f32], g: &[f32], u: &[f32]) {
         match self.activation {
             GluActivation::Situ { beta1, beta2 } => {
-                map_into(out, [g, u], Value(SituGlu { beta1, beta2 }))
+                SituGlu { beta1, beta2 }.value_into(out, [g, u])
             }
             GluActivation::SwiGlu => map_into(out, [g, u], Value(SwiGlu)),
         }
@@ -81,7 +81,7 @@ impl RoutedExperts {
         let outs = [a, dg, du];
         match self.activation {
             GluActivation::Situ { beta1, beta2 } => {
-                map_many_into(outs, [g, u, d], ValueAndGradient(SituGlu { beta1, beta2 }))
+                SituGlu { beta1, beta2 }.value_and_gradient_into(outs, [g, u, d])
             }
             GluActivation::SwiGlu => map_many_into(outs, [g, u, d], ValueAndGradient(SwiGlu)),
         }

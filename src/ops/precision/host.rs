@@ -23,7 +23,8 @@
 
 use crate::ops::backend::host::{HostArray, HostOp};
 use crate::ops::backend::simd::{
-    exp_expm1_nonpositive_lane, exp_lane, map, map_many_into, Elementwise, ElementwiseMany,
+    exp_expm1_nonpositive_lane, exp_lane, map, map_into, map_many_into, Elementwise,
+    ElementwiseMany,
 };
 
 /// `(σ(x), 1 − σ(x))` in `f32`, each accurate to a few ulp for every `x`.
@@ -47,6 +48,7 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
 
 /// `(tanh(x), 1 − tanh²(x))` in `f32` through `expm1`: accurate near zero, and the derivative
 /// keeps its relative precision where `tanh` has saturated to ±1.
+#[cfg(test)]
 #[inline(always)]
 pub(crate) fn tanh_sech2(x: f32) -> (f32, f32) {
     let (n, d, e2) = tanh_parts(x);
@@ -120,6 +122,13 @@ impl HostOp<1> for Unary {
 
 /// SiTU-GLU `A(gate) · B(up)` (design §1): `A(g) = β1·tanh(g/β1)·σ(g)`, `B(v) = β2·tanh(v/β2)` or
 /// `v` without `β2`.
+///
+/// Each of `tanh(g/β1)`, `σ(g)` and `tanh(v/β2)` is a quotient whose denominator lies in `[1, 2]`,
+/// so the value and both derivatives come from one division (of their product, in `[1, 8]`: it
+/// can neither overflow nor underflow); divisions are the slow instruction of these loops. With
+/// `β1 = 4` (the default) `σ(g)`'s `e^{−|g|}` is the square of the `e^{−|g|/2}` that
+/// `tanh(g/4)` needs, so the gate takes one exponential instead of two ([`SituGlu::shares_exp`]:
+/// the loops are compiled once for each case, so neither pays for the other's branch).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct SituGlu {
     /// `β1`.
@@ -128,42 +137,137 @@ pub(crate) struct SituGlu {
     pub beta2: Option<f32>,
 }
 
+/// [`SituGlu`] with `SHARED` telling whether `β1 = 4` ([`SituGlu::shares_exp`]), for the loops.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Situ<const SHARED: bool>(pub SituGlu);
+
+/// The pieces of `A(g)·B(v)` before their one division.
+struct SituParts {
+    /// `A(g) = β1·tanh(g/β1)·σ(g) = a_num / (t_den · s_den)`.
+    a_num: f32,
+    /// `tanh(g/β1) = t_num / t_den`, `t_den ∈ [1, 2]`.
+    t_num: f32,
+    t_den: f32,
+    /// `e^{−2|g|/β1}`, for `1 − tanh²(g/β1) = 4·e_t/t_den²`.
+    e_t: f32,
+    /// `σ(|g|) = 1/s_den`, `s_den = 1 + e^{−|g|} ∈ [1, 2]`; `σ(g) = s_num/s_den`,
+    /// `1 − σ(g) = c_num/s_den`.
+    s_den: f32,
+    s_num: f32,
+    c_num: f32,
+    /// `B(v) = b_num / b_den`, `b_den ∈ [1, 2]`, and `B'(v) = db_num / b_den²`.
+    b_num: f32,
+    b_den: f32,
+    db_num: f32,
+}
+
 impl SituGlu {
-    /// `A(g) · B(v)` with a single division: each of `tanh(g/β1)`, `σ(g)` and `tanh(v/β2)` is a
-    /// quotient whose denominator lies in `[1, 2]`, so their product is one quotient that can
-    /// neither overflow nor underflow (five divisions otherwise, the bulk of the loop's time).
+    /// Whether `σ(g)`'s exponential is the square of `tanh(g/β1)`'s: `β1 = 4`.
+    pub(crate) fn shares_exp(&self) -> bool {
+        self.beta1 == 4.0
+    }
+
     #[inline(always)]
-    pub(crate) fn value(&self, g: f32, v: f32) -> f32 {
-        let (n1, d1, _) = tanh_parts(g * (1.0 / self.beta1));
-        let e = exp_lane(-g.abs());
-        let ns = if g >= 0.0 { 1.0 } else { e };
-        let a = self.beta1 * n1 * ns;
-        let d = d1 * (1.0 + e);
-        match self.beta2 {
-            Some(b2) => {
-                let (n2, d2, _) = tanh_parts(v * (1.0 / b2));
-                a * (b2 * n2) / (d * d2)
+    fn parts<const SHARED: bool>(&self, g: f32, v: f32) -> SituParts {
+        let (t_num, t_den, e_t) = tanh_parts(g * (1.0 / self.beta1));
+        let e = if SHARED {
+            // e^{−|g|} = (e^{−|g|/2})². Squares under f32's smallest normal number are 0 (as
+            // `exp_lane` gives there), and no product is formed from a smaller factor: a result
+            // below the normal range costs some CPUs a microcode assist per instruction.
+            const LOW: f32 = 1.0 / (1u64 << 63) as f32;
+            let f = e_t.max(LOW);
+            if e_t < LOW {
+                0.0
+            } else {
+                f * f
             }
-            None => a * v / d,
+        } else {
+            exp_lane(-g.abs())
+        };
+        let (s_num, c_num) = if g >= 0.0 { (1.0, e) } else { (e, 1.0) };
+        let (b_num, b_den, db_num) = match self.beta2 {
+            Some(b2) => {
+                let (n, d, e2) = tanh_parts(v * (1.0 / b2));
+                (b2 * n, d, 4.0 * e2)
+            }
+            None => (v, 1.0, 1.0),
+        };
+        SituParts {
+            a_num: self.beta1 * t_num * s_num,
+            t_num,
+            t_den,
+            e_t,
+            s_den: 1.0 + e,
+            s_num,
+            c_num,
+            b_num,
+            b_den,
+            db_num,
         }
     }
 
-    /// `(A(g), A'(g))`.
+    /// `A(g) · B(v)`.
     #[inline(always)]
-    pub(crate) fn gate(&self, g: f32) -> (f32, f32) {
-        let ((t, sech2), (s, c)) = (tanh_sech2(g * (1.0 / self.beta1)), sigmoid_pair(g));
-        (self.beta1 * t * s, sech2 * s + self.beta1 * t * s * c)
+    pub(crate) fn value<const SHARED: bool>(&self, g: f32, v: f32) -> f32 {
+        let p = self.parts::<SHARED>(g, v);
+        let r = 1.0 / (p.t_den * p.s_den * p.b_den);
+        p.a_num * p.b_num * r
     }
 
-    /// `(B(v), B'(v))`.
+    /// `(A(g)·B(v), d·A'(g)·B(v), d·A(g)·B'(v))`, from the same one division as
+    /// [`value`](Self::value) (the value is the same bits as there).
     #[inline(always)]
-    pub(crate) fn up(&self, v: f32) -> (f32, f32) {
-        match self.beta2 {
-            Some(b2) => {
-                let (t, sech2) = tanh_sech2(v * (1.0 / b2));
-                (b2 * t, sech2)
-            }
-            None => (v, 1.0),
+    pub(crate) fn value_and_gradient<const SHARED: bool>(
+        &self,
+        g: f32,
+        v: f32,
+        d: f32,
+    ) -> [f32; 3] {
+        let p = self.parts::<SHARED>(g, v);
+        let r = 1.0 / (p.t_den * p.s_den * p.b_den);
+        let value = p.a_num * p.b_num * r;
+        // The reciprocal of each factor from `r`.
+        let (inv_t, inv_s, inv_b) = (
+            p.s_den * p.b_den * r,
+            p.t_den * p.b_den * r,
+            p.t_den * p.s_den * r,
+        );
+        let t = p.t_num * inv_t;
+        let sech2 = 4.0 * p.e_t * inv_t * inv_t;
+        let (s, c) = (p.s_num * inv_s, p.c_num * inv_s);
+        let a = self.beta1 * t * s;
+        let da = sech2 * s + a * c;
+        let b = p.b_num * inv_b;
+        let db = p.db_num * inv_b * inv_b;
+        [value, d * b * da, d * a * db]
+    }
+
+    /// [`value`](Self::value) of every element into `out`.
+    pub(crate) fn value_into(&self, out: &mut [f32], inputs: [&[f32]; 2]) {
+        if self.shares_exp() {
+            map_into(out, inputs, Value(Situ::<true>(*self)))
+        } else {
+            map_into(out, inputs, Value(Situ::<false>(*self)))
+        }
+    }
+
+    /// The two gradients of [`value_and_gradient`](Self::value_and_gradient) of every element
+    /// `[g, v, d]` into `outs`.
+    pub(crate) fn gradient_into(&self, outs: [&mut [f32]; 2], inputs: [&[f32]; 3]) {
+        if self.shares_exp() {
+            map_many_into(outs, inputs, Gradient(Situ::<true>(*self)))
+        } else {
+            map_many_into(outs, inputs, Gradient(Situ::<false>(*self)))
+        }
+    }
+
+    /// [`value_and_gradient`](Self::value_and_gradient) of every element `[g, v, d]` into
+    /// `outs`.
+    pub(crate) fn value_and_gradient_into(&self, outs: [&mut [f32]; 3], inputs: [&[f32]; 3]) {
+        if self.shares_exp() {
+            map_many_into(outs, inputs, ValueAndGradient(Situ::<true>(*self)))
+        } else {
+            map_many_into(outs, inputs, ValueAndGradient(Situ::<false>(*self)))
         }
     }
 }
@@ -172,7 +276,8 @@ impl HostOp<2> for SituGlu {
     type Saved = ();
 
     fn forward(&self, [g, v]: &[HostArray; 2], save: bool) -> (HostArray, Option<()>) {
-        let data = map([&g.data, &v.data], Value(*self));
+        let mut data = vec![0.0f32; g.data.len().min(v.data.len())];
+        self.value_into(&mut data, [&g.data, &v.data]);
         let out = HostArray {
             data: data.into(),
             shape: g.shape.clone(),
@@ -184,7 +289,7 @@ impl HostOp<2> for SituGlu {
         let n = g.data.len();
         let (mut dg, mut dv) = (vec![0.0f32; n], vec![0.0f32; n]);
         let inputs = [&g.data[..], &v.data[..], &grad.data[..]];
-        map_many_into([&mut dg, &mut dv], inputs, Gradient(*self));
+        self.gradient_into([&mut dg, &mut dv], inputs);
         let shape = g.shape.clone();
         [
             HostArray {
@@ -203,28 +308,64 @@ impl HostOp<2> for SituGlu {
 mod tests {
     use super::*;
 
-    /// The one-division SiTU-GLU value against the f64 formula, with and without `β2`, through
-    /// saturation on both sides, and against the two-factor form the gradients use.
+    /// SiTU-GLU's value and both gradients, from their one division, against the f64 formulas
+    /// of design §1 with and without `β2`, through saturation on both sides, for `β1 = 4` in
+    /// both compiled forms (the gate's exponential shared, and computed on its own) and for a
+    /// `β1` whose exponentials differ.
     #[test]
-    fn situ_glu_value_matches_f64() {
-        for beta2 in [Some(25.0f32), Some(0.7), None] {
-            let f = SituGlu { beta1: 4.0, beta2 };
-            for i in -300..=300 {
+    fn situ_glu_value_and_gradients_match_f64() {
+        fn check<const SHARED: bool>(f: SituGlu) {
+            let b1 = f.beta1 as f64;
+            // Past the range of `e^{−|g|}` in f32 too (|g| > 87.3).
+            let far = [-200.0, -100.0, -90.0, -88.0, 88.0, 90.0, 100.0, 200.0];
+            let gates = (-300..=300).map(|i| i as f32 * 0.17 + 0.001).chain(far);
+            for g in gates {
                 for j in -60..=60 {
-                    let (g, v) = (i as f32 * 0.17 + 0.001, j as f32 * 1.3 - 0.002);
+                    let v = j as f32 * 1.3 - 0.002;
                     let (gd, vd) = (g as f64, v as f64);
-                    let a = 4.0 * (gd / 4.0).tanh() / (1.0 + (-gd).exp());
-                    let b = beta2.map_or(vd, |b2| b2 as f64 * (vd / b2 as f64).tanh());
-                    let want = a * b;
-                    let got = f.value(g, v) as f64;
-                    assert!(
-                        (got - want).abs() <= 2e-6 * want.abs() + 1e-30,
-                        "A({g})·B({v}) = {got} vs {want} (β2 {beta2:?})"
-                    );
-                    let two = (f.gate(g).0 * f.up(v).0) as f64;
-                    assert!((two - want).abs() <= 2e-6 * want.abs() + 1e-30);
+                    let (t, s) = ((gd / b1).tanh(), 1.0 / (1.0 + (-gd).exp()));
+                    let a = b1 * t * s;
+                    // `1 − tanh²` and `1 − σ` in forms that keep their precision in f64 too.
+                    let sech2 = |x: f64| 1.0 / x.cosh().powi(2);
+                    let c = 1.0 / (1.0 + gd.exp());
+                    let terms = [sech2(gd / b1) * s, b1 * t * s * c];
+                    let da = terms[0] + terms[1];
+                    let (b, db) = match f.beta2 {
+                        Some(b2) => {
+                            let x = vd / b2 as f64;
+                            (b2 as f64 * x.tanh(), sech2(x))
+                        }
+                        None => (vd, 1.0),
+                    };
+                    let d = 0.37f32 as f64;
+                    let want = [a * b, d * da * b, d * a * db];
+                    // `A'` changes sign near g = −1.2 (the minimum of `A`), where its two terms
+                    // cancel: its error is one of their size.
+                    let scale = [a * b, d * (terms[0].abs() + terms[1].abs()) * b, d * a * db];
+                    let got = f.value_and_gradient::<SHARED>(g, v, 0.37);
+                    assert_eq!(got[0].to_bits(), f.value::<SHARED>(g, v).to_bits());
+                    // A few ulp of f32 (ε = 1.19e-7) for the value, a few dozen for the
+                    // gradients (products of a dozen rounded factors: the reciprocals of the
+                    // three denominators from one division, squared for the `sech²`s), and
+                    // f32's smallest normal numbers.
+                    let tol = [2e-6, 5e-6, 5e-6];
+                    for (k, ((&w, &x), m)) in want.iter().zip(&got).zip(scale).enumerate() {
+                        assert!(
+                            (x as f64 - w).abs() <= tol[k] * m.abs() + 1e-30,
+                            "output {k} at g = {g}, v = {v}: {x} vs {w} ({f:?}, shared {SHARED})"
+                        );
+                    }
                 }
             }
+        }
+        for beta2 in [Some(25.0f32), Some(0.7), None] {
+            let f = SituGlu { beta1: 4.0, beta2 };
+            assert!(f.shares_exp());
+            check::<true>(f);
+            check::<false>(f);
+            let other = SituGlu { beta1: 2.5, beta2 };
+            assert!(!other.shares_exp());
+            check::<false>(other);
         }
     }
 
@@ -304,18 +445,18 @@ impl Elementwise<2> for Derivative<Unary> {
     }
 }
 
-impl Elementwise<2> for Value<SituGlu> {
+impl<const SHARED: bool> Elementwise<2> for Value<Situ<SHARED>> {
     #[inline(always)]
     fn apply(&self, [g, v]: [f32; 2]) -> f32 {
-        self.0.value(g, v)
+        self.0 .0.value::<SHARED>(g, v)
     }
 }
 
-impl ElementwiseMany<3, 2> for Gradient<SituGlu> {
+impl<const SHARED: bool> ElementwiseMany<3, 2> for Gradient<Situ<SHARED>> {
     #[inline(always)]
     fn apply(&self, [g, v, d]: [f32; 3]) -> [f32; 2] {
-        let ((ga, gd), (ua, ud)) = (self.0.gate(g), self.0.up(v));
-        [d * ua * gd, d * ga * ud]
+        let [_, dg, dv] = self.0 .0.value_and_gradient::<SHARED>(g, v, d);
+        [dg, dv]
     }
 }
 
