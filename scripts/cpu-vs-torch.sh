@@ -6,7 +6,8 @@
 # Runs, back to back: a plain f32 matmul rate (the machine's limit, `benches/matmul.rs`), the
 # KDA and MoE benches on `NdArray<f32>` (criterion), then `torch_blocks.py kda` and `... moe`
 # (PyTorch on the CPU, same thread count, eager and `torch.compile`), and prints
-# `kimi-burn / PyTorch` per block against the faster PyTorch variant. Needs Python 3 with `torch`,
+# `kimi-burn / PyTorch` per block against the faster PyTorch variant, under a line with the commit
+# and the CPU (model, L2 and L3 caches). Needs Python 3 with `torch`,
 # `numpy` and `einops` (benchmark-only: the crate's build and tests never need Python). The
 # baseline script is looked for in `$TORCH_BLOCKS`, the argument, or `../shared/baselines/`.
 #
@@ -34,4 +35,13 @@ cargo bench --bench kda -- "${criterion[@]}" '^(chunk_kda_fwd|chunk_kda_fwd_bwd)
 cargo bench --bench moe -- "${criterion[@]}" latent_moe | tee "$out/moe.txt"
 python3 "$torch_blocks" kda --threads "$threads" --skip-fla --runs 7 --warmup 2 >"$out/torch_kda.csv" 2>"$out/torch_kda.err"
 python3 "$torch_blocks" moe --threads "$threads" --runs 7 --warmup 2 >"$out/torch_moe.csv" 2>"$out/torch_moe.err"
-python3 scripts/cpu_vs_torch_table.py target/criterion "$out/torch_kda.csv" "$out/torch_moe.csv" | tee "$out/table.md"
+# The machine beside the numbers: this script has run on 2-core VMs with a 32 MiB and a 480 MiB
+# last-level cache, which moves the KDA ratios per 4x T and the MoE forward against its matmul time.
+{
+    echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- || echo ' (with uncommitted changes)'), $(nproc) threads"
+    if command -v lscpu >/dev/null; then
+        lscpu | grep -E '^(Model name|L2 cache|L3 cache):' | sed 's/  */ /g' || true
+    fi
+    echo
+} | tee "$out/table.md"
+python3 scripts/cpu_vs_torch_table.py target/criterion "$out/torch_kda.csv" "$out/torch_moe.csv" | tee -a "$out/table.md"
