@@ -9,6 +9,9 @@
 //!   `NdArray`, each call handing its outputs to the next as an optimiser does.
 //! * `newton_schulz_8x64x256`, `newton_schulz_1x512x1536`: [`newton_schulz_batched`] (five steps)
 //!   on `NdArray`, a batch of small blocks and one larger matrix.
+//! * `situ_glu_4096x512`: [`situ_glu`] (K3's `β1 = 4`, `β2 = 25`) on `[4096, 512]` gate and up
+//!   (the shared expert's hidden layer at the MoE bench's shape), forward on `NdArray` and
+//!   forward + backward on `Autodiff<NdArray>`.
 //!
 //! `cargo bench --bench ops -- --warm-up-time 1 --measurement-time 3`
 // Reading tensors back is this program's business: the crate's read counter covers the library.
@@ -20,7 +23,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use kimi_burn::ops::kda::kda_gate;
 use kimi_burn::ops::mla::{causal_mask, masked_softmax, rotary};
 use kimi_burn::ops::optim::{adamw_update, scaled_sum, AdamWScalars};
-use kimi_burn::ops::with_kernels;
+use kimi_burn::ops::{situ_glu, with_kernels};
 use kimi_burn::optim::{newton_schulz_batched, NS_STEPS};
 
 type Cpu = NdArray<f32>;
@@ -151,11 +154,45 @@ fn bench_newton_schulz(c: &mut Criterion) {
     }
 }
 
+fn bench_situ(c: &mut Criterion) {
+    let device = Default::default();
+    let randn = |scale: f64| {
+        Tensor::<Ad, 2>::random([4096, 512], Distribution::Normal(0.0, scale), &device)
+    };
+    let (g, u, dy) = (
+        randn(2.0).require_grad(),
+        randn(2.0).require_grad(),
+        randn(1.0),
+    );
+    let (g_plain, u_plain) = (g.clone().inner(), u.clone().inner());
+    let mut group = c.benchmark_group("situ_glu_4096x512");
+    group.sample_size(20);
+    for (path, on) in PATHS {
+        group.bench_function(format!("forward/{path}"), |b| {
+            b.iter(|| {
+                with_kernels(on, || {
+                    situ_glu(g_plain.clone(), u_plain.clone(), 4.0, Some(25.0))
+                })
+            })
+        });
+        group.bench_function(format!("forward_backward/{path}"), |b| {
+            b.iter(|| {
+                with_kernels(on, || {
+                    let y = situ_glu(g.clone(), u.clone(), 4.0, Some(25.0));
+                    y.mul(dy.clone()).sum().backward()
+                })
+            })
+        });
+    }
+    group.finish();
+}
+
 criterion_group!(
     benches,
     bench_gate,
     bench_mla_helpers,
     bench_optim,
-    bench_newton_schulz
+    bench_newton_schulz,
+    bench_situ
 );
 criterion_main!(benches);
