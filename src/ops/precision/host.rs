@@ -23,8 +23,8 @@
 
 use crate::ops::backend::host::{HostArray, HostOp};
 use crate::ops::backend::simd::{
-    exp_expm1_nonpositive_lane, exp_lane, map, map_into, map_many_into, Elementwise,
-    ElementwiseMany,
+    exp_expm1_nonpositive_lane, exp_expm1_nonpositive_lean_lane, exp_lane, map, map_into,
+    map_many_into, Elementwise, ElementwiseMany,
 };
 
 /// `(σ(x), 1 − σ(x))` in `f32`, each accurate to a few ulp for every `x`.
@@ -51,17 +51,30 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
 #[cfg(test)]
 #[inline(always)]
 pub(crate) fn tanh_sech2(x: f32) -> (f32, f32) {
-    let (n, d, e2) = tanh_parts(x);
+    let (n, d, e2) = tanh_parts::<false>(x, 1.0);
     // One division (they are the slow instruction of these loops) for both.
     let r = 1.0 / d;
     (n * r, 4.0 * e2 * r * r)
 }
 
-/// `tanh(x) = n / d` as `(n, d, e₂)`: `n = −sign(x)·expm1(−2|x|)`, `d = 1 + e₂ ∈ [1, 2]`,
-/// `e₂ = e^{−2|x|}`; the division left to the caller, who may fold several into one.
+/// `tanh(c·x) = n / d` for a scale `c > 0` as `(n, d, e₂)`: `n = −sign(x)·expm1(−2|c·x|)`,
+/// `d = 1 + e₂ ∈ [1, 2]`, `e₂ = e^{−2|c·x|}`; the division left to the caller, who may fold
+/// several into one. The argument `−2|c·x|` is formed as `|x|·(−2c)`, one multiplication: the
+/// same value (doubling is exact, so it commutes with the rounding of the product) wherever `c·x`
+/// is a normal number.
+///
+/// `LEAN` takes [`exp_expm1_nonpositive_lean_lane`]: the same `n` and `d` for every input, and
+/// `e₂` is about 1.3e−38 instead of 0 where `|c·x| > 43.65`. For callers that use `e₂` only
+/// through `d` (a value), not as `1 − tanh²` (a gradient, which would no longer be exactly 0
+/// there).
 #[inline(always)]
-fn tanh_parts(x: f32) -> (f32, f32, f32) {
-    let (e2, m) = exp_expm1_nonpositive_lane(-2.0 * x.abs());
+fn tanh_parts<const LEAN: bool>(x: f32, c: f32) -> (f32, f32, f32) {
+    let a = x.abs() * (-2.0 * c);
+    let (e2, m) = if LEAN {
+        exp_expm1_nonpositive_lean_lane(a)
+    } else {
+        exp_expm1_nonpositive_lane(a)
+    };
     ((-m).copysign(x), 1.0 + e2, e2)
 }
 
@@ -167,9 +180,12 @@ impl SituGlu {
         self.beta1 == 4.0
     }
 
+    /// The parts at `(g, v)`; with `LEAN` (values only) `e_t` may be 1.3e−38 where it is 0
+    /// otherwise ([`tanh_parts`]), which changes neither `σ(g)` (that `e_t` is below the clamp
+    /// below) nor any denominator.
     #[inline(always)]
-    fn parts<const SHARED: bool>(&self, g: f32, v: f32) -> SituParts {
-        let (t_num, t_den, e_t) = tanh_parts(g * (1.0 / self.beta1));
+    fn parts<const SHARED: bool, const LEAN: bool>(&self, g: f32, v: f32) -> SituParts {
+        let (t_num, t_den, e_t) = tanh_parts::<LEAN>(g, 1.0 / self.beta1);
         let e = if SHARED {
             // e^{−|g|} = (e^{−|g|/2})². Squares under f32's smallest normal number are 0 (as
             // `exp_lane` gives there), and no product is formed from a smaller factor: a result
@@ -187,7 +203,7 @@ impl SituGlu {
         let (s_num, c_num) = if g >= 0.0 { (1.0, e) } else { (e, 1.0) };
         let (b_num, b_den, db_num) = match self.beta2 {
             Some(b2) => {
-                let (n, d, e2) = tanh_parts(v * (1.0 / b2));
+                let (n, d, e2) = tanh_parts::<LEAN>(v, 1.0 / b2);
                 (b2 * n, d, 4.0 * e2)
             }
             None => (v, 1.0, 1.0),
@@ -209,7 +225,7 @@ impl SituGlu {
     /// `A(g) · B(v)`.
     #[inline(always)]
     pub(crate) fn value<const SHARED: bool>(&self, g: f32, v: f32) -> f32 {
-        let p = self.parts::<SHARED>(g, v);
+        let p = self.parts::<SHARED, true>(g, v);
         let r = 1.0 / (p.t_den * p.s_den * p.b_den);
         p.a_num * p.b_num * r
     }
@@ -223,7 +239,7 @@ impl SituGlu {
         v: f32,
         d: f32,
     ) -> [f32; 3] {
-        let p = self.parts::<SHARED>(g, v);
+        let p = self.parts::<SHARED, false>(g, v);
         let r = 1.0 / (p.t_den * p.s_den * p.b_den);
         let value = p.a_num * p.b_num * r;
         // The reciprocal of each factor from `r`.
