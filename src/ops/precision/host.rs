@@ -385,6 +385,53 @@ mod tests {
         }
     }
 
+    /// NaN in gives NaN out, and only there, through the loops as they run (vectorised, through
+    /// `dispatch`): the exponentials carry a NaN by their arithmetic, with no select of their own.
+    #[test]
+    fn nan_propagates_through_the_vectorised_loops() {
+        let len = 67;
+        let nan_at = [0, 5, 16, 31, 47, 66];
+        let with_nans = |fill: f32| -> Vec<f32> {
+            (0..len)
+                .map(|i| {
+                    if nan_at.contains(&i) {
+                        f32::NAN
+                    } else {
+                        fill * (i as f32 - 30.0)
+                    }
+                })
+                .collect()
+        };
+        let check = |what: &str, out: &[f32], nans: &[usize]| {
+            for (i, y) in out.iter().enumerate() {
+                assert_eq!(y.is_nan(), nans.contains(&i), "{what}[{i}] = {y}");
+            }
+        };
+        let x = with_nans(3.1);
+        for f in [Unary::Sigmoid, Unary::Silu] {
+            check("value", &map([&x], Value(f)), &nan_at);
+            check("derivative", &map([&x, &x], Derivative(f)), &nan_at);
+        }
+        let plain: Vec<f32> = (0..len).map(|i| 0.7 * (i as f32 - 33.0)).collect();
+        for beta2 in [Some(25.0), Some(0.7), None] {
+            for beta1 in [4.0, 2.5] {
+                let f = SituGlu { beta1, beta2 };
+                for (g, v, nan_in_v) in [(&x, &plain, false), (&plain, &x, true)] {
+                    let mut out = vec![0.0; len];
+                    f.value_into(&mut out, [g, v]);
+                    check("situ value", &out, &nan_at);
+                    let (mut a, mut dg, mut dv) = (vec![0.0; len], vec![0.0; len], vec![0.0; len]);
+                    f.value_and_gradient_into([&mut a, &mut dg, &mut dv], [g, v, &plain]);
+                    check("situ value", &a, &nan_at);
+                    check("situ d/dg", &dg, &nan_at);
+                    // Without `β2` the branch is linear: `∂(A(g)·v)/∂v = A(g)` does not read v.
+                    let linear_in_v = nan_in_v && beta2.is_none();
+                    check("situ d/dv", &dv, if linear_in_v { &[] } else { &nan_at });
+                }
+            }
+        }
+    }
+
     #[test]
     fn scalar_functions_match_f64() {
         for i in -400..=400 {
