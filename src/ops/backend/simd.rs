@@ -16,6 +16,8 @@
     allow(dead_code, unused_imports)
 )]
 
+use std::mem::MaybeUninit;
+
 pub(crate) use pulp::{Scalar, Simd, WithSimd};
 
 /// Runs `op` with the widest SIMD instruction set this CPU has (AVX-512, AVX2+FMA, or one lane at
@@ -244,12 +246,30 @@ pub(crate) trait Elementwise<const N: usize>: Copy + Send + Sync {
 }
 
 /// `f` applied to every element (of the `N` inputs together), compiled for the widest SIMD of
-/// this CPU ([`dispatch`]) and spread over rayon's pool for large inputs.
+/// this CPU ([`dispatch`]) and spread over rayon's pool for large inputs, into a new buffer.
 pub(crate) fn map<const N: usize, F: Elementwise<N>>(inputs: [&[f32]; N], f: F) -> Vec<f32> {
-    let len = inputs.iter().map(|x| x.len()).min().unwrap_or(0);
-    let mut out = vec![0.0f32; len];
-    map_into(&mut out, inputs, f);
+    let [out] = map_many(inputs, One(f));
     out
+}
+
+/// [`map_many_into`] into `M` new buffers. They are not zeroed first: the map writes every
+/// element, and a zeroing pass would be one more pass over memory as long as the outputs.
+pub(crate) fn map_many<const N: usize, const M: usize, F: ElementwiseMany<N, M>>(
+    inputs: [&[f32]; N],
+    f: F,
+) -> [Vec<f32>; M] {
+    let len = inputs.iter().map(|x| x.len()).min().unwrap_or(0);
+    let mut outs: [Vec<f32>; M] = std::array::from_fn(|_| Vec::with_capacity(len));
+    map_many_uninit(
+        outs.each_mut().map(|o| &mut o.spare_capacity_mut()[..len]),
+        inputs,
+        f,
+    );
+    for o in &mut outs {
+        // SAFETY: `map_many_uninit` wrote each of the first `len` elements.
+        unsafe { o.set_len(len) };
+    }
+    outs
 }
 
 /// [`map`] into `out` (as long as the shortest input): [`map_many_into`] with one output.
@@ -289,6 +309,19 @@ pub(crate) fn map_many_into<const N: usize, const M: usize, F: ElementwiseMany<N
     inputs: [&[f32]; N],
     f: F,
 ) {
+    // SAFETY: `MaybeUninit<f32>` has the layout of `f32`, and `map_many_uninit` writes only
+    // initialised values, so the slices hold valid `f32`s throughout.
+    let outs = outs.map(|o| unsafe { &mut *(o as *mut [f32] as *mut [MaybeUninit<f32>]) });
+    map_many_uninit(outs, inputs, f);
+}
+
+/// [`map_many_into`] into outputs that may be uninitialised: every element of each output up to
+/// the shortest input's length is written.
+fn map_many_uninit<const N: usize, const M: usize, F: ElementwiseMany<N, M>>(
+    outs: [&mut [MaybeUninit<f32>]; M],
+    inputs: [&[f32]; N],
+    f: F,
+) {
     use rayon::prelude::*;
     let len = inputs.iter().map(|x| x.len()).min().unwrap_or(0);
     for o in &outs {
@@ -298,7 +331,7 @@ pub(crate) fn map_many_into<const N: usize, const M: usize, F: ElementwiseMany<N
             o.len()
         );
     }
-    let run = |start: usize, outs: [&mut [f32]; M]| {
+    let run = |start: usize, outs: [&mut [MaybeUninit<f32>]; M]| {
         dispatch(MapMany {
             inputs,
             start,
@@ -312,7 +345,7 @@ pub(crate) fn map_many_into<const N: usize, const M: usize, F: ElementwiseMany<N
         return;
     }
     let mut chunks = outs.map(|o| o.chunks_mut(MAP_CHUNK));
-    let jobs: Vec<[&mut [f32]; M]> = (0..len.div_ceil(MAP_CHUNK))
+    let jobs: Vec<[&mut [MaybeUninit<f32>]; M]> = (0..len.div_ceil(MAP_CHUNK))
         .map(|_| std::array::from_fn(|j| chunks[j].next().unwrap_or_else(|| unreachable!())))
         .collect();
     jobs.into_par_iter()
@@ -324,7 +357,7 @@ pub(crate) fn map_many_into<const N: usize, const M: usize, F: ElementwiseMany<N
 struct MapMany<'a, const N: usize, const M: usize, F> {
     inputs: [&'a [f32]; N],
     start: usize,
-    outs: [&'a mut [f32]; M],
+    outs: [&'a mut [MaybeUninit<f32>]; M],
     f: F,
 }
 
@@ -347,7 +380,7 @@ impl<const N: usize, const M: usize, F: ElementwiseMany<N, M>> WithSimd for MapM
         for i in 0..len {
             let y = f.apply(inputs.map(|x| x[i]));
             for (o, y) in outs.iter_mut().zip(y) {
-                o[i] = y;
+                o[i] = MaybeUninit::new(y);
             }
         }
     }

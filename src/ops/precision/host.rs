@@ -23,7 +23,7 @@
 
 use crate::ops::backend::host::{HostArray, HostOp};
 use crate::ops::backend::simd::{
-    exp_expm1_nonpositive_lane, exp_expm1_nonpositive_lean_lane, exp_lane, map, map_into,
+    exp_expm1_nonpositive_lane, exp_expm1_nonpositive_lean_lane, exp_lane, map, map_into, map_many,
     map_many_into, Elementwise, ElementwiseMany,
 };
 
@@ -267,13 +267,22 @@ impl SituGlu {
         }
     }
 
-    /// The two gradients of [`value_and_gradient`](Self::value_and_gradient) of every element
-    /// `[g, v, d]` into `outs`.
-    pub(crate) fn gradient_into(&self, outs: [&mut [f32]; 2], inputs: [&[f32]; 3]) {
+    /// [`value`](Self::value) of every element, into a new buffer.
+    pub(crate) fn values(&self, inputs: [&[f32]; 2]) -> Vec<f32> {
         if self.shares_exp() {
-            map_many_into(outs, inputs, Gradient(Situ::<true>(*self)))
+            map(inputs, Value(Situ::<true>(*self)))
         } else {
-            map_many_into(outs, inputs, Gradient(Situ::<false>(*self)))
+            map(inputs, Value(Situ::<false>(*self)))
+        }
+    }
+
+    /// The two gradients of [`value_and_gradient`](Self::value_and_gradient) of every element
+    /// `[g, v, d]`, into new buffers.
+    pub(crate) fn gradients(&self, inputs: [&[f32]; 3]) -> [Vec<f32>; 2] {
+        if self.shares_exp() {
+            map_many(inputs, Gradient(Situ::<true>(*self)))
+        } else {
+            map_many(inputs, Gradient(Situ::<false>(*self)))
         }
     }
 
@@ -292,8 +301,7 @@ impl HostOp<2> for SituGlu {
     type Saved = ();
 
     fn forward(&self, [g, v]: &[HostArray; 2], save: bool) -> (HostArray, Option<()>) {
-        let mut data = vec![0.0f32; g.data.len().min(v.data.len())];
-        self.value_into(&mut data, [&g.data, &v.data]);
+        let data = self.values([&g.data, &v.data]);
         let out = HostArray {
             data: data.into(),
             shape: g.shape.clone(),
@@ -302,10 +310,7 @@ impl HostOp<2> for SituGlu {
     }
 
     fn backward(&self, [g, v]: &[HostArray; 2], _: &(), grad: &HostArray) -> [HostArray; 2] {
-        let n = g.data.len();
-        let (mut dg, mut dv) = (vec![0.0f32; n], vec![0.0f32; n]);
-        let inputs = [&g.data[..], &v.data[..], &grad.data[..]];
-        self.gradient_into([&mut dg, &mut dv], inputs);
+        let [dg, dv] = self.gradients([&g.data, &v.data, &grad.data]);
         let shape = g.shape.clone();
         [
             HostArray {
