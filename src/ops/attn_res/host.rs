@@ -25,7 +25,9 @@
 use rayon::prelude::*;
 
 use crate::ops::backend::host::{HostArray, HostOp};
-use crate::ops::backend::simd::{dispatch, dot, exp_lane, Simd, WithSimd};
+use crate::ops::backend::simd::{
+    dispatch, dot, exp_lane, update, write, ElementwiseMany, Scaled, Simd, WithSimd,
+};
 use crate::ops::norm::host::{inv_rms, BLOCK_ROWS, MIN_PARALLEL};
 
 /// The AttnRes mix on the host. As `HostOp<M>`: inputs the `M − 1` sources `[.., d]` and the
@@ -102,17 +104,26 @@ impl WithSimd for ForwardRows<'_> {
             for pk in p.iter_mut() {
                 *pk /= sum;
             }
-            let v0 = source(0, t);
-            for j in 0..d {
-                out[j] = p[0] * v0[j];
-            }
+            write([&mut *out], [source(0, t)], Scaled(p[0]));
             for (k, &pk) in p.iter().enumerate().skip(1) {
-                let vk = source(k, t);
-                for j in 0..d {
-                    out[j] += pk * vk[j];
-                }
+                update(out, [source(k, t)], Scaled(pk));
             }
         }
+    }
+}
+
+/// `p_k g + (ds r_k) q − along_v v_k` for `[g, q, v_k]`: a row of a source's gradient.
+#[derive(Clone, Copy)]
+struct SourceGrad {
+    pk: f32,
+    along_q: f32,
+    along_v: f32,
+}
+
+impl ElementwiseMany<3, 1> for SourceGrad {
+    #[inline(always)]
+    fn apply(&self, [g, q, v]: [f32; 3]) -> [f32; 1] {
+        [self.pk * g + self.along_q * q - self.along_v * v]
     }
 }
 
@@ -170,10 +181,16 @@ impl WithSimd for BackwardRows<'_> {
                 let ds = p[k] * (dp[k] - c);
                 let (pk, along_q) = (p[k], ds * r[k]);
                 let along_v = ds * a[k] * r[k] * r[k] * r[k] / d as f32;
-                for j in 0..d {
-                    dvk[j] = pk * g[j] + along_q * q[j] - along_v * vk[j];
-                    dq[j] += along_q * vk[j];
-                }
+                write(
+                    [&mut *dvk],
+                    [g, q, vk],
+                    SourceGrad {
+                        pk,
+                        along_q,
+                        along_v,
+                    },
+                );
+                update(dq, [vk], Scaled(along_q));
             }
         }
     }

@@ -386,6 +386,131 @@ impl<const N: usize, const M: usize, F: ElementwiseMany<N, M>> WithSimd for MapM
     }
 }
 
+/// `x[j] = f([x[j], inputs[0][j], …, inputs[N − 1][j]])` for every element of `x` (each input at
+/// least as long as `x`; `K` is `N + 1`), on the calling thread, within a [`WithSimd`] body.
+///
+/// For the short loops over one row inside a kernel, where [`map_into`] (a dispatch and a
+/// possible split over the pool per call) would cost more than the row. The elements go in
+/// blocks of [`LANES`], each block read whole into locals before any of it is written, so the
+/// loop vectorises without the compiler having to prove that `x` and the inputs do not overlap:
+/// the plain indexed loops these replace (`x[j] += a[j] * b[j]` over a row) compiled to one
+/// scalar element at a time. Each element gets the same operations as in the scalar loop.
+#[inline(always)]
+pub(crate) fn update<const N: usize, const K: usize, F: Elementwise<K>>(
+    x: &mut [f32],
+    inputs: [&[f32]; N],
+    f: F,
+) {
+    const { assert!(K == N + 1, "update: K must be N + 1") };
+    let n = x.len();
+    let inputs = inputs.map(|s| &s[..n]);
+    let heads = inputs.map(|s| s.as_chunks::<LANES>().0);
+    let (blocks, tail) = x.as_chunks_mut::<LANES>();
+    let done = blocks.len() * LANES;
+    // Plain loops, no closures around `apply`: the compiler need not inline a closure, and a
+    // call per element would not vectorise.
+    for (b, block) in blocks.iter_mut().enumerate() {
+        let mut ins = [[0.0f32; LANES]; N];
+        for k in 0..N {
+            ins[k] = heads[k][b];
+        }
+        let cur = *block;
+        let mut out = [0.0f32; LANES];
+        for l in 0..LANES {
+            let mut args = [0.0f32; K];
+            args[0] = cur[l];
+            for k in 0..N {
+                args[k + 1] = ins[k][l];
+            }
+            out[l] = f.apply(args);
+        }
+        *block = out;
+    }
+    for (j, v) in tail.iter_mut().enumerate() {
+        let mut args = [0.0f32; K];
+        args[0] = *v;
+        for k in 0..N {
+            args[k + 1] = inputs[k][done + j];
+        }
+        *v = f.apply(args);
+    }
+}
+
+/// `outs[m][j] = f(inputs[0][j], …)[m]` for every element of the shortest input (each output at
+/// least that long), on the calling thread, within a [`WithSimd`] body: [`update`] for outputs
+/// that are only written (the blocks of the inputs read whole before any output is written).
+#[inline(always)]
+pub(crate) fn write<const N: usize, const M: usize, F: ElementwiseMany<N, M>>(
+    outs: [&mut [f32]; M],
+    inputs: [&[f32]; N],
+    f: F,
+) {
+    let n = inputs.iter().map(|s| s.len()).min().unwrap_or(0);
+    let outs = outs.map(|o| &mut o[..n]);
+    let heads = inputs.map(|s| s[..n].as_chunks::<LANES>().0);
+    let blocks = n / LANES;
+    for b in 0..blocks {
+        let mut ins = [[0.0f32; LANES]; N];
+        for k in 0..N {
+            ins[k] = heads[k][b];
+        }
+        let mut vals = [[0.0f32; LANES]; M];
+        for l in 0..LANES {
+            let mut args = [0.0f32; N];
+            for k in 0..N {
+                args[k] = ins[k][l];
+            }
+            let v = f.apply(args);
+            for m in 0..M {
+                vals[m][l] = v[m];
+            }
+        }
+        for m in 0..M {
+            outs[m][b * LANES..(b + 1) * LANES].copy_from_slice(&vals[m]);
+        }
+    }
+    for j in blocks * LANES..n {
+        let mut args = [0.0f32; N];
+        for k in 0..N {
+            args[k] = inputs[k][j];
+        }
+        let v = f.apply(args);
+        for m in 0..M {
+            outs[m][j] = v[m];
+        }
+    }
+}
+
+/// `acc + a · b` for `[acc, a, b]`: the multiply-add of [`update`] (not fused: the product is
+/// rounded first, as in the scalar loops).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AddProduct;
+
+impl Elementwise<3> for AddProduct {
+    #[inline(always)]
+    fn apply(&self, [acc, a, b]: [f32; 3]) -> f32 {
+        acc + a * b
+    }
+}
+
+/// `acc + s · x` for `[acc, x]` ([`update`]), and `s · x` for `[x]` ([`write`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Scaled(pub f32);
+
+impl Elementwise<2> for Scaled {
+    #[inline(always)]
+    fn apply(&self, [acc, x]: [f32; 2]) -> f32 {
+        acc + self.0 * x
+    }
+}
+
+impl ElementwiseMany<1, 1> for Scaled {
+    #[inline(always)]
+    fn apply(&self, [x]: [f32; 1]) -> [f32; 1] {
+        [self.0 * x]
+    }
+}
+
 /// `Σ a_j b_j`, summed lane by lane in blocks of [`LANES`], then across the lanes.
 #[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -666,6 +791,54 @@ mod tests {
             let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
             let got = dot(&a, &b) as f64;
             assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "n {n}");
+        }
+    }
+
+    /// `update` and `write` give the scalar loops' bits at every length around the block size
+    /// (whole blocks, a tail, a tail alone), and write nothing past the first `x.len()` / shortest
+    /// input's elements.
+    #[test]
+    fn row_updates_and_writes_are_the_scalar_loops() {
+        for n in [0, 1, 15, 16, 17, 33, 64, 100] {
+            let a: Vec<f32> = (0..n + 3).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..n + 3).map(|i| (i as f32 * 0.11).cos() * 3.0).collect();
+            let start: Vec<f32> = (0..n + 2).map(|i| (i as f32 * 0.53).sin() * 7.0).collect();
+            let mut want = start.clone();
+            for j in 0..n {
+                want[j] += a[j] * b[j];
+            }
+            let mut got = start.clone();
+            update(&mut got[..n], [&a, &b], AddProduct);
+            assert_eq!(
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "update, n {n}"
+            );
+            let mut outs = [
+                vec![f32::NAN; n + 2],
+                vec![f32::NAN; n + 2],
+                vec![f32::NAN; n + 2],
+            ];
+            let [o0, o1, o2] = &mut outs;
+            write(
+                [&mut o0[..], &mut o1[..], &mut o2[..]],
+                [&a[..n], &b],
+                AffinePair,
+            );
+            for j in 0..n {
+                let w = [a[j] + b[j], a[j] - b[j], a[j] * b[j]];
+                for m in 0..3 {
+                    assert_eq!(
+                        outs[m][j].to_bits(),
+                        w[m].to_bits(),
+                        "write {m}, n {n}, j {j}"
+                    );
+                }
+            }
+            assert!(
+                outs.iter().all(|o| o[n..].iter().all(|v| v.is_nan())),
+                "write past n {n}"
+            );
         }
     }
 }

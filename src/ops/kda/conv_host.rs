@@ -27,9 +27,9 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use crate::ops::backend::host::{HostArray, HostOp};
-use crate::ops::backend::simd::{dispatch, Simd, WithSimd};
+use crate::ops::backend::simd::{dispatch, update, AddProduct, Simd, WithSimd};
 use crate::ops::norm::host::{BLOCK_ROWS, MIN_PARALLEL};
-use crate::ops::precision::host::Unary;
+use crate::ops::precision::host::{Derivative, Unary, Value};
 
 /// The causal depthwise convolution and SiLU on the host: inputs `x: [B, T, P]` and the taps
 /// `w: [P, W]`; output of `x`'s shape.
@@ -91,9 +91,7 @@ fn pre_activation(u: &mut [f32], x: &[f32], taps: &[f32], start: usize, r: usize
             continue;
         }
         let (xs, tap) = (&x[src * p..(src + 1) * p], &taps[i * p..(i + 1) * p]);
-        for c in 0..p {
-            u[c] += tap[c] * xs[c];
-        }
+        update(u, [tap, xs], AddProduct);
     }
 }
 
@@ -121,9 +119,7 @@ impl WithSimd for ForwardRows<'_> {
         } = self;
         for (j, y) in out.chunks_exact_mut(p).enumerate() {
             pre_activation(y, x, taps, block.start, block.lo + j);
-            for v in y.iter_mut() {
-                *v = Unary::Silu.value(*v);
-            }
+            update(y, [], Value(Unary::Silu));
         }
     }
 }
@@ -155,10 +151,7 @@ impl WithSimd for ActivationGrad<'_> {
         for (j, d) in du.chunks_exact_mut(p).enumerate() {
             let r = block.lo + j;
             pre_activation(d, x, taps, block.start, r);
-            let dy = &dy[r * p..(r + 1) * p];
-            for c in 0..p {
-                d[c] = dy[c] * Unary::Silu.derivative(d[c]);
-            }
+            update(d, [&dy[r * p..(r + 1) * p]], Derivative(Unary::Silu));
         }
     }
 }
@@ -201,9 +194,7 @@ impl WithSimd for InputGrads<'_> {
                     continue;
                 }
                 let (tap, dus) = (&taps[i * p..(i + 1) * p], &du[t * p..(t + 1) * p]);
-                for c in 0..p {
-                    dxs[c] += tap[c] * dus[c];
-                }
+                update(dxs, [tap, dus], AddProduct);
             }
             // dtaps[i] += du[s] ⊙ x[s − W + 1 + i], for the rows from the sequence's start on.
             let dus = &du[s * p..(s + 1) * p];
@@ -215,9 +206,7 @@ impl WithSimd for InputGrads<'_> {
                     continue;
                 }
                 let (xs, dt) = (&x[src * p..(src + 1) * p], &mut dtaps[i * p..(i + 1) * p]);
-                for c in 0..p {
-                    dt[c] += dus[c] * xs[c];
-                }
+                update(dt, [dus, xs], AddProduct);
             }
         }
     }
@@ -385,14 +374,9 @@ impl WithSimd for WithHistory<'_> {
                 } else {
                     &x[(q - keep) * p..(q - keep + 1) * p]
                 };
-                let tap = &taps[i * p..(i + 1) * p];
-                for c in 0..p {
-                    y[c] += tap[c] * src[c];
-                }
+                update(y, [&taps[i * p..(i + 1) * p], src], AddProduct);
             }
-            for v in y.iter_mut() {
-                *v = Unary::Silu.value(*v);
-            }
+            update(y, [], Value(Unary::Silu));
         }
         // The new history: the last `W − 1` padded rows, oldest first.
         let len = out.len() / p.max(1);

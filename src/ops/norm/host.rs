@@ -26,7 +26,9 @@
 use rayon::prelude::*;
 
 use crate::ops::backend::host::{HostArray, HostOp};
-use crate::ops::backend::simd::{dispatch, dot, hsum, Simd, WithSimd, LANES};
+use crate::ops::backend::simd::{
+    dispatch, dot, hsum, update, write, Elementwise, ElementwiseMany, Simd, WithSimd, LANES,
+};
 use crate::ops::precision::host::sigmoid_pair;
 
 /// Rows per block: the unit of work of a thread and of `dw`'s partial sums.
@@ -99,6 +101,68 @@ pub(crate) fn inv_rms(x: &[f32], eps: f32) -> f32 {
     1.0 / (dot(x, x) / x.len() as f32 + eps).sqrt()
 }
 
+/// `x · r · w` for `[x, w]`, times `σ(z)` for `[x, w, z]`: a row of the output.
+#[derive(Clone, Copy)]
+struct Scaled {
+    r: f32,
+}
+
+impl ElementwiseMany<2, 1> for Scaled {
+    #[inline(always)]
+    fn apply(&self, [x, w]: [f32; 2]) -> [f32; 1] {
+        [x * self.r * w]
+    }
+}
+
+impl ElementwiseMany<3, 1> for Scaled {
+    #[inline(always)]
+    fn apply(&self, [x, w, z]: [f32; 3]) -> [f32; 1] {
+        [x * self.r * w * sigmoid_pair(z).0]
+    }
+}
+
+/// `(dz, dy · σ(z))` for `[z, dy, x, w]`: the gate's gradient and the gradient reaching
+/// `n ⊙ w`, from one sigmoid.
+#[derive(Clone, Copy)]
+struct GateGrads {
+    r: f32,
+}
+
+impl ElementwiseMany<4, 2> for GateGrads {
+    #[inline(always)]
+    fn apply(&self, [z, dy, x, w]: [f32; 4]) -> [f32; 2] {
+        let (s, c) = sigmoid_pair(z);
+        [dy * (x * self.r * w) * (s * c), dy * s]
+    }
+}
+
+/// `dx = r · (g w − n c)` for `[g, w, x]`, with `n = x r` and `c = mean(dn ⊙ n) · r`.
+#[derive(Clone, Copy)]
+struct InputGrad {
+    r: f32,
+    c: f32,
+}
+
+impl ElementwiseMany<3, 1> for InputGrad {
+    #[inline(always)]
+    fn apply(&self, [g, w, x]: [f32; 3]) -> [f32; 1] {
+        [self.r * (g * w - x * self.r * self.c)]
+    }
+}
+
+/// `dw + g · n` for `[dw, g, x]`, with `n = x r`: a row's part of the gain's gradient.
+#[derive(Clone, Copy)]
+struct GainGrad {
+    r: f32,
+}
+
+impl Elementwise<3> for GainGrad {
+    #[inline(always)]
+    fn apply(&self, [dw, g, x]: [f32; 3]) -> f32 {
+        dw + g * (x * self.r)
+    }
+}
+
 /// The forward of a block of rows: `out = (x · r) · w` (`⊙ σ(z)` with `z`), `r` per row.
 struct ForwardRows<'a> {
     x: &'a [f32],
@@ -128,17 +192,8 @@ impl WithSimd for ForwardRows<'_> {
             *r = inv_rms(x, eps);
             let rr = *r;
             match z {
-                None => {
-                    for j in 0..d {
-                        out[j] = x[j] * rr * w[j];
-                    }
-                }
-                Some(z) => {
-                    let z = &z[i * d..(i + 1) * d];
-                    for j in 0..d {
-                        out[j] = x[j] * rr * w[j] * sigmoid_pair(z[j]).0;
-                    }
-                }
+                None => write([out], [x, w], Scaled { r: rr }),
+                Some(z) => write([out], [x, w, &z[i * d..(i + 1) * d]], Scaled { r: rr }),
             }
         }
     }
@@ -183,22 +238,15 @@ impl WithSimd for BackwardRows<'_> {
             let g: &[f32] = match (z, dz.as_deref_mut()) {
                 (Some(z), Some(dz)) => {
                     let (z, dz) = (&z[rows.clone()], &mut dz[rows]);
-                    for j in 0..d {
-                        let (s, c) = sigmoid_pair(z[j]);
-                        dz[j] = dy[j] * (x[j] * r * w[j]) * (s * c);
-                        gated[j] = dy[j] * s;
-                    }
+                    write([dz, &mut gated[..]], [z, dy, x, w], GateGrads { r });
                     gated
                 }
                 _ => dy,
             };
             // mean(dn ⊙ n) = r · Σ g w x / d.
             let c = r * dot3(g, w, x) / d as f32;
-            for j in 0..d {
-                let n = x[j] * r;
-                dx[j] = r * (g[j] * w[j] - n * c);
-                dw[j] += g[j] * n;
-            }
+            write([dx], [g, w, x], InputGrad { r, c });
+            update(dw, [g, x], GainGrad { r });
         }
     }
 }
