@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use crate::ops::backend::host::{scratch, HostArray, HostOp, Scratch};
 use crate::ops::backend::matmul::{matmul_serial, Layout};
-use crate::ops::backend::simd::{exp_lane, map_into, Elementwise};
+use crate::ops::backend::simd::{dispatch, exp_lane, update, Elementwise, Simd, WithSimd, LANES};
 
 /// `q, k: [B, H, T, d_qk]`, `v: [B, H, T, d_v]` → `[B, H, T, d_v]`.
 #[derive(Debug, Clone)]
@@ -46,40 +46,134 @@ impl Elementwise<1> for ShiftedExp {
 }
 
 impl CausalAttention {
-    /// Whether query `i` of batch row `b` may attend key `j`.
-    fn visible(&self, b: usize, t: usize, i: usize, j: usize) -> bool {
-        j <= i && self.key_padding.as_ref().is_none_or(|pad| !pad[b * t + j])
-    }
-
     /// `S = scale · Q Kᵀ` of one (batch row, head) turned into `P` in place: masked, then a
     /// softmax per row (all-masked rows become zeros).
     fn probabilities(&self, p: &mut [f32], q: &[f32], k: &[f32], b: usize, t: usize, d: usize) {
         matmul_serial(p, q, Layout::Plain, k, Layout::Transposed, [t, d, t], false);
-        let mut maxes = vec![0.0f32; t];
+        dispatch(Softmax {
+            p,
+            t,
+            scale: self.scale,
+            padding: self
+                .key_padding
+                .as_ref()
+                .map(|pad| &pad[b * t..(b + 1) * t]),
+        });
+    }
+}
+
+/// `x · s`.
+#[derive(Clone, Copy)]
+struct Times(f32);
+
+impl Elementwise<1> for Times {
+    #[inline(always)]
+    fn apply(&self, [x]: [f32; 1]) -> f32 {
+        x * self.0
+    }
+}
+
+/// The rows of one (batch row, head): the scores `scale · q_i · k_j` scaled, masked and turned
+/// into probabilities in place. Only a row's causal prefix `j ≤ i` is worked on; the rest is
+/// set to zero, which is what the exponential of a masked score gives (and the prefix's sum is
+/// the whole row's: the zeros after it add nothing).
+struct Softmax<'a> {
+    p: &'a mut [f32],
+    t: usize,
+    scale: f32,
+    /// The batch row's key padding (`true`: masked).
+    padding: Option<&'a [bool]>,
+}
+
+impl WithSimd for Softmax<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, _: S) {
+        let Self {
+            p,
+            t,
+            scale,
+            padding,
+        } = self;
         for (i, row) in p.chunks_exact_mut(t).enumerate() {
+            let (seen, future) = row.split_at_mut(i + 1);
+            future.fill(0.0);
             let mut max = f32::NEG_INFINITY;
-            for (j, s) in row.iter_mut().enumerate() {
-                if self.visible(b, t, i, j) {
-                    *s *= self.scale;
-                    max = max.max(*s);
-                } else {
-                    *s = f32::NEG_INFINITY;
+            match padding {
+                None => {
+                    update(seen, [], Times(scale));
+                    // The largest score, lane by lane, then across: the maximum in any order.
+                    let (blocks, tail) = seen.as_chunks::<LANES>();
+                    let mut m = [f32::NEG_INFINITY; LANES];
+                    for block in blocks {
+                        for l in 0..LANES {
+                            m[l] = m[l].max(block[l]);
+                        }
+                    }
+                    max = m
+                        .into_iter()
+                        .chain(tail.iter().copied())
+                        .fold(max, f32::max);
+                }
+                Some(pad) => {
+                    for (s, &masked) in seen.iter_mut().zip(pad) {
+                        if masked {
+                            *s = f32::NEG_INFINITY;
+                        } else {
+                            *s *= scale;
+                            max = max.max(*s);
+                        }
+                    }
                 }
             }
-            maxes[i] = max;
-        }
-        let mut scores = vec![0.0f32; t];
-        for (row, &max) in p.chunks_exact_mut(t).zip(&maxes) {
             if max == f32::NEG_INFINITY {
-                row.fill(0.0);
+                seen.fill(0.0);
                 continue;
             }
-            scores.copy_from_slice(row);
-            map_into(row, [&scores], ShiftedExp(max));
-            let sum: f32 = row.iter().sum();
-            let inv = 1.0 / sum;
-            row.iter_mut().for_each(|x| *x *= inv);
+            update(seen, [], ShiftedExp(max));
+            let sum: f32 = seen.iter().sum();
+            update(seen, [], Times(1.0 / sum));
         }
+    }
+}
+
+/// `dS = scale · P ⊙ (dP − rowsum(dP ⊙ P))` in place over `dP`, row by row, on each row's causal
+/// prefix (`P` is zero after it, so the rest of the row is too).
+struct SoftmaxGrad<'a> {
+    ds: &'a mut [f32],
+    p: &'a [f32],
+    t: usize,
+    scale: f32,
+}
+
+impl WithSimd for SoftmaxGrad<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, _: S) {
+        let Self { ds, p, t, scale } = self;
+        for (i, (dsr, pr)) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
+            let (seen, future) = dsr.split_at_mut(i + 1);
+            future.fill(0.0);
+            let pr = &pr[..i + 1];
+            let dot: f32 = seen.iter().zip(pr).map(|(a, b)| a * b).sum();
+            update(seen, [pr], ProbabilityGrad { scale, dot });
+        }
+    }
+}
+
+/// `scale · p · (dp − dot)` for `[dp, p]`.
+#[derive(Clone, Copy)]
+struct ProbabilityGrad {
+    scale: f32,
+    dot: f32,
+}
+
+impl Elementwise<2> for ProbabilityGrad {
+    #[inline(always)]
+    fn apply(&self, [dp, p]: [f32; 2]) -> f32 {
+        self.scale * p * (dp - self.dot)
     }
 }
 
@@ -150,12 +244,12 @@ impl HostOp<3> for CausalAttention {
                     false,
                 );
                 // dS = scale · P ⊙ (dP − rowsum(dP ⊙ P)) (the scale of S = scale · Q Kᵀ folded in).
-                for (dsr, pr) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
-                    let dot: f32 = dsr.iter().zip(pr).map(|(a, b)| a * b).sum();
-                    for (x, &pp) in dsr.iter_mut().zip(pr) {
-                        *x = self.scale * pp * (*x - dot);
-                    }
-                }
+                dispatch(SoftmaxGrad {
+                    ds: &mut ds,
+                    p,
+                    t,
+                    scale: self.scale,
+                });
                 matmul_serial(dq, &ds, Layout::Plain, ks, Layout::Plain, [t, t, d], false);
                 matmul_serial(
                     dk,
