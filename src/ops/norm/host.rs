@@ -103,18 +103,18 @@ pub(crate) fn inv_rms(x: &[f32], eps: f32) -> f32 {
 
 /// `x · r · w` for `[x, w]`, times `σ(z)` for `[x, w, z]`: a row of the output.
 #[derive(Clone, Copy)]
-struct Scaled {
+struct Normalised {
     r: f32,
 }
 
-impl ElementwiseMany<2, 1> for Scaled {
+impl ElementwiseMany<2, 1> for Normalised {
     #[inline(always)]
     fn apply(&self, [x, w]: [f32; 2]) -> [f32; 1] {
         [x * self.r * w]
     }
 }
 
-impl ElementwiseMany<3, 1> for Scaled {
+impl ElementwiseMany<3, 1> for Normalised {
     #[inline(always)]
     fn apply(&self, [x, w, z]: [f32; 3]) -> [f32; 1] {
         [x * self.r * w * sigmoid_pair(z).0]
@@ -136,7 +136,7 @@ impl ElementwiseMany<4, 2> for GateGrads {
     }
 }
 
-/// `dx = r · (g w − n c)` for `[g, w, x]`, with `n = x r` and `c = mean(dn ⊙ n) · r`.
+/// `dx = r · (g w − n c)` for `[g, w, x]`, with `n = x r` and `c = mean(dn ⊙ n)`, `dn = g ⊙ w`.
 #[derive(Clone, Copy)]
 struct InputGrad {
     r: f32,
@@ -192,8 +192,8 @@ impl WithSimd for ForwardRows<'_> {
             *r = inv_rms(x, eps);
             let rr = *r;
             match z {
-                None => write([out], [x, w], Scaled { r: rr }),
-                Some(z) => write([out], [x, w, &z[i * d..(i + 1) * d]], Scaled { r: rr }),
+                None => write([out], [x, w], Normalised { r: rr }),
+                Some(z) => write([out], [x, w, &z[i * d..(i + 1) * d]], Normalised { r: rr }),
             }
         }
     }
