@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use crate::ops::backend::host::{scratch, HostArray, HostOp, Scratch};
 use crate::ops::backend::matmul::{matmul_serial, Layout};
-use crate::ops::backend::simd::{dispatch, exp_lane, update, Elementwise, Simd, WithSimd, LANES};
+use crate::ops::backend::simd::{dispatch, exp_lane, max_in, update, Elementwise, Simd, WithSimd};
 
 /// `q, k: [B, H, T, d_qk]`, `v: [B, H, T, d_v]` → `[B, H, T, d_v]`.
 #[derive(Debug, Clone)]
@@ -103,18 +103,8 @@ impl WithSimd for Softmax<'_> {
             match padding {
                 None => {
                     update(seen, [], Times(scale));
-                    // The largest score, lane by lane, then across: the maximum in any order.
-                    let (blocks, tail) = seen.as_chunks::<LANES>();
-                    let mut m = [f32::NEG_INFINITY; LANES];
-                    for block in blocks {
-                        for l in 0..LANES {
-                            m[l] = m[l].max(block[l]);
-                        }
-                    }
-                    max = m
-                        .into_iter()
-                        .chain(tail.iter().copied())
-                        .fold(max, f32::max);
+                    // NaN-propagating where `f32::max` skips a NaN: the row's sum is NaN either way.
+                    max = max_in(seen);
                 }
                 Some(pad) => {
                     for (s, &masked) in seen.iter_mut().zip(pad) {

@@ -566,21 +566,27 @@ fn max_serial(x: &[f32]) -> f32 {
         type Output = f32;
         #[inline(always)]
         fn with_simd<S: Simd>(self, _simd: S) -> f32 {
-            // Per lane: NaN once seen stays.
-            let step = max_of;
-            let (blocks, tail) = self.0.as_chunks::<LANES>();
-            let mut m = [f32::NEG_INFINITY; LANES];
-            for block in blocks {
-                for l in 0..LANES {
-                    m[l] = step(m[l], block[l]);
-                }
-            }
-            m.into_iter()
-                .chain(tail.iter().copied())
-                .fold(f32::NEG_INFINITY, step)
+            max_in(self.0)
         }
     }
     dispatch(Max(x))
+}
+
+/// [`max`] of a row, lane by lane in blocks of [`LANES`], on the calling thread: for the loops
+/// inside a [`WithSimd`] body (a softmax's row, say).
+#[inline(always)]
+pub(crate) fn max_in(x: &[f32]) -> f32 {
+    // Per lane: NaN once seen stays.
+    let (blocks, tail) = x.as_chunks::<LANES>();
+    let mut m = [f32::NEG_INFINITY; LANES];
+    for block in blocks {
+        for l in 0..LANES {
+            m[l] = max_of(m[l], block[l]);
+        }
+    }
+    m.into_iter()
+        .chain(tail.iter().copied())
+        .fold(f32::NEG_INFINITY, max_of)
 }
 
 /// The sum of the lanes, pairwise (the same order on every instruction set).
