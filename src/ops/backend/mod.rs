@@ -65,7 +65,7 @@ pub(crate) mod simd;
 
 pub use memory::retain_freed_memory;
 pub(crate) use pool::join;
-pub use pool::on_cpu_pool;
+pub use pool::{on_cpu_pool, pool_idle_spin, set_pool_idle_spin};
 
 /// Whether the kernels handle a float dtype (f32, f16, bf16 storage).
 pub fn kernel_dtype(dtype: burn::tensor::DType) -> bool {

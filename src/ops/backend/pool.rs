@@ -8,6 +8,15 @@
 //! threads take what they can. [`on_cpu_pool`] moves a whole forward, decode step or training
 //! step onto the pool that way.
 //!
+//! A pool thread that finds no work looks for some a few dozen times and then sleeps, and the
+//! next op that has work for it wakes it again (a system call, and tens of microseconds on a
+//! virtualised machine before it runs). Between the ops of a step that happens hundreds of
+//! times: the tiny model's training step woke a pool thread about 200 times. So while a
+//! computation of [`on_cpu_pool`] runs, the other pool threads are kept awake: each runs a job
+//! that takes whatever work the pool has and otherwise waits without sleeping, until the
+//! computation ends or no work came for [`pool_idle_spin`] (10 ms unless
+//! [`set_pool_idle_spin`] says otherwise).
+//!
 //! What the crate keeps per thread (the [`with_kernels`](super::with_kernels) and
 //! [`with_tensor_cores`](super::with_tensor_cores) switches, [`kernel_calls`](super::kernel_calls),
 //! [`last_path`](super::last_path), [`device_reads`](crate::sync::device_reads),
@@ -16,7 +25,9 @@
 //! afterwards, as if it had run on the caller's thread.
 
 use std::any::TypeId;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
 
@@ -90,12 +101,135 @@ pub(crate) fn join<RA: Send, RB: Send>(
     }
 }
 
-/// Runs `f` on a thread of rayon's global pool, this thread's switches and records with it.
+/// Runs `f` on a thread of rayon's global pool, this thread's switches and records with it,
+/// the pool's other threads kept awake meanwhile ([`keep_awake`]).
 fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    /// Sets the flag when dropped: when `f` returns or panics (then the kept-awake threads leave
+    /// and the scope hands the panic on).
+    struct SetOnDrop<'a>(&'a AtomicBool);
+    impl Drop for SetOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Release);
+        }
+    }
     let state = ThreadState::current();
-    let (out, records) = rayon::scope(move |_| state.run(f));
+    let done = AtomicBool::new(false);
+    let done = &done;
+    let (out, records) = rayon::scope(move |scope| {
+        let limit = pool_idle_spin();
+        if !limit.is_zero() {
+            let owner = rayon::current_thread_index();
+            for _ in 1..rayon::current_num_threads() {
+                scope.spawn(move |_| {
+                    keep_awake(done, owner, limit);
+                });
+            }
+        }
+        let _done = SetOnDrop(done);
+        state.run(f)
+    });
     ThreadState::current().merge(&records).install();
     out
+}
+
+/// The default of [`pool_idle_spin`], in microseconds.
+const DEFAULT_IDLE_SPIN_US: u64 = 10_000;
+
+/// [`pool_idle_spin`] in microseconds.
+static IDLE_SPIN_US: AtomicU64 = AtomicU64::new(DEFAULT_IDLE_SPIN_US);
+
+/// How long a pool thread kept awake for a computation of [`on_cpu_pool`] goes on waiting for
+/// work after it last found some, before it leaves (and sleeps when idle, as rayon's threads
+/// do). 10 ms unless [`set_pool_idle_spin`] was called.
+pub fn pool_idle_spin() -> Duration {
+    Duration::from_micros(IDLE_SPIN_US.load(Ordering::Relaxed))
+}
+
+/// Sets [`pool_idle_spin`] for the whole process; `Duration::ZERO` keeps no thread awake (each
+/// op then wakes the sleeping pool threads it has work for, rayon's own behaviour).
+///
+/// While a computation of [`on_cpu_pool`] runs (a training step, a forward, a decode step), every
+/// other thread of rayon's pool runs a job that takes whatever work the pool has and otherwise
+/// waits without sleeping, until the computation ends or no work came for this long. Such a
+/// thread keeps its core busy while it waits: on a machine shared with other programs, a shorter
+/// limit (or none) leaves them more. The results do not depend on it: every op splits its work
+/// the same way whichever thread runs each part. On the tiny model, the training step of
+/// `train_tiny` took about a tenth less time with the default than with none (BENCHMARKS, "Pool
+/// threads kept awake"); a limit of 2 ms gained a third of that, because the thread left during
+/// the longer waits of the step and slept from then on.
+///
+/// ```
+/// use std::time::Duration;
+/// let before = kimi_burn::ops::backend::pool_idle_spin();
+/// kimi_burn::ops::backend::set_pool_idle_spin(Duration::ZERO);
+/// assert_eq!(kimi_burn::ops::backend::pool_idle_spin(), Duration::ZERO);
+/// kimi_burn::ops::backend::set_pool_idle_spin(before);
+/// ```
+pub fn set_pool_idle_spin(limit: Duration) {
+    let us = u64::try_from(limit.as_micros()).unwrap_or(u64::MAX);
+    IDLE_SPIN_US.store(us, Ordering::Relaxed);
+}
+
+thread_local! {
+    /// Whether this thread runs [`keep_awake`] (further down its stack, for a nested call).
+    static KEPT_AWAKE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Why [`keep_awake`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Left {
+    /// It ran on the computation's own thread (which took it from its queue while it waited for
+    /// a part of its work), where it must not wait.
+    Owner,
+    /// It ran inside another [`keep_awake`] of this thread (one thread keeps awake once).
+    Nested,
+    /// The computation ended.
+    Done,
+    /// No work came for the limit.
+    Idle,
+}
+
+/// Keeps this pool thread awake for a computation on the pool: runs the pool's pending jobs as
+/// they come ([`rayon::yield_now`]: its own queue, the other threads' queues, then jobs from
+/// outside the pool) and waits between them without sleeping, until `done` is set or no job came
+/// for `limit`.
+///
+/// It returns at once on the computation's own thread (`owner`), and inside another
+/// `keep_awake` of the same thread. Elsewhere the limit also bounds the one case where waiting
+/// for `done` would hold the computation up: a pool thread that waits for a part of some other
+/// work (a join) runs queued jobs meanwhile, this one among them, and returns to that work only
+/// when this returns.
+fn keep_awake(done: &AtomicBool, owner: Option<usize>, limit: Duration) -> Left {
+    if rayon::current_thread_index() == owner {
+        return Left::Owner;
+    }
+    if KEPT_AWAKE.with(|k| k.replace(true)) {
+        return Left::Nested;
+    }
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            KEPT_AWAKE.with(|k| k.set(false));
+        }
+    }
+    let _reset = Reset;
+    let mut idle_since = None;
+    loop {
+        if done.load(Ordering::Acquire) {
+            return Left::Done;
+        }
+        if rayon::yield_now() == Some(rayon::Yield::Executed) {
+            idle_since = None;
+            continue;
+        }
+        let since = *idle_since.get_or_insert_with(Instant::now);
+        if since.elapsed() >= limit {
+            return Left::Idle;
+        }
+        for _ in 0..16 {
+            std::hint::spin_loop();
+        }
+    }
 }
 
 /// Whether `B` computes on the host: its device is the ndarray or flex device (also under
@@ -193,6 +327,7 @@ impl ThreadState {
 mod tests {
     use burn::backend::{Autodiff, NdArray};
     use burn::tensor::Tensor;
+    use rayon::prelude::*;
 
     use super::*;
     use crate::ops::backend::{kernel_calls, kernels_enabled, last_path, record, with_kernels};
@@ -285,6 +420,93 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(1));
         };
         assert!(free, "the pool stayed claimed after a panic");
+    }
+
+    /// A pool of two threads of its own, so that no other test's work reaches it.
+    fn two_threads() -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("a pool of two threads")
+    }
+
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    #[test]
+    fn a_thread_is_not_kept_awake_where_waiting_would_hold_the_computation_up() {
+        let pool = two_threads();
+        let not_done = AtomicBool::new(false);
+        // On the computation's own thread: at once, whatever the limit.
+        let owner = pool.install(|| keep_awake(&not_done, rayon::current_thread_index(), HOUR));
+        assert_eq!(owner, Left::Owner);
+        // Inside another keep_awake of the same thread: at once.
+        let nested = pool.install(|| {
+            KEPT_AWAKE.with(|k| k.set(true));
+            let left = keep_awake(&not_done, None, HOUR);
+            let still = KEPT_AWAKE.with(|k| k.get());
+            KEPT_AWAKE.with(|k| k.set(false));
+            (left, still)
+        });
+        assert_eq!(
+            nested,
+            (Left::Nested, true),
+            "the nested call cleared the outer call's mark"
+        );
+        // A computation that has ended: at once.
+        let ended = AtomicBool::new(true);
+        assert_eq!(pool.install(|| keep_awake(&ended, None, HOUR)), Left::Done);
+        // No work and no time to wait: it leaves idle, and unmarks its thread.
+        let idle = pool.install(|| {
+            let left = keep_awake(&not_done, None, Duration::ZERO);
+            (left, KEPT_AWAKE.with(|k| k.get()))
+        });
+        assert_eq!(idle, (Left::Idle, false));
+    }
+
+    /// The kept-awake thread runs the computation's work, and leaves when the computation ends
+    /// (not at its limit, which is an hour here: the test would hang).
+    #[test]
+    fn a_kept_awake_thread_takes_the_work_and_leaves_when_the_computation_ends() {
+        let pool = two_threads();
+        let done = AtomicBool::new(false);
+        let (threads, left) = pool.install(|| {
+            let owner = rayon::current_thread_index();
+            rayon::join(
+                || {
+                    // The other half of this join is the kept-awake job, which the other thread
+                    // takes (this one never does: it would return at once, as the owner's).
+                    let threads: std::collections::BTreeSet<usize> = (0..64)
+                        .into_par_iter()
+                        .map(|i| {
+                            std::thread::sleep(Duration::from_millis(1));
+                            i
+                        })
+                        .map(|_| rayon::current_thread_index().expect("on the pool"))
+                        .collect();
+                    done.store(true, Ordering::Release);
+                    threads
+                },
+                || keep_awake(&done, owner, HOUR),
+            )
+        });
+        assert!(
+            left == Left::Done || left == Left::Owner,
+            "it left {left:?} before the computation ended"
+        );
+        if left == Left::Done {
+            assert_eq!(threads.len(), 2, "the kept-awake thread took none of the work");
+        }
+    }
+
+    #[test]
+    fn the_idle_spin_limit_is_set_and_read_back() {
+        let before = pool_idle_spin();
+        assert_eq!(before, Duration::from_micros(DEFAULT_IDLE_SPIN_US));
+        set_pool_idle_spin(Duration::from_micros(1500));
+        assert_eq!(pool_idle_spin(), Duration::from_micros(1500));
+        set_pool_idle_spin(Duration::MAX);
+        assert_eq!(pool_idle_spin(), Duration::from_micros(u64::MAX));
+        set_pool_idle_spin(before);
     }
 
     #[test]
