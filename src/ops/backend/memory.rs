@@ -5,32 +5,36 @@
 //! of its heap back to the operating system once more than its trim threshold is free there (by
 //! default twice the largest block it has mapped on its own, at most 64 MiB), and maps blocks
 //! above its mmap threshold on their own, unmapping them when freed; and a thread that allocates
-//! while others do gets an arena of its own, whose heaps (64 MiB each) are unmapped as soon as a
-//! step frees one whole. Each way the next step's buffers arrive as new pages, which the kernel
-//! zeroes and faults in one by one on first touch. [`retain_freed_memory`] turns that off for the
-//! whole process.
+//! while others do gets an arena of its own, which hands back the same way, and whose heaps
+//! beyond its first (64 MiB each) are unmapped as soon as a step frees one whole. Each way the
+//! next step's buffers arrive as new pages, which the kernel zeroes and faults in one by one on
+//! first touch. [`retain_freed_memory`] turns the first two off for the whole process.
 
 /// Keeps the memory that the process frees for its next allocations instead of returning it to
 /// the operating system: with glibc (Linux), the allocator's trim threshold goes to its maximum
-/// (2 GiB), no block is mapped on its own, and threads that allocate from now on share the main
-/// heap (one arena): glibc gives each thread that allocates concurrently an arena of its own
-/// otherwise, and such an arena unmaps every heap of its that a step frees completely, whatever
-/// the trim threshold. Returns whether the settings were applied: `false` where the C library is
-/// not glibc (musl, macOS, Windows), whose allocators behave otherwise.
+/// (2 GiB) and no block is mapped on its own. Returns whether the settings were applied: `false`
+/// where the C library is not glibc (musl, macOS, Windows), whose allocators behave otherwise.
 ///
-/// Opt in at the start of a CPU training or generation program, before other threads allocate
-/// (the crate's examples do): it changes the allocator of the whole process, whose resident
-/// memory then stays at its peak instead of shrinking between steps, and threads that already
-/// have an arena keep it. Where a program has chosen another global allocator (mimalloc,
-/// jemalloc), it changes nothing for the memory that allocator manages. The environment gives
-/// the same without code: `MALLOC_ARENA_MAX=1
-/// GLIBC_TUNABLES=glibc.malloc.trim_threshold=2147483647:glibc.malloc.mmap_max=0`.
+/// Opt in at the start of a CPU training or generation program (the crate's examples do): it
+/// changes the allocator of the whole process, whose resident memory then stays at its peak
+/// instead of shrinking between steps. Where a program has chosen another global allocator
+/// (mimalloc, jemalloc), it changes nothing for the memory that allocator manages. The
+/// environment gives the same without code:
+/// `GLIBC_TUNABLES=glibc.malloc.trim_threshold=2147483647:glibc.malloc.mmap_max=0`.
 ///
-/// What it buys on this project's 2-core machine (BENCHMARKS, "Freed memory kept in the
+/// Threads keep their own arenas. A thread that allocates while another does gets an arena of
+/// its own (glibc's default), whose first heap (64 MiB) stays with it; a block that does not fit
+/// there takes a further heap, which goes back to the kernel when freed whole. One arena for all
+/// threads (`MALLOC_ARENA_MAX=1`) would keep that memory too, but then every allocation of the
+/// pool threads queues on that arena's lock: `gemm` allocates on each call, and `calloc` takes
+/// the lock even for a few bytes. This function set one arena until that cost `train_tiny`
+/// about a tenth of its speed, once the pool threads were kept awake and allocated side by side
+/// (BENCHMARKS, "One arena per thread again").
+///
+/// What it buys on this project's 2-core machines (BENCHMARKS, "Freed memory kept in the
 /// process"): `chunk_kda` forward + backward at T = 8192, each call of which frees about 70 MiB,
 /// about a tenth faster (glibc had returned about 16 MiB per call to the kernel), and linear in T
-/// again; the default `train_tiny` run, whose pool threads allocate most of its buffers, from
-/// about 2150 page faults per step to a few dozen and about 5% more tokens per second.
+/// again.
 ///
 /// Safe to call more than once and from any thread; the settings are applied once.
 ///
@@ -46,14 +50,13 @@ pub fn retain_freed_memory() -> bool {
         *APPLIED.get_or_init(|| {
             // SAFETY: `mallopt` only changes the allocator's parameters; glibc takes its own
             // locks. Each returns 1 on success.
-            let (trim, mmap, arenas) = unsafe {
+            let (trim, mmap) = unsafe {
                 (
                     libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX),
                     libc::mallopt(libc::M_MMAP_MAX, 0),
-                    libc::mallopt(libc::M_ARENA_MAX, 1),
                 )
             };
-            trim == 1 && mmap == 1 && arenas == 1
+            trim == 1 && mmap == 1
         })
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
@@ -114,10 +117,9 @@ mod tests {
     const CHILD: &str = "KIMI_BURN_MEMORY_CHILD";
 
     /// In a fresh process: optionally [`retain_freed_memory`], then a new thread (as rayon's pool
-    /// threads are) allocates, writes and frees three 40 MiB buffers six times, and the page
-    /// faults of its last five cycles are printed. Each buffer is more than half of glibc's
-    /// 64 MiB per-thread heap, so in an arena of the thread's own every buffer after the first
-    /// takes a heap of its own, which goes back to the kernel when freed.
+    /// threads are) allocates, writes and frees three 12 MiB buffers six times, and the page
+    /// faults of its last five cycles are printed. The thread allocates while the test harness's
+    /// threads may, so it may get an arena of its own: the three fit in that arena's first heap.
     #[test]
     #[ignore = "the child process of pool_threads_keep_their_memory"]
     fn churn_on_a_new_thread() {
@@ -127,7 +129,7 @@ mod tests {
         if retain == "1" {
             assert!(retain_freed_memory());
         }
-        let faulted = std::thread::spawn(|| churn(40 << 20))
+        let faulted = std::thread::spawn(|| churn(12 << 20))
             .join()
             .expect("the churning thread");
         println!("churn faults {faulted}");
@@ -155,19 +157,19 @@ mod tests {
             .unwrap_or_else(|| panic!("no fault count in the child's output: {stdout}"))
     }
 
-    /// A thread that starts after [`retain_freed_memory`] allocates from the main heap, which
-    /// keeps what it frees: its later cycles fault in (almost) nothing, where the same thread
-    /// without the call faults in at least one 40 MiB buffer per cycle again. The control shows
-    /// that this machine's glibc behaves as the setting assumes; both run in fresh processes,
-    /// since the setting is the whole process's and arenas once made stay.
+    /// A thread that starts after [`retain_freed_memory`] keeps what it frees: its later cycles
+    /// fault in (almost) nothing, where the same thread without the call faults in at least one
+    /// 12 MiB buffer per cycle again (its heap or the main one trimmed at each cycle's end). The
+    /// control shows that this machine's glibc behaves as the setting assumes; both run in fresh
+    /// processes, since the setting is the whole process's and arenas once made stay.
     #[test]
     fn pool_threads_keep_their_memory() {
-        let pages = (40i64 << 20) / 4096;
+        let pages = (12i64 << 20) / 4096;
         let without = churn_in_a_child(false);
         assert!(
             without >= 5 * pages,
             "without the setting a new thread faulted in only {without} pages in five cycles \
-             (expected at least {} for one 40 MiB buffer per cycle)",
+             (expected at least {} for one 12 MiB buffer per cycle)",
             5 * pages
         );
         let with = churn_in_a_child(true);
