@@ -27,8 +27,8 @@
 /// there takes a further heap, which goes back to the kernel when freed whole. One arena for all
 /// threads (`MALLOC_ARENA_MAX=1`) would keep that memory too, but then every allocation of the
 /// pool threads queues on that arena's lock: `gemm` allocates on each call, and `calloc` takes
-/// the lock even for a few bytes. This function set one arena until that cost `train_tiny`
-/// about a tenth of its speed, once the pool threads were kept awake and allocated side by side
+/// the lock even for a few bytes. This function set one arena until, with the pool threads kept
+/// awake and allocating side by side, that lock cost `train_tiny` about 4% of its speed
 /// (BENCHMARKS, "One arena per thread again").
 ///
 /// What it buys on this project's 2-core machines (BENCHMARKS, "Freed memory kept in the
