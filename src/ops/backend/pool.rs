@@ -468,34 +468,39 @@ mod tests {
     #[test]
     fn a_kept_awake_thread_takes_the_work_and_leaves_when_the_computation_ends() {
         let pool = two_threads();
-        let done = AtomicBool::new(false);
-        let (threads, left) = pool.install(|| {
+        let (done, started) = (AtomicBool::new(false), AtomicBool::new(false));
+        let left = std::sync::Mutex::new(None);
+        let threads = pool.install(|| {
             let owner = rayon::current_thread_index();
-            rayon::join(
-                || {
-                    // The other half of this join is the kept-awake job, which the other thread
-                    // takes (this one never does: it would return at once, as the owner's).
-                    let threads: std::collections::BTreeSet<usize> = (0..64)
-                        .into_par_iter()
-                        .map(|i| {
-                            std::thread::sleep(Duration::from_millis(1));
-                            i
-                        })
-                        .map(|_| rayon::current_thread_index().expect("on the pool"))
-                        .collect();
-                    done.store(true, Ordering::Release);
-                    threads
-                },
-                || keep_awake(&done, owner, HOUR),
-            )
+            rayon::scope(|scope| {
+                scope.spawn(|_| {
+                    started.store(true, Ordering::SeqCst);
+                    *left.lock().unwrap() = Some(keep_awake(&done, owner, HOUR));
+                });
+                // Wait without taking jobs from the pool, so that the other thread takes the
+                // kept-awake job (and is then busy with it: the only way it can run any of the
+                // work below).
+                while !started.load(Ordering::SeqCst) {
+                    std::hint::spin_loop();
+                }
+                let threads: std::collections::BTreeSet<usize> = (0..64)
+                    .into_par_iter()
+                    .map(|i| {
+                        std::thread::sleep(Duration::from_millis(1));
+                        i
+                    })
+                    .map(|_| rayon::current_thread_index().expect("on the pool"))
+                    .collect();
+                done.store(true, Ordering::Release);
+                threads
+            })
         });
-        assert!(
-            left == Left::Done || left == Left::Owner,
-            "it left {left:?} before the computation ended"
+        assert_eq!(*left.lock().unwrap(), Some(Left::Done));
+        assert_eq!(
+            threads.len(),
+            2,
+            "the kept-awake thread took none of the work"
         );
-        if left == Left::Done {
-            assert_eq!(threads.len(), 2, "the kept-awake thread took none of the work");
-        }
     }
 
     #[test]
