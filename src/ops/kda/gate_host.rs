@@ -26,7 +26,9 @@
 use rayon::prelude::*;
 
 use crate::ops::backend::host::{HostArray, HostOp};
-use crate::ops::backend::simd::{dispatch, exp_lane, ln_1p_unit_lane, Simd, WithSimd};
+use crate::ops::backend::simd::{
+    dispatch, exp_lane, flush_subnormal, ln_1p_unit_lane, Simd, WithSimd,
+};
 use crate::ops::norm::host::{for_row_blocks, BLOCK_ROWS, MIN_PARALLEL};
 use crate::ops::precision::host::sigmoid_pair;
 
@@ -167,10 +169,12 @@ impl<G: Gate> WithSimd for GradRows<'_, G> {
             let (df, f, grad) = (&mut df[..w], &f[..w], &grad[..w]);
             for j in 0..w {
                 let (dx, dalog) = gate.slopes(f[j] + dt[j], a[j]);
-                let d = grad[j] * dx;
+                // Where the gate has saturated its slopes are tiny, and their products with the
+                // gradient can fall below f32's normal range: flushed to 0.
+                let d = flush_subnormal(grad[j] * dx);
                 df[j] = d;
                 pdt[j] += d;
-                pa[j] += grad[j] * dalog;
+                pa[j] += flush_subnormal(grad[j] * dalog);
             }
         }
     }
@@ -384,6 +388,75 @@ mod tests {
                 close(&format!("{what}: df"), &want_df, &df.data, 1e-5);
                 close(&format!("{what}: dA_log"), &want_da, &da.data, 1e-5);
                 close(&format!("{what}: d dt_bias"), &want_ddt, &ddt.data, 1e-5);
+            }
+        }
+    }
+
+    /// Where the gate has saturated (`a·x` far below 0), its slopes are near `e^{a·x}` and their
+    /// products with the gradient span f32's subnormal range: the kernel writes none (each such
+    /// gradient is 0, below f32's normal range), and every gradient is still the f64 one to
+    /// 1e-5 of its size, or within 1e-35 of it where `exp` itself stops (−87.3).
+    #[test]
+    fn saturated_gate_gradients_have_no_subnormals() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let (rows, h, k) = (64, 2, 8);
+        let n = rows * h * k;
+        for lb in [None, Some(-5.0f32)] {
+            let f: Vec<f32> = (0..n).map(|_| rng.random_range(-100.0..-80.0)).collect();
+            // Gradients from 1e-8 to 1 in size, of both signs.
+            let c: Vec<f32> = (0..n)
+                .map(|_| {
+                    let size = 10f32.powf(rng.random_range(-8.0..0.0));
+                    if rng.random_bool(0.5) {
+                        size
+                    } else {
+                        -size
+                    }
+                })
+                .collect();
+            let array = |v: Vec<f32>, shape: &[usize]| HostArray {
+                data: v.into(),
+                shape: shape.to_vec(),
+            };
+            let inputs = [
+                array(f.clone(), &[rows, h, k]),
+                array(vec![0.0; h], &[h]),
+                array(vec![0.0; h * k], &[h * k]),
+            ];
+            let op = KdaGateHost { lower_bound: lb };
+            let [df, da, ddt] = op.backward(&inputs, &(), &array(c.clone(), &[rows, h, k]));
+            let lb = lb.map(f64::from);
+            let (mut want_da, mut want_ddt) = (vec![0.0; h], vec![0.0; h * k]);
+            let mut underflows = 0;
+            for i in 0..n {
+                let (x, j) = (f[i] as f64, i % (h * k));
+                let want = c[i] as f64 * slope(x, |x| gate(x, 0.0, lb));
+                underflows += usize::from(want.abs() < f32::MIN_POSITIVE as f64);
+                want_ddt[j] += want;
+                want_da[j / k] += c[i] as f64 * slope(0.0, |al| gate(x, al, lb));
+                let got = df.data[i];
+                assert!(!got.is_subnormal(), "lb {lb:?}: df[{i}] = {got:e}");
+                assert!(
+                    (got as f64 - want).abs() <= 1e-5 * want.abs() + 1e-35,
+                    "lb {lb:?}: df[{i}] = {got:e}, want {want:e}"
+                );
+            }
+            // The case under test occurs: most of the exact gradients underflow.
+            assert!(
+                underflows > n / 2,
+                "lb {lb:?}: {underflows} of {n} underflow"
+            );
+            for (name, got, want) in [
+                ("dA_log", &da.data, &want_da),
+                ("d dt_bias", &ddt.data, &want_ddt),
+            ] {
+                for (i, (g, w)) in got.iter().zip(want.iter()).enumerate() {
+                    assert!(!g.is_subnormal(), "lb {lb:?}: {name}[{i}] = {g:e}");
+                    assert!(
+                        (*g as f64 - w).abs() <= 1e-5 * w.abs() + 1e-35,
+                        "lb {lb:?}: {name}[{i}] = {g:e}, want {w:e}"
+                    );
+                }
             }
         }
     }
