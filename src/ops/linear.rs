@@ -30,22 +30,30 @@ impl Matmul {
         (x.data.len() / d_in.max(1), d_in, w.shape[1])
     }
 
-    /// `(dX, dW) = (dY · Wᵀ, Xᵀ · dY)`.
+    /// `(dX, dW) = (dY · Wᵀ, Xᵀ · dY)`, the two products side by side on rayon's pool (each
+    /// also splits itself when it is large): a small layer's two products each keep one thread
+    /// busy instead of one after the other.
     fn grads(x: &HostArray, w: &HostArray, grad: &HostArray) -> [HostArray; 2] {
         let (rows, d_in, d_out) = Self::sizes(x, w);
-        let dx = matmul_new(
-            &grad.data,
-            Layout::Plain,
-            &w.data,
-            Layout::Transposed,
-            [rows, d_out, d_in],
-        );
-        let dw = matmul_new(
-            &x.data,
-            Layout::Transposed,
-            &grad.data,
-            Layout::Plain,
-            [d_in, rows, d_out],
+        let (dx, dw) = rayon::join(
+            || {
+                matmul_new(
+                    &grad.data,
+                    Layout::Plain,
+                    &w.data,
+                    Layout::Transposed,
+                    [rows, d_out, d_in],
+                )
+            },
+            || {
+                matmul_new(
+                    &x.data,
+                    Layout::Transposed,
+                    &grad.data,
+                    Layout::Plain,
+                    [d_in, rows, d_out],
+                )
+            },
         );
         [
             HostArray {

@@ -8,9 +8,16 @@
     allow(dead_code, unused_imports)
 )]
 
-/// Products with at least this many multiply-adds use rayon's thread pool; smaller ones stay on
-/// the calling thread, where handing work to the pool would cost more than it saves.
-const MIN_PARALLEL_FLOPS: usize = 1 << 21;
+/// Products with at least this many multiply-adds use rayon's thread pool: the `gemm` kernels'
+/// own threads when they would take them ([`gemm_threads`]), otherwise the rows of the result in
+/// two halves ([`product_raw`]). Smaller ones stay on the calling thread, where handing work to
+/// the pool would cost more than it saves (a few microseconds with the pool's threads kept awake,
+/// [`on_cpu_pool`](super::on_cpu_pool)).
+const MIN_PARALLEL_FLOPS: usize = 1 << 18;
+
+/// The kernels' own threads start at this many multiply-adds (below it their threads cost more
+/// than they save on the tiny model's products).
+const MIN_GEMM_THREADS_FLOPS: usize = 1 << 21;
 
 /// How a matrix operand is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,13 +153,51 @@ unsafe fn product_raw(
         }
         return;
     }
-    let operands = Operands::new(a, a_layout, b, b_layout, [m, k, n], accumulate, parallel);
-    // SAFETY: the caller's contract, with the lengths checked above.
+    let threads = parallel && gemm_threads([m, k, n]);
+    let operands = Operands::new(a, a_layout, b, b_layout, [m, k, n], accumulate, threads);
+    if parallel && !threads && m >= 2 * SPLIT_ROWS && rayon::current_num_threads() > 1 {
+        // Two halves of the rows of `c`, one per task: each element of `c` is the same chain of
+        // multiply-adds whichever call computes it, so the results are the same bits.
+        let half = (m / 2).next_multiple_of(SPLIT_ROWS);
+        let (top, bottom) = (operands.rows(0..half), operands.rows(half..m));
+        let c = c as usize;
+        rayon::join(
+            // SAFETY: the halves write disjoint rows of `c` (the caller's contract for the whole).
+            || unsafe { product_on_this_thread(c as *mut f32, &top) },
+            || unsafe { product_on_this_thread((c as *mut f32).add(half * n), &bottom) },
+        );
+    } else {
+        // SAFETY: the caller's contract, with the lengths checked above.
+        unsafe { product_on_this_thread(c, &operands) }
+    }
+}
+
+/// Rows of the result per half when [`product_raw`] splits a product itself: a vector of the
+/// `gemm` kernels with AVX-512.
+const SPLIT_ROWS: usize = 16;
+
+/// Whether the `gemm` kernels split a product of this size over rayon's threads when asked to:
+/// from [`MIN_GEMM_THREADS_FLOPS`] multiply-adds, and only where each of their blocks of `k`
+/// (512 long at most) holds at least their own threshold of work; below that they run it on one
+/// thread (a narrow layer's product, say, `[4096, 64] × [64, 2]`).
+fn gemm_threads([m, k, n]: [usize; 3]) -> bool {
+    m * k * n >= MIN_GEMM_THREADS_FLOPS
+        && m * n * k.min(512) >= gemm_common::gemm::get_threading_threshold()
+}
+
+/// The product on the calling thread (the kernels' own threads when the operands ask for them):
+/// [`narrow_product`] or [`product_of_transposes`].
+///
+/// # Safety
+/// As [`product_raw`]'s, the operands' lengths checked there.
+unsafe fn product_on_this_thread(c: *mut f32, o: &Operands<'_>) {
+    let [m, _, n] = o.dims;
+    // SAFETY: passed on.
     unsafe {
-        if a_layout == Layout::Transposed && n <= NARROW && m > n {
-            narrow_product(c, &operands)
+        if o.a_transposed && n <= NARROW && m > n {
+            narrow_product(c, o)
         } else {
-            product_of_transposes(c, &operands)
+            product_of_transposes(c, o)
         }
     }
 }
@@ -160,6 +205,8 @@ unsafe fn product_raw(
 /// The operands of one product as the `gemm` kernels take them.
 struct Operands<'a> {
     a: &'a [f32],
+    /// Whether `a` is stored transposed.
+    a_transposed: bool,
     /// `a`'s column and row strides, in elements.
     a_cs: isize,
     a_rs: isize,
@@ -198,6 +245,7 @@ impl<'a> Operands<'a> {
         };
         Self {
             a,
+            a_transposed: a_layout == Layout::Transposed,
             a_cs,
             a_rs,
             b,
@@ -206,6 +254,18 @@ impl<'a> Operands<'a> {
             dims: [m, k, n],
             accumulate,
             parallelism,
+        }
+    }
+
+    /// The product of the rows `rows` of `a` (so of the result) alone, on one thread.
+    fn rows(&self, rows: std::ops::Range<usize>) -> Self {
+        let [_, k, n] = self.dims;
+        Self {
+            // Row `i` starts at `i` times the row stride, whichever the layout.
+            a: &self.a[rows.start * self.a_rs as usize..],
+            dims: [rows.len(), k, n],
+            parallelism: gemm_common::Parallelism::None,
+            ..*self
         }
     }
 }
@@ -406,6 +466,50 @@ mod tests {
                     "[{m}, {k}, {n}] accumulate {accumulate} parallel {parallel} {b_layout:?}"
                 );
             }
+        }
+    }
+
+    /// Products that the kernels would run on one thread are split in two halves of rows
+    /// ([`product_raw`]), with the same bits as the product on one thread; and the kernels' own
+    /// threads give the same bits too.
+    #[test]
+    fn split_and_threaded_products_have_the_bits_of_the_serial_one() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+        let cases = [
+            ([4096, 64, 2], Layout::Plain, Layout::Plain, false),
+            ([4096, 2, 64], Layout::Plain, Layout::Transposed, false),
+            ([64, 4096, 8], Layout::Transposed, Layout::Plain, false),
+            ([300, 40, 30], Layout::Plain, Layout::Plain, false),
+            ([1000, 64, 64], Layout::Plain, Layout::Transposed, true),
+        ];
+        for (dims, ta, tb, threaded) in cases {
+            let [m, k, n] = dims;
+            assert!(m * k * n >= MIN_PARALLEL_FLOPS);
+            assert_eq!(gemm_threads(dims), threaded, "{dims:?}");
+            let a: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let b: Vec<f32> = (0..k * n).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let start: Vec<f32> = (0..m * n).map(|_| rng.random_range(-1.0..1.0)).collect();
+            for accumulate in [false, true] {
+                let (mut serial, mut pooled) = (start.clone(), start.clone());
+                matmul_serial(&mut serial, &a, ta, &b, tb, dims, accumulate);
+                matmul(&mut pooled, &a, ta, &b, tb, dims, accumulate);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&serial),
+                    bits(&pooled),
+                    "{dims:?} accumulate {accumulate}"
+                );
+            }
+            assert_eq!(
+                matmul_new(&a, ta, &b, tb, dims),
+                {
+                    let mut c = vec![0.0; m * n];
+                    matmul_serial(&mut c, &a, ta, &b, tb, dims, false);
+                    c
+                },
+                "{dims:?} new"
+            );
         }
     }
 }
