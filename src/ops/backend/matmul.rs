@@ -11,12 +11,13 @@
 /// Products with at least this many multiply-adds use rayon's thread pool: the `gemm` kernels'
 /// own threads when they would take them ([`gemm_threads`]), otherwise the rows of the result in
 /// two halves ([`product_raw`]). Smaller ones stay on the calling thread, where handing work to
-/// the pool would cost more than it saves (a few microseconds with the pool's threads kept awake,
-/// [`on_cpu_pool`](super::on_cpu_pool)).
+/// the pool would cost more than it saves. (`train_tiny`'s narrow products, 0.5–2 M
+/// multiply-adds, gained from the halves with the pool's threads kept awake by
+/// [`on_cpu_pool`](super::on_cpu_pool); the threshold itself was not tuned.)
 const MIN_PARALLEL_FLOPS: usize = 1 << 18;
 
-/// The kernels' own threads start at this many multiply-adds (below it their threads cost more
-/// than they save on the tiny model's products).
+/// The kernels' own threads start at this many multiply-adds: the one threshold of the products
+/// before the halves existed (chosen when an idle pool thread slept and each op woke it), kept.
 const MIN_GEMM_THREADS_FLOPS: usize = 1 << 21;
 
 /// How a matrix operand is stored.
@@ -160,6 +161,7 @@ unsafe fn product_raw(
         // multiply-adds whichever call computes it, so the results are the same bits.
         let half = (m / 2).next_multiple_of(SPLIT_ROWS);
         let (top, bottom) = (operands.rows(0..half), operands.rows(half..m));
+        // As an address: a raw pointer is not `Send`.
         let c = c as usize;
         rayon::join(
             // SAFETY: the halves write disjoint rows of `c` (the caller's contract for the whole).
@@ -282,27 +284,55 @@ unsafe fn product_of_transposes(c: *mut f32, o: &Operands<'_>) {
     // checked by the caller; `c` overlaps neither input (the caller's contract). Without
     // accumulation (`read_dst` false) the kernels write `c` and never read it.
     unsafe {
-        gemm_f32::gemm::f32::get_gemm_fn()(
-            n,
-            m,
-            k,
-            c,
-            n as isize,
-            1,
+        kernels(
+            [n, m, k],
+            (c, n as isize, 1),
             o.accumulate,
-            o.b.as_ptr(),
-            o.b_rs,
-            o.b_cs,
-            o.a.as_ptr(),
-            o.a_rs,
-            o.a_cs,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
+            (o.b.as_ptr(), o.b_rs, o.b_cs),
+            (o.a.as_ptr(), o.a_rs, o.a_cs),
             o.parallelism,
-        );
+        )
+    }
+}
+
+/// `dst = lhs · rhs` (`dst += …` with `read_dst`) by the `gemm` kernels, for `[m, n, k]`; each
+/// matrix as its pointer, column stride and row stride, in elements.
+///
+/// # Safety
+/// The pointers and strides must address the `[m, n]`, `[m, k]` and `[k, n]` elements within
+/// their buffers, `dst` valid for writes (and for reads with `read_dst`) and overlapping neither
+/// input.
+unsafe fn kernels(
+    [m, n, k]: [usize; 3],
+    (dst, dst_cs, dst_rs): (*mut f32, isize, isize),
+    read_dst: bool,
+    (lhs, lhs_cs, lhs_rs): (*const f32, isize, isize),
+    (rhs, rhs_cs, rhs_rs): (*const f32, isize, isize),
+    parallelism: gemm_common::Parallelism,
+) {
+    // SAFETY: the caller's contract. Without `read_dst` the kernels write `dst` and never read it.
+    unsafe {
+        gemm_f32::gemm::f32::get_gemm_fn()(
+            m,
+            n,
+            k,
+            dst,
+            dst_cs,
+            dst_rs,
+            read_dst,
+            lhs,
+            lhs_cs,
+            lhs_rs,
+            rhs,
+            rhs_cs,
+            rhs_rs,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        )
     }
 }
 
@@ -318,8 +348,9 @@ const NARROW: usize = 16;
 /// rows of a block did work. Here they compute `C` itself, column-major, into a buffer of `m · n`
 /// floats that is then transposed into `c`: at `m` = 64 and `k` = 4096, 1.6× faster with 16
 /// columns, 3× with 8, 9× with 2 (a probe on the 2-core Intel Xeon VM; with `a` stored plain the
-/// kernels must pack it first, and the gain was gone). Each element is the same chain of multiply-adds over `k`
-/// in either orientation, so the results are the same bits (a test checks it).
+/// kernels must pack it first, and the gain was gone). Each element is the same chain of
+/// multiply-adds over `k` in either orientation, so the results are the same bits (a test checks
+/// it).
 ///
 /// # Safety
 /// As [`product_raw`]'s, the operands' lengths checked there.
@@ -339,25 +370,12 @@ unsafe fn narrow_product(c: *mut f32, o: &Operands<'_>) {
     // initialised when read (`read_dst`), all written; the strides address `a`'s `[m, k]` and
     // `b`'s `[k, n]` within the lengths the caller checked.
     unsafe {
-        gemm_f32::gemm::f32::get_gemm_fn()(
-            m,
-            n,
-            k,
-            t.as_mut_ptr(),
-            m as isize,
-            1,
+        kernels(
+            [m, n, k],
+            (t.as_mut_ptr(), m as isize, 1),
             o.accumulate,
-            o.a.as_ptr(),
-            o.a_cs,
-            o.a_rs,
-            o.b.as_ptr(),
-            o.b_cs,
-            o.b_rs,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
+            (o.a.as_ptr(), o.a_cs, o.a_rs),
+            (o.b.as_ptr(), o.b_cs, o.b_rs),
             o.parallelism,
         );
         t.set_len(m * n);

@@ -15,7 +15,9 @@
 //! [`ln_1p_unit_lane`] and `1 − σ` never formed by a subtraction ([`sigmoid_pair`]).
 //!
 //! The gradients of `dt_bias` and `A_log` sum fixed blocks of rows, then the blocks in order, so
-//! they do not depend on the number of threads.
+//! they do not depend on the number of threads. Where a gate has saturated, a gradient below
+//! `f32`'s normal range is written as 0 ([`flush_subnormal`]: a subnormal costs every x86
+//! instruction that touches it a microcode assist, here and in the products that read it).
 
 // Without a CPU backend (ndarray, flex) no backend reaches the host kernels: compiled, unused.
 #![cfg_attr(
