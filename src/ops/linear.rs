@@ -15,7 +15,7 @@ use burn::nn::Linear;
 use burn::tensor::{backend::Backend, DType, Tensor, TensorPrimitive};
 
 use crate::ops::backend::host::{self, HostArray, HostOp};
-use crate::ops::backend::matmul::{matmul as gemm, matmul_new, Layout};
+use crate::ops::backend::matmul::{matmul as gemm, matmul_new, Layout, MIN_PARALLEL_FLOPS};
 
 /// `y = x · W` for `x: [.., d_in]` (any rank: its leading dims are the rows), `W: [d_in, d_out]`;
 /// `y: [.., d_out]`. Taking and giving the full shapes spares two reshapes, each a copy on
@@ -30,31 +30,34 @@ impl Matmul {
         (x.data.len() / d_in.max(1), d_in, w.shape[1])
     }
 
-    /// `(dX, dW) = (dY · Wᵀ, Xᵀ · dY)`, the two products side by side on rayon's pool (each
-    /// also splits itself when it is large): a small layer's two products each keep one thread
-    /// busy instead of one after the other.
+    /// `(dX, dW) = (dY · Wᵀ, Xᵀ · dY)`, the two products side by side on rayon's pool from
+    /// [`MIN_PARALLEL_FLOPS`] multiply-adds each (each also splits itself when it is large): a
+    /// small layer's two products each keep one thread busy instead of one after the other.
     fn grads(x: &HostArray, w: &HostArray, grad: &HostArray) -> [HostArray; 2] {
         let (rows, d_in, d_out) = Self::sizes(x, w);
-        let (dx, dw) = rayon::join(
-            || {
-                matmul_new(
-                    &grad.data,
-                    Layout::Plain,
-                    &w.data,
-                    Layout::Transposed,
-                    [rows, d_out, d_in],
-                )
-            },
-            || {
-                matmul_new(
-                    &x.data,
-                    Layout::Transposed,
-                    &grad.data,
-                    Layout::Plain,
-                    [d_in, rows, d_out],
-                )
-            },
-        );
+        let dx = || {
+            matmul_new(
+                &grad.data,
+                Layout::Plain,
+                &w.data,
+                Layout::Transposed,
+                [rows, d_out, d_in],
+            )
+        };
+        let dw = || {
+            matmul_new(
+                &x.data,
+                Layout::Transposed,
+                &grad.data,
+                Layout::Plain,
+                [d_in, rows, d_out],
+            )
+        };
+        let (dx, dw) = if rows * d_in * d_out >= MIN_PARALLEL_FLOPS {
+            rayon::join(dx, dw)
+        } else {
+            (dx(), dw())
+        };
         [
             HostArray {
                 data: dx.into(),

@@ -14,7 +14,7 @@
 /// the pool would cost more than it saves. (`train_tiny`'s narrow products, 0.5–2 M
 /// multiply-adds, gained from the halves with the pool's threads kept awake by
 /// [`on_cpu_pool`](super::on_cpu_pool); the threshold itself was not tuned.)
-const MIN_PARALLEL_FLOPS: usize = 1 << 18;
+pub(crate) const MIN_PARALLEL_FLOPS: usize = 1 << 18;
 
 /// The kernels' own threads start at this many multiply-adds: the one threshold of the products
 /// before the halves existed (chosen when an idle pool thread slept and each op woke it), kept.
@@ -180,8 +180,10 @@ const SPLIT_ROWS: usize = 16;
 
 /// Whether the `gemm` kernels split a product of this size over rayon's threads when asked to:
 /// from [`MIN_GEMM_THREADS_FLOPS`] multiply-adds, and only where each of their blocks of `k`
-/// (512 long at most) holds at least their own threshold of work; below that they run it on one
-/// thread (a narrow layer's product, say, `[4096, 64] × [64, 2]`).
+/// holds at least their own threshold of work; below that they run it on one thread (a narrow
+/// layer's product, say, `[4096, 64] × [64, 2]`). Their blocks of `k` are at least 512 long (or
+/// all of `k`), so this count is a lower bound of theirs: where it says no, the kernels may still
+/// have taken threads, and the product is split in halves instead.
 fn gemm_threads([m, k, n]: [usize; 3]) -> bool {
     m * k * n >= MIN_GEMM_THREADS_FLOPS
         && m * n * k.min(512) >= gemm_common::gemm::get_threading_threshold()
@@ -492,7 +494,17 @@ mod tests {
     /// threads give the same bits too.
     #[test]
     fn split_and_threaded_products_have_the_bits_of_the_serial_one() {
+        // A pool of two threads of its own, so that the split is taken on a machine of any size.
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("a pool of two threads")
+            .install(split_and_threaded_products_on_this_pool);
+    }
+
+    fn split_and_threaded_products_on_this_pool() {
         use rand::{Rng, SeedableRng};
+        assert_eq!(rayon::current_num_threads(), 2);
         let mut rng = rand::rngs::StdRng::seed_from_u64(8);
         let cases = [
             ([4096, 64, 2], Layout::Plain, Layout::Plain, false),
