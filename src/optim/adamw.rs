@@ -18,7 +18,7 @@ use crate::ops::optim::{adamw_update, AdamWScalars};
 /// (`AdamWState`, so records and checkpoints are interchangeable with Burn's).
 ///
 /// On the CubeCL backends each parameter's step is one kernel launch
-/// ([`adamw_update`](crate::ops::optim::adamw_update)) instead of about fourteen tensor ops; the
+/// ([`adamw_update`]) instead of about fourteen tensor ops; the
 /// results agree with Burn's to f32 rounding (a device compiler may contract a product and a sum
 /// into one fused multiply-add). Every other backend, and the AMSGrad and cautious-weight-decay
 /// variants, run Burn's `AdamW` itself.

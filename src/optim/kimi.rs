@@ -127,13 +127,13 @@ type HeadMuonRecord<M, B> = AdaptorRecordOf<HeadMuon<<B as AutodiffBackend>::Inn
 ///   matrix of a stack, with its own `[A, B]` (per head: reconstruction, design §8). It is the
 ///   update of Burn's `Muon` with `AdjustLrFn::MatchRmsAdamW` for a whole matrix and of
 ///   [`HeadMuon`] for the others;
-/// - everything else: AdamW as Burn's `AdamW` computes it ([`KimiAdamW`](super::KimiAdamW): one
+/// - everything else: AdamW as Burn's `AdamW` computes it ([`KimiAdamW`]: one
 ///   fused kernel per parameter on the CubeCL backends, Burn's own tensor ops elsewhere).
 ///
 /// Muon orthogonalises **all blocks of the same shape at once**, across parameters: one batched
 /// Newton–Schulz per distinct block shape (a block and its transpose count as one) and device,
 /// instead of one per parameter. Each block is still normalised and iterated on its own
-/// ([`newton_schulz_batched`](super::newton_schulz_batched)), so the result is that of
+/// ([`newton_schulz_batched`]), so the result is that of
 /// orthogonalising the parameters one by one, in far fewer and larger matrix products: the
 /// model's Q, K, V, expert and FFN matrices share a handful of shapes.
 ///

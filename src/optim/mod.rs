@@ -1,6 +1,6 @@
 //! Muon per head with AdamW for the rest (design §8), on Burn's optimiser API.
 //!
-//! - [`newton_schulz`]: the orthogonalisation itself.
+//! - [`newton_schulz`](fn@newton_schulz): the orthogonalisation itself.
 //! - [`ParamRoles`]: which parameters get Muon (whole matrix or per head, [`HeadSplit`]) and which
 //!   AdamW; [`ParamRoles::from_module`] is the default grouping of any module.
 //! - [`KimiOptimizer`]: a Burn [`Optimizer`](burn::optim::Optimizer) that routes each gradient by

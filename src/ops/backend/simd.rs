@@ -510,7 +510,7 @@ impl Elementwise<3> for AddProduct {
     }
 }
 
-/// `acc + s · x` for `[acc, x]` ([`update`]), and `s · x` for `[x]` ([`write`]).
+/// `acc + s · x` for `[acc, x]` ([`update`]), and `s · x` for `[x]` ([`write`](fn@write)).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Scaled(pub f32);
 

@@ -37,7 +37,7 @@ use crate::ops::precision::restore;
 /// recursion. Works in f32 (f64 for f64 inputs); the output comes back in the dtype of `q`, the
 /// final state `[N, H, K, V]` in f32. Differentiable with Burn's autodiff.
 ///
-/// On the CubeCL backends (see [`backend`](crate::ops::backend)) it runs the chunked kernels instead:
+/// On the CubeCL backends (see [`backend`]) it runs the chunked kernels instead:
 /// gate sums, within-chunk matrices, the triangular solve, the sequential state pass over value
 /// tiles (one launch per ~1000 tokens of the longest sequence) and the output, with a fused
 /// backward under autodiff.

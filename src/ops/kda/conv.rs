@@ -11,7 +11,7 @@ use crate::ops::precision::silu;
 /// [`causal_conv1d`] followed by SiLU (design §4.2), the form in front of KDA's q, k and v; the
 /// new tail only when `want_tail` (a decode cache).
 ///
-/// On the CubeCL backends (see [`backend`](crate::ops::backend)) the convolution with its SiLU is one
+/// On the CubeCL backends (see [`backend`]) the convolution with its SiLU is one
 /// fused launch (and its backward three more under autodiff); untracked calls (prefill, decode)
 /// also update the tail in one launch, tracked ones take the tail from the tensor ops so that its
 /// graph reaches `x`. On the CPU backends (f32), a call without a tail in or out (training,

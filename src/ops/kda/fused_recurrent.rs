@@ -20,7 +20,7 @@ use crate::ops::precision::restore;
 /// a decode step of N sequences is one batched update. Cost grows linearly in `T` with one small
 /// kernel sequence per token; use [`chunk_kda`](super::chunk_kda) for long inputs.
 ///
-/// On the CubeCL backends (see [`backend`](crate::ops::backend)) inference calls run one kernel that
+/// On the CubeCL backends (see [`backend`]) inference calls run one kernel that
 /// keeps the f32 state on chip for all steps; inputs tracked by autodiff take the tensor ops.
 ///
 /// # Panics

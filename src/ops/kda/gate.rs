@@ -91,7 +91,7 @@ pub fn try_kda_gate<B: Backend>(
 ///
 /// `o, z: [..., V]`, `weight: [V]` → `[..., V]` in the dtype of `o`; statistics and gate in f32.
 ///
-/// On the CubeCL backends (see [`backend`](crate::ops::backend)) one fused kernel each way (f32, f16
+/// On the CubeCL backends (see [`backend`]) one fused kernel each way (f32, f16
 /// or bf16 storage, `o` and `z` of one dtype); on the CPU backends (f32) a host kernel with one pass
 /// over each row each way; elsewhere the tensor ops.
 ///
