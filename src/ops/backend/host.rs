@@ -282,6 +282,19 @@ pub(crate) trait HostOp<const N: usize>: Debug + Clone + Send + Sync + 'static {
         saved: &Self::Saved,
         grad: &HostArray,
     ) -> [HostArray; N];
+
+    /// [`backward`](Self::backward) with the output gradient the op's own: what Burn's autodiff
+    /// hands a backward step. An op may write an input gradient into the output gradient's
+    /// buffer when [`HostData::unique_mut`] gives it (that gradient is then the output
+    /// gradient's tensor, without a new allocation).
+    fn backward_owned(
+        &self,
+        inputs: &[HostArray; N],
+        saved: &Self::Saved,
+        grad: HostArray,
+    ) -> [HostArray; N] {
+        self.backward(inputs, saved, &grad)
+    }
 }
 
 /// Whether [`run`] supports the backend `B` (a CPU backend of an enabled feature).
@@ -747,7 +760,7 @@ impl<X: Backend, O: HostOp<N>, const N: usize> burn::backend::autodiff::ops::Bac
     ) {
         let grad = to_host::<X>(grads.consume::<X>(&ops.node));
         let (inputs, saved, device) = &*ops.state;
-        let dx = self.0.backward(inputs, saved, &grad);
+        let dx = self.0.backward_owned(inputs, saved, grad);
         for (parent, d) in ops.parents.iter().zip(dx) {
             if let Some(node) = parent {
                 grads.register::<X>(node.id, from_host::<X>(d, device));
@@ -826,6 +839,12 @@ impl<'a> DisjointWrites<'a> {
             fresh: !buffer.zeroed,
             _buffer: std::marker::PhantomData,
         }
+    }
+
+    /// The buffer's first element: for reading elements that no slice of this buffer alive at
+    /// the same time covers (an op that writes its results over the input it reads, say).
+    pub fn as_ptr(&self) -> *const f32 {
+        self.ptr
     }
 
     /// Requests elements `start..start + len` for writing ahead of [`slice`](Self::slice) (see

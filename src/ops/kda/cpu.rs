@@ -181,7 +181,7 @@ impl Inputs<'_> {
     /// Prefetches the job's input rows of token `tk` (see [`prefetch`]) and, when given, its row
     /// of the `[B, T, H, V]` output gradient.
     #[inline(always)]
-    fn prefetch(&self, job: &Job, tk: usize, grad: Option<&[f32]>) {
+    fn prefetch(&self, job: &Job, tk: usize, grad: Option<GradIn<'_>>) {
         let Geometry { kd, vd, .. } = self.geo;
         let at = self.geo.at(job.b, tk, job.h, kd);
         let av = self.geo.at(job.b, tk, job.h, vd);
@@ -190,7 +190,8 @@ impl Inputs<'_> {
         prefetch(&self.g[at..at + kd]);
         prefetch(&self.v[av..av + vd]);
         if let Some(grad) = grad {
-            prefetch(&grad[av..av + vd]);
+            // SAFETY: the job's own row, which no slice alive now covers (see `GradIn`).
+            prefetch(unsafe { grad.row(av, vd) });
         }
     }
 }
@@ -315,18 +316,23 @@ impl KdaRecurrence {
     /// job, when all of it is zeroed first.
     fn output(&self, len: usize, t: usize) -> Fresh {
         let mut out = Fresh::new(len);
-        let tiled = self.seqs.as_ref().is_none_or(|spans| {
+        if !self.tiled(t) {
+            out.zero_all();
+        }
+        out
+    }
+
+    /// Whether the jobs cover every token of a row of `t` (always, unless packed sequences
+    /// leave gaps).
+    fn tiled(&self, t: usize) -> bool {
+        self.seqs.as_ref().is_none_or(|spans| {
             let mut end = 0;
             spans.iter().all(|&(start, len)| {
                 let next = start == end;
                 end = start + len;
                 next
             }) && end == t
-        });
-        if !tiled {
-            out.zero_all();
-        }
-        out
+        })
     }
 
     /// The forward pass: `o` (`[B, T, H, V]`, each row taken once from `o`) and, with
@@ -656,6 +662,56 @@ impl GradsOut<'_> {
     }
 }
 
+/// The output gradient's rows `[B, T, H, V]` as the backward pass reads them: through a pointer,
+/// one row at a time, because `dv` may be written over it ([`KdaRecurrence::backward_owned`]), and
+/// a shared borrow of the whole buffer would then alias those writes. Each job reads and writes
+/// only its own rows, and a step copies its row of `do` before it writes that row of `dv`.
+#[derive(Clone, Copy)]
+struct GradIn<'a> {
+    ptr: *const f32,
+    len: usize,
+    _buffer: std::marker::PhantomData<&'a [f32]>,
+}
+
+// SAFETY: a read-only view; which rows a thread may read is `row`'s contract.
+unsafe impl Send for GradIn<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for GradIn<'_> {}
+
+impl<'a> GradIn<'a> {
+    /// Rows that nothing writes.
+    fn shared(grad: &'a [f32]) -> Self {
+        Self {
+            ptr: grad.as_ptr(),
+            len: grad.len(),
+            _buffer: std::marker::PhantomData,
+        }
+    }
+
+    /// Rows that `dv` is written over, through `dv`'s own pointer.
+    fn under(dv: &DisjointWrites<'a>, len: usize) -> Self {
+        Self {
+            ptr: dv.as_ptr(),
+            len,
+            _buffer: std::marker::PhantomData,
+        }
+    }
+
+    /// Elements `at..at + len`.
+    ///
+    /// # Safety
+    /// No mutable slice of these elements may be alive while the returned slice is.
+    ///
+    /// # Panics
+    /// When the range is out of bounds.
+    #[inline(always)]
+    unsafe fn row(&self, at: usize, len: usize) -> &'a [f32] {
+        assert!(at <= self.len && len <= self.len - at, "row out of bounds");
+        // SAFETY: in bounds (checked above); no writes overlap (the caller's contract).
+        unsafe { std::slice::from_raw_parts(self.ptr.add(at), len) }
+    }
+}
+
 /// What one backward step reads besides the running `dS`: the states around the token, its
 /// output gradient, `u`, `e`, the prepared token and `β`.
 struct Rows<'a> {
@@ -800,7 +856,7 @@ struct BackwardGroup<'a> {
     x: &'a Inputs<'a>,
     jobs: &'a [Job],
     states: Vec<&'a [f32]>,
-    grad: &'a [f32],
+    grad: GradIn<'a>,
     ds: &'a mut [Vec<f32>],
     out: &'a GradsOut<'a>,
 }
@@ -882,6 +938,8 @@ struct SpanWork<V> {
     es: Vec<f32>,
     us: Vec<f32>,
     o: Vec<f32>,
+    /// The row of the output gradient in work, copied out of it (`dv` may be written over it).
+    dout: Vec<f32>,
     sums: RowSums<V>,
     tail: RowSums<f32>,
 }
@@ -894,6 +952,7 @@ impl<V: Copy> SpanWork<V> {
             es: vec![0.0; CHECKPOINT * vd],
             us: vec![0.0; CHECKPOINT * vd],
             o: vec![0.0; vd],
+            dout: vec![0.0; vd],
             sums: RowSums::new(kd, simd.splat_f32s(0.0)),
             tail: RowSums::new(kd, 0.0),
         }
@@ -909,7 +968,7 @@ impl<V: Copy> SpanWork<V> {
         x: &Inputs,
         span: &Span,
         ds: &mut [f32],
-        grad: &[f32],
+        grad: GradIn<'_>,
         out: &GradsOut,
     ) {
         let Self {
@@ -918,6 +977,7 @@ impl<V: Copy> SpanWork<V> {
             es,
             us,
             o,
+            dout,
             sums,
             tail,
         } = self;
@@ -969,10 +1029,12 @@ impl<V: Copy> SpanWork<V> {
             }
             let (at, av) = (geo.at(job.b, tk, job.h, kd), geo.at(job.b, tk, job.h, vd));
             let t = &tokens[i];
+            // SAFETY: this job's row, and no slice of `dv` is alive (see `GradIn`).
+            dout.copy_from_slice(unsafe { grad.row(av, vd) });
             let rows = Rows {
                 s_now: &states[(i + 1) * kv..(i + 2) * kv],
                 s_prev: &states[i * kv..(i + 1) * kv],
-                dout: &grad[av..av + vd],
+                dout,
                 u: &us[i * vd..(i + 1) * vd],
                 e: &es[i * vd..(i + 1) * vd],
                 t,
@@ -1069,6 +1131,74 @@ impl HostOp<6> for KdaRecurrence {
     }
 
     fn backward(&self, inputs: &[HostArray; 6], saved: &Saved, grad: &HostArray) -> [HostArray; 6] {
+        let v = &inputs[2];
+        let n_o = v.shape.iter().product();
+        let mut dv = self.output(n_o, v.shape[1]);
+        let (rows, state_grad) = grad.data.split_at(n_o);
+        let [dq, dk, dg, db, dh0] = self.backward_with(
+            inputs,
+            saved,
+            GradIn::shared(rows),
+            state_grad,
+            DisjointWrites::fresh(&mut dv),
+        );
+        let dv = HostArray {
+            // SAFETY: the jobs took every token's row (or `output` zeroed it all).
+            data: HostData::Owned(unsafe { dv.into_vec() }),
+            shape: v.shape.clone(),
+        };
+        [dq, dk, dv, dg, db, dh0]
+    }
+
+    /// [`backward`](HostOp::backward), with `dv` written over the output gradient when nothing
+    /// else holds it: one new buffer of `[B, T, H, V]` less per call (at T = 8192 in the `kda`
+    /// bench, 8 MiB of pages that glibc had handed back to the kernel, which zeroes them again).
+    /// Each step copies its row of the output gradient before it writes that row of `dv`, so
+    /// the result is the same bit for bit. Not with `final_state` (the gradient then holds the
+    /// final states' too), nor with packed sequences that leave tokens to no job (their rows of
+    /// `dv` must be zeros).
+    fn backward_owned(
+        &self,
+        inputs: &[HostArray; 6],
+        saved: &Saved,
+        mut grad: HostArray,
+    ) -> [HostArray; 6] {
+        let v_shape = inputs[2].shape.clone();
+        let n_o = v_shape.iter().product::<usize>();
+        let in_place = !self.final_state
+            && grad.shape == v_shape
+            && self.tiled(v_shape[1])
+            && grad.data.unique_mut().is_some();
+        if !in_place {
+            return self.backward(inputs, saved, &grad);
+        }
+        let buffer = grad
+            .data
+            .unique_mut()
+            .unwrap_or_else(|| unreachable!("checked unique above"));
+        let dv = DisjointWrites::new(buffer);
+        let rows = GradIn::under(&dv, n_o);
+        let [dq, dk, dg, db, dh0] = self.backward_with(inputs, saved, rows, &[], dv);
+        let dv = HostArray {
+            data: grad.data,
+            shape: v_shape,
+        };
+        [dq, dk, dv, dg, db, dh0]
+    }
+}
+
+impl KdaRecurrence {
+    /// The backward pass: the output gradient's rows `[B, T, H, V]` read through `grad`, the
+    /// final states' gradient (`[N, H, K, V]`, empty without `final_state`), `dv` written
+    /// through `dv`; returns `dq`, `dk`, `dg`, `dβ` and `dS_0`.
+    fn backward_with(
+        &self,
+        inputs: &[HostArray; 6],
+        saved: &Saved,
+        grad: GradIn<'_>,
+        state_grad: &[f32],
+        dv: DisjointWrites<'_>,
+    ) -> [HostArray; 5] {
         let [q, k, v, _, beta, h0] = inputs;
         let &[b, t, h, kd] = q.shape.as_slice() else {
             unreachable!("q is [B, T, H, K]")
@@ -1077,16 +1207,15 @@ impl HostOp<6> for KdaRecurrence {
         let x = self.inputs(inputs, Geometry { t, h, kd, vd });
         let geo = x.geo;
         let jobs = self.jobs(b, t, h);
-        let (kv, n_o) = (kd * vd, b * t * h * vd);
+        let kv = kd * vd;
         // Every token's rows of the input gradients are written once, by the job that owns them.
-        let [mut dq, mut dk, mut dv, mut dg, mut db] =
-            [&q.shape, &k.shape, &v.shape, &q.shape, &beta.shape]
-                .map(|shape| self.output(shape.iter().product(), t));
+        let [mut dq, mut dk, mut dg, mut db] = [&q.shape, &k.shape, &q.shape, &beta.shape]
+            .map(|shape| self.output(shape.iter().product(), t));
         let mut dh0 = HostArray::zeros(&h0.shape);
         let out = GradsOut {
             dq: DisjointWrites::fresh(&mut dq),
             dk: DisjointWrites::fresh(&mut dk),
-            dv: DisjointWrites::fresh(&mut dv),
+            dv,
             dg: DisjointWrites::fresh(&mut dg),
             dbeta: DisjointWrites::fresh(&mut db),
         };
@@ -1099,7 +1228,7 @@ impl HostOp<6> for KdaRecurrence {
                 .map(|job| {
                     let at = geo.state(job.seq, job.h);
                     if self.final_state {
-                        grad.data[n_o + at..n_o + at + kv].to_vec()
+                        state_grad[at..at + kv].to_vec()
                     } else {
                         vec![0.0f32; kv]
                     }
@@ -1109,7 +1238,7 @@ impl HostOp<6> for KdaRecurrence {
                 x: &x,
                 jobs: &jobs[range.clone()],
                 states: range.clone().map(|j| saved.job(j)).collect(),
-                grad: &grad.data,
+                grad,
                 ds: &mut ds,
                 out: &out,
             });
@@ -1121,15 +1250,14 @@ impl HostOp<6> for KdaRecurrence {
                 }
             }
         });
-        let [dq, dk, dv, dg, db] =
-            [(dq, q), (dk, k), (dv, v), (dg, q), (db, beta)].map(|(d, x)| {
-                HostArray {
-                    // SAFETY: the jobs took every token's row (or `output` zeroed it all).
-                    data: HostData::Owned(unsafe { d.into_vec() }),
-                    shape: x.shape.clone(),
-                }
-            });
-        [dq, dk, dv, dg, db, dh0]
+        let [dq, dk, dg, db] = [(dq, q), (dk, k), (dg, q), (db, beta)].map(|(d, x)| {
+            HostArray {
+                // SAFETY: the jobs took every token's row (or `output` zeroed it all).
+                data: HostData::Owned(unsafe { d.into_vec() }),
+                shape: x.shape.clone(),
+            }
+        });
+        [dq, dk, dg, db, dh0]
     }
 }
 
@@ -1407,6 +1535,75 @@ mod tests {
                 if outside {
                     assert!(r.iter().all(|&x| x == 0.0), "gradient {i} row {tk}: {r:?}");
                 }
+            }
+        }
+    }
+
+    /// With an output gradient that nothing else holds, `dv` is written over it (the same
+    /// buffer) and every gradient has the bits of the backward that reads a shared output
+    /// gradient; with the final states in the loss, or with tokens of no sequence, the backward
+    /// leaves the output gradient alone.
+    #[test]
+    fn the_value_gradient_is_written_over_an_output_gradient_nothing_else_holds() {
+        use crate::ops::backend::host::{HostArray, HostData, HostOp};
+        // V = 21: blocks of 4 and 1 registers and single columns on every instruction set.
+        let [b, t, h, kd, vd] = [2, 37, 3, 16, 21];
+        let array = |shape: Vec<usize>, seed: u64, f: fn(f32) -> f32| {
+            let n = shape.iter().product();
+            let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let data = (0..n)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    f((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+                })
+                .collect();
+            HostArray {
+                data: HostData::Owned(data),
+                shape,
+            }
+        };
+        let same = |x: f32| x;
+        // Packed sequences take one row (B = 1) and have a state each.
+        for (final_state, seqs, in_place) in [
+            (false, None, true),
+            (true, None, false),
+            (false, Some(vec![(0, 30), (30, 7)]), true),
+            (false, Some(vec![(1, 30)]), false),
+        ] {
+            let (b, n) = match &seqs {
+                Some(spans) => (1, spans.len()),
+                None => (b, b),
+            };
+            let inputs = [
+                array(vec![b, t, h, kd], 1, same),
+                array(vec![b, t, h, kd], 2, same),
+                array(vec![b, t, h, vd], 3, same),
+                array(vec![b, t, h, kd], 4, |g| -g.abs()),
+                array(vec![b, t, h], 5, f32::abs),
+                array(vec![n, h, kd, vd], 6, same),
+            ];
+            let op = super::KdaRecurrence {
+                scale: 0.25,
+                l2norm: true,
+                seqs: seqs.clone(),
+                initial_state: true,
+                final_state,
+            };
+            let (o, saved) = op.forward(&inputs, true);
+            let saved = saved.expect("saved");
+            let grad = array(o.shape.clone(), 7, same);
+            let want = op.backward(&inputs, &saved, &grad);
+            let owned = grad.clone();
+            let at = owned.data.as_ptr();
+            let got = op.backward_owned(&inputs, &saved, owned);
+            let case = format!("final_state {final_state}, sequences {seqs:?}");
+            assert_eq!(got[2].data.as_ptr() == at, in_place, "{case}: dv in place");
+            for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                assert_eq!(w.shape, g.shape, "{case}: gradient {i}");
+                let bits = |x: &HostArray| x.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(w), bits(g), "{case}: gradient {i}");
             }
         }
     }
