@@ -16,6 +16,10 @@
 # output (10 MiB at 2048) stay in a 32 MiB last-level cache between calls, those of 8192 (40 MiB)
 # do not. The cold groups read every call's inputs from main memory at all three lengths, as a
 # training step does, so their ratio is the time per token's alone.
+#
+# Last, `benches/kda_cpu_time.rs` with the same number of rounds: the time per token split into
+# the process's own CPU time (user), the kernel's on its behalf (system) and page faults, which
+# tells the op's growth with T from the kernel zeroing pages that the allocator handed back.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,7 +27,7 @@ rounds="${1:-8}"
 out="${OUT_DIR:-target/kda-linearity}"
 mkdir -p "$out"
 rm -f "$out"/round-*.json
-cargo bench --bench kda --no-run
+cargo bench --bench kda --bench kda_cpu_time --no-run
 for r in $(seq 1 "$rounds"); do
     echo "round $r of $rounds" >&2
     cargo bench --bench kda -- --warm-up-time 2 --measurement-time 3 \
@@ -64,3 +68,6 @@ for group, name in (("chunk_kda_fwd_ndarray", "forward"),
           f"| {statistics.median(b for _, b in per_round):.2f}× "
           f"({min(b for _, b in per_round):.2f}–{max(b for _, b in per_round):.2f}) |")
 EOF
+
+echo
+cargo bench --bench kda_cpu_time -- --rounds "$rounds" 2>/dev/null | tee "$out/cpu-time.txt"
