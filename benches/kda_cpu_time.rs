@@ -17,7 +17,8 @@
 //! Options: `--rounds N` (default 5; each round measures every length once, in turn, so that a
 //! neighbour's load on a shared machine hits them alike), `--tokens N` (tokens per measurement,
 //! default 131072), `--retain`. The times come from `getrusage` over all the process's threads;
-//! the table shows the median of the rounds. Keep the machine otherwise idle.
+//! the table shows the median of the rounds. Keep the machine otherwise idle. Run without
+//! `--bench` (as `cargo test --benches` does), it makes one quick round of two calls per length.
 // Reading tensors back is this program's business: the crate's read counter covers the library.
 #![allow(clippy::disallowed_methods)]
 
@@ -149,10 +150,13 @@ fn median(mut xs: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    let mut rounds = 5;
-    let mut tokens = 131_072;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    // `cargo bench` passes `--bench`; without it (`cargo test --benches`) one quick round, as
+    // criterion's benches run once there.
+    let quick = !args.iter().any(|a| a == "--bench");
+    let (mut rounds, mut tokens) = if quick { (1, 1) } else { (5, 131_072) };
     let mut retain = false;
-    let mut args = std::env::args().skip(1);
+    let mut args = args.into_iter();
     while let Some(arg) = args.next() {
         let mut number = |name: &str| -> usize {
             args.next()
