@@ -17,9 +17,13 @@
 
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::Tensor;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kimi_burn::ops::kda::{chunk_kda, fused_recurrent_kda, KdaOptions};
+
+#[path = "common/kda_inputs.rs"]
+mod kda_inputs;
+use kda_inputs::{inputs, Inputs};
 
 /// Rows, heads, key = value dim and lengths of a bench group; `name` is appended to the group
 /// name.
@@ -49,35 +53,6 @@ const K3: Dims = Dims {
     k: 128,
     lengths: &[16384],
 };
-
-struct Inputs<B: Backend> {
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    g: Tensor<B, 4>,
-    beta: Tensor<B, 3>,
-    h0: Tensor<B, 4>,
-    dout: Tensor<B, 4>,
-}
-
-fn inputs<B: Backend>(batch: usize, t: usize, dims: &Dims, device: &B::Device) -> Inputs<B> {
-    let (h, k) = (dims.h, dims.k);
-    B::seed(device, 0);
-    let normal =
-        |shape: [usize; 4]| Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), device);
-    // Unit-norm keys and logsigmoid(randn) gates, as in the tests.
-    let unit = |x: Tensor<B, 4>| x.clone().div(x.square().sum_dim(3).sqrt());
-    let gate = normal([batch, t, h, k]).neg().exp().log1p().neg();
-    Inputs {
-        q: unit(normal([batch, t, h, k])),
-        k: unit(normal([batch, t, h, k])),
-        v: normal([batch, t, h, k]),
-        g: gate,
-        beta: Tensor::random([batch, t, h], Distribution::Uniform(0.0, 1.0), device),
-        h0: normal([batch, h, k, k]),
-        dout: normal([batch, t, h, k]),
-    }
-}
 
 /// The options of a call: from a zero state with the output only (`state` false), or from the
 /// random initial state with the final state returned.
@@ -135,7 +110,7 @@ fn input_sets<B: Backend>(t: usize, dims: &Dims, cold: bool, device: &B::Device)
         1
     };
     (0..copies)
-        .map(|_| inputs::<B>(dims.batch, t, dims, device))
+        .map(|_| inputs::<B>([dims.batch, t, dims.h, dims.k], device))
         .collect()
 }
 
@@ -228,7 +203,7 @@ fn forward_backward<B: AutodiffBackend>(
 /// handed over (moved), as a decode loop does, so that the op may update it in place (as PyTorch's
 /// baseline step does).
 fn decode<B: Backend>(c: &mut Criterion, backend: &str, batch: usize, device: &B::Device) {
-    let x = inputs::<B>(batch, 1, &SMALL, device);
+    let x = inputs::<B>([batch, 1, SMALL.h, SMALL.k], device);
     let mut state = Some(x.h0.clone());
     let rows = if batch == 1 {
         String::new()

@@ -1,7 +1,7 @@
 //! Where KDA's time on the CPU goes as T grows: `chunk_kda` forward, and forward + backward, on
-//! `Autodiff<NdArray<f32>>` at B = 1, H = 4, K = V = 64 (the `kda` bench's shape and loss,
-//! `sum(o · dout)`), per token, split into the wall-clock time, the CPU time the process spent in
-//! its own code (user) and in the kernel (system), and the page faults per call.
+//! `Autodiff<NdArray<f32>>` at B = 1, H = 4, K = V = 64 (the `kda` bench's shape, inputs and
+//! loss, `sum(o · dout)`), per token, split into the wall-clock time, the CPU time the process
+//! spent in its own code (user) and in the kernel (system), and the page faults per call.
 //!
 //! The `kda` bench gives the wall-clock time only. This one tells how much of its growth with T
 //! is the op's own work (user time per token, which a linear-time op keeps constant) and how much
@@ -25,8 +25,14 @@
 use std::time::Instant;
 
 use burn::backend::{Autodiff, NdArray};
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::Tensor;
 use kimi_burn::ops::kda::{chunk_kda, KdaOptions};
+
+// The `kda` bench's inputs; the initial state goes unused here.
+#[allow(dead_code)]
+#[path = "common/kda_inputs.rs"]
+mod kda_inputs;
+use kda_inputs::{inputs, Inputs};
 
 type B = Autodiff<NdArray<f32>>;
 
@@ -47,65 +53,35 @@ fn usage() -> (f64, f64, i64) {
     (secs(u.ru_utime), secs(u.ru_stime), u.ru_minflt)
 }
 
-/// One length's inputs, made as the `kda` bench makes them: unit-norm keys and queries,
-/// `logsigmoid(randn)` gates, uniform `β`, and a fixed random `dout`.
-struct Inputs {
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    g: Tensor<B, 4>,
-    beta: Tensor<B, 3>,
-    dout: Tensor<B, 4>,
-}
-
-impl Inputs {
-    fn new(t: usize) -> Self {
-        let device = Default::default();
-        let normal = |shape: [usize; 4]| {
-            Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), &device)
-        };
-        let unit = |x: Tensor<B, 4>| x.clone().div(x.square().sum_dim(3).sqrt());
-        Self {
-            q: unit(normal([1, t, H, K])),
-            k: unit(normal([1, t, H, K])),
-            v: normal([1, t, H, K]),
-            g: normal([1, t, H, K]).neg().exp().log1p().neg(),
-            beta: Tensor::random([1, t, H], Distribution::Uniform(0.0, 1.0), &device),
-            dout: normal([1, t, H, K]),
-        }
-    }
-
-    /// One call: the forward alone, or the forward and the backward of `sum(o · dout)`.
-    fn call(&self, backward: bool) {
-        let x = self;
-        let grad = |t: &Tensor<B, 4>| {
-            if backward {
-                t.clone().require_grad()
-            } else {
-                t.clone()
-            }
-        };
-        let q = grad(&x.q);
-        let beta = if backward {
-            x.beta.clone().require_grad()
-        } else {
-            x.beta.clone()
-        };
-        let (o, _) = chunk_kda(
-            q.clone(),
-            grad(&x.k),
-            grad(&x.v),
-            grad(&x.g),
-            beta,
-            KdaOptions::default(),
-        );
+/// One call: the forward alone, or the forward and the backward of `sum(o · dout)`.
+fn call(x: &Inputs<B>, backward: bool) {
+    let tracked = |t: &Tensor<B, 4>| {
         if backward {
-            let grads = o.mul(x.dout.clone()).sum().backward();
-            let dq = q.grad(&grads).expect("q takes part in the loss");
-            let _ = dq.slice([0..1, 0..1, 0..1, 0..1]).into_data();
+            t.clone().require_grad()
         } else {
-            let _ = o.slice([0..1, 0..1, 0..1, 0..1]).into_data();
+            t.clone()
         }
+    };
+    let q = tracked(&x.q);
+    let beta = if backward {
+        x.beta.clone().require_grad()
+    } else {
+        x.beta.clone()
+    };
+    let (o, _) = chunk_kda(
+        q.clone(),
+        tracked(&x.k),
+        tracked(&x.v),
+        tracked(&x.g),
+        beta,
+        KdaOptions::default(),
+    );
+    if backward {
+        let grads = o.mul(x.dout.clone()).sum().backward();
+        let dq = q.grad(&grads).expect("q takes part in the loss");
+        let _ = dq.slice([0..1, 0..1, 0..1, 0..1]).into_data();
+    } else {
+        let _ = o.slice([0..1, 0..1, 0..1, 0..1]).into_data();
     }
 }
 
@@ -118,15 +94,15 @@ struct Sample {
     faults: f64,
 }
 
-fn measure(x: &Inputs, t: usize, tokens: usize, backward: bool) -> Sample {
+fn measure(x: &Inputs<B>, t: usize, tokens: usize, backward: bool) -> Sample {
     // Two calls first: the allocator and the scratch pool settle at this length.
-    x.call(backward);
-    x.call(backward);
+    call(x, backward);
+    call(x, backward);
     let calls = tokens.div_ceil(t).max(2);
     let (u0, s0, f0) = usage();
     let start = Instant::now();
     for _ in 0..calls {
-        x.call(backward);
+        call(x, backward);
     }
     let wall = start.elapsed().as_secs_f64();
     let (u1, s1, f1) = usage();
@@ -181,13 +157,17 @@ fn main() {
             "as the allocator treats it by default"
         }
     );
-    let inputs: Vec<Inputs> = LENGTHS.iter().map(|&t| Inputs::new(t)).collect();
+    let device = Default::default();
+    let sets: Vec<Inputs<B>> = LENGTHS
+        .iter()
+        .map(|&t| inputs([1, t, H, K], &device))
+        .collect();
     for (backward, name) in [(false, "forward"), (true, "forward + backward")] {
         // samples[length][round]
         let mut samples = vec![Vec::with_capacity(rounds); LENGTHS.len()];
         for _ in 0..rounds {
             for (i, &t) in LENGTHS.iter().enumerate() {
-                samples[i].push(measure(&inputs[i], t, tokens, backward));
+                samples[i].push(measure(&sets[i], t, tokens, backward));
             }
         }
         let med = |i: usize, f: fn(&Sample) -> f64| median(samples[i].iter().map(f).collect());
