@@ -706,7 +706,12 @@ impl<'a> GradIn<'a> {
     /// When the range is out of bounds.
     #[inline(always)]
     unsafe fn row(&self, at: usize, len: usize) -> &'a [f32] {
-        assert!(at <= self.len && len <= self.len - at, "row out of bounds");
+        assert!(
+            at <= self.len && len <= self.len - at,
+            "row {at}..{} of an output gradient of {}",
+            at + len,
+            self.len
+        );
         // SAFETY: in bounds (checked above); no writes overlap (the caller's contract).
         unsafe { std::slice::from_raw_parts(self.ptr.add(at), len) }
     }
