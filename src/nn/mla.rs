@@ -23,7 +23,7 @@ use burn::tensor::{backend::Backend, Bool, Tensor};
 use super::mla_cache::MlaCache;
 use super::norm::{RmsNorm, RmsNormConfig};
 use crate::error::{Error, Result};
-use crate::ops::mla::{absorbed_attention, attention_mask, causal_attention, rotary};
+use crate::ops::mla::{absorbed_attention, attention_mask, mla_attention, rotary};
 use crate::ops::precision::sigmoid;
 
 pub use crate::ops::mla::AttentionKind;
@@ -341,21 +341,11 @@ impl<B: Backend> GatedMla<B> {
     ) -> Result<(Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 3>)> {
         let [batch, t, _] = x.dims();
         let (h, dn, dv) = (self.num_heads, self.qk_nope_head_dim, self.v_head_dim);
-        let (q_nope, q_pe) = self.query(x.clone(), 0)?;
+        let q = self.query_heads(x.clone(), 0)?;
         let (latent, k_pe) = self.latent(x.clone(), 0);
-        // [B, T, H, dn + dv] → per-head keys and values.
-        let kv = linear(&self.kv_b_proj, latent.clone())
-            .reshape([batch, t, h, dn + dv])
-            .swap_dims(1, 2);
-        let k_nope = kv.clone().narrow(3, 0, dn);
-        let v = kv.narrow(3, dn, dv);
-        let k_pe_heads =
-            k_pe.clone()
-                .unsqueeze_dim::<4>(1)
-                .expand([batch, h, t, self.qk_rope_head_dim]);
-        let q = Tensor::cat(vec![q_nope, q_pe], 3);
-        let k = Tensor::cat(vec![k_nope, k_pe_heads], 3);
-        let o = causal_attention(q, k, v, padding.clone(), self.attention);
+        // [B, T, H, dn + dv]: per head the key's first dims, then the value.
+        let kv = linear(&self.kv_b_proj, latent.clone()).reshape([batch, t, h, dn + dv]);
+        let o = mla_attention(q, kv, k_pe.clone(), dn, padding.clone(), self.attention);
         Ok((self.output(x, o, padding), latent, k_pe))
     }
 
@@ -411,7 +401,7 @@ impl<B: Backend> GatedMla<B> {
         let tk = start + t;
         let mask = attention_mask(batch, t, tk, cache.padding(), &x.device());
         let o = absorbed_attention(q_nope, q_pe, latent, k_pe, w_uk, w_uv, mask, self.scale());
-        Ok(self.output(x, o, padding))
+        Ok(self.output(x, o.swap_dims(1, 2), padding))
     }
 
     /// The attention scale `(dn + dr)^−1/2`.
@@ -446,6 +436,17 @@ impl<B: Backend> GatedMla<B> {
 
     /// Per-head queries `(q_nope [B, H, T, dn], q_pe [B, H, T, dr])` for positions from `start`.
     fn query(&self, x: Tensor<B, 3>, start: usize) -> Result<(Tensor<B, 4>, Tensor<B, 4>)> {
+        let q = self.query_heads(x, start)?.swap_dims(1, 2);
+        let dn = self.qk_nope_head_dim;
+        Ok((
+            q.clone().narrow(3, 0, dn),
+            q.narrow(3, dn, self.qk_rope_head_dim),
+        ))
+    }
+
+    /// The queries `[B, T, H, dn + dr]` for positions from `start`, as the projection lays them
+    /// out (each head's `dn` dims, then its `dr`, rotated when the layer has RoPE).
+    fn query_heads(&self, x: Tensor<B, 3>, start: usize) -> Result<Tensor<B, 4>> {
         let [batch, t, _] = x.dims();
         let (dn, dr) = (self.qk_nope_head_dim, self.qk_rope_head_dim);
         let q =
@@ -463,15 +464,15 @@ impl<B: Backend> GatedMla<B> {
                     "GatedMla needs either q_proj or all of q_a_proj, q_a_layernorm and q_b_proj",
                 )),
             };
-        let q = q
-            .reshape([batch, t, self.num_heads, dn + dr])
-            .swap_dims(1, 2);
-        let q_nope = q.clone().narrow(3, 0, dn);
-        let mut q_pe = q.narrow(3, dn, dr);
-        if let Some(base) = self.rope {
-            q_pe = rotary(q_pe, start, base);
-        }
-        Ok((q_nope, q_pe))
+        let q = q.reshape([batch, t, self.num_heads, dn + dr]);
+        Ok(match self.rope {
+            None => q,
+            Some(base) => {
+                let q_pe = q.clone().narrow(3, dn, dr).swap_dims(1, 2);
+                let q_pe = rotary(q_pe, start, base).swap_dims(1, 2);
+                Tensor::cat(vec![q.narrow(3, 0, dn), q_pe], 3)
+            }
+        })
     }
 
     /// The normalised latent `c: [B, T, r]` and the shared key slice `k_pe: [B, T, dr]` of the
@@ -487,16 +488,16 @@ impl<B: Backend> GatedMla<B> {
         (c, k_pe)
     }
 
-    /// Heads `o: [B, H, T, dv]` → `W_o (concat_h(o_h) ⊙ σ(W_g x))`, zero at padding positions.
+    /// Heads `o: [B, T, H, dv]` → `W_o (concat_h(o_h) ⊙ σ(W_g x))`, zero at padding positions.
     fn output(
         &self,
         x: Tensor<B, 3>,
         o: Tensor<B, 4>,
         padding: Option<Tensor<B, 2, Bool>>,
     ) -> Tensor<B, 3> {
-        let [batch, _, t, _] = o.dims();
+        let [batch, t, _, _] = o.dims();
         let width = self.num_heads * self.v_head_dim;
-        let mut o = o.swap_dims(1, 2).reshape([batch, t, width]);
+        let mut o = o.reshape([batch, t, width]);
         if let Some(g_proj) = &self.g_proj {
             o = o.mul(sigmoid(linear(g_proj, x)));
         }

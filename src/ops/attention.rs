@@ -14,7 +14,7 @@
 
 use rayon::prelude::*;
 
-use crate::ops::backend::host::{scratch, HostArray, HostOp, Scratch};
+use crate::ops::backend::host::{scratch, DisjointWrites, HostArray, HostOp, Scratch};
 use crate::ops::backend::matmul::{matmul_serial, Layout};
 use crate::ops::backend::simd::{dispatch, exp_lane, max_in, update, Elementwise, Simd, WithSimd};
 
@@ -168,9 +168,79 @@ impl Elementwise<2> for ProbabilityGrad {
 }
 
 /// Sizes `(B, H, T, d_qk, d_v)` of a call.
+/// Block `i` of `len` elements of `x`.
+fn block(x: &[f32], i: usize, len: usize) -> &[f32] {
+    &x[i * len..(i + 1) * len]
+}
+
 fn sizes(inputs: &[HostArray; 3]) -> (usize, usize, usize, usize, usize) {
     let (q, v) = (&inputs[0].shape, &inputs[2].shape);
     (q[0], q[1], q[2], q[3], v[3])
+}
+
+impl CausalAttention {
+    /// One (batch row `b`, head): `o = softmax(scale · q kᵀ) v` into `o: [t, dv]`, with the
+    /// probabilities left in `p: [t, t]`; `q, k: [t, d]`, `v: [t, dv]`.
+    fn head_forward(
+        &self,
+        o: &mut [f32],
+        p: &mut [f32],
+        [q, k, v]: [&[f32]; 3],
+        b: usize,
+        [t, d, dv]: [usize; 3],
+    ) {
+        self.probabilities(p, q, k, b, t, d);
+        matmul_serial(o, p, Layout::Plain, v, Layout::Plain, [t, t, dv], false);
+    }
+
+    /// The backward pass of [`head_forward`](Self::head_forward): `dq, dk: [t, d]` and
+    /// `dv: [t, dv]` from its probabilities `p` and the output gradient `d_o: [t, dv]`.
+    fn head_backward(
+        &self,
+        [dq, dk, dvs]: [&mut [f32]; 3],
+        p: &[f32],
+        d_o: &[f32],
+        [q, k, v]: [&[f32]; 3],
+        [t, d, dv]: [usize; 3],
+    ) {
+        // dV = Pᵀ dO; dP = dO Vᵀ.
+        matmul_serial(
+            dvs,
+            p,
+            Layout::Transposed,
+            d_o,
+            Layout::Plain,
+            [t, t, dv],
+            false,
+        );
+        let mut ds = scratch(t * t);
+        matmul_serial(
+            &mut ds,
+            d_o,
+            Layout::Plain,
+            v,
+            Layout::Transposed,
+            [t, dv, t],
+            false,
+        );
+        // dS = scale · P ⊙ (dP − rowsum(dP ⊙ P)) (the scale of S = scale · Q Kᵀ folded in).
+        dispatch(SoftmaxGrad {
+            ds: &mut ds,
+            p,
+            t,
+            scale: self.scale,
+        });
+        matmul_serial(dq, &ds, Layout::Plain, k, Layout::Plain, [t, t, d], false);
+        matmul_serial(
+            dk,
+            &ds,
+            Layout::Transposed,
+            q,
+            Layout::Plain,
+            [t, t, d],
+            false,
+        );
+    }
 }
 
 impl HostOp<3> for CausalAttention {
@@ -186,12 +256,12 @@ impl HostOp<3> for CausalAttention {
             .zip(p.par_chunks_mut(t * t))
             .enumerate()
             .for_each(|(bh, (o, p))| {
-                let (qs, vs) = (
-                    &q.data[bh * t * d..(bh + 1) * t * d],
-                    &v.data[bh * t * dv..],
-                );
-                self.probabilities(p, qs, &k.data[bh * t * d..], bh / h, t, d);
-                matmul_serial(o, p, Layout::Plain, vs, Layout::Plain, [t, t, dv], false);
+                let qkv = [
+                    block(&q.data, bh, t * d),
+                    block(&k.data, bh, t * d),
+                    block(&v.data, bh, t * dv),
+                ];
+                self.head_forward(o, p, qkv, bh / h, [t, d, dv]);
             });
         let saved = save.then_some(Saved { p });
         (out, saved)
@@ -209,49 +279,151 @@ impl HostOp<3> for CausalAttention {
             .zip(dvs.data.par_chunks_mut(t * dv))
             .enumerate()
             .for_each(|(bh, ((dq, dk), dvv))| {
-                let p = &saved.p[bh * t * t..(bh + 1) * t * t];
-                let d_o = &grad.data[bh * t * dv..(bh + 1) * t * dv];
-                let (qs, ks) = (&q.data[bh * t * d..], &k.data[bh * t * d..]);
-                // dV = Pᵀ dO; dP = dO Vᵀ.
-                matmul_serial(
-                    dvv,
-                    p,
-                    Layout::Transposed,
-                    d_o,
-                    Layout::Plain,
-                    [t, t, dv],
-                    false,
-                );
-                let mut ds = scratch(t * t);
-                let vs = &v.data[bh * t * dv..];
-                matmul_serial(
-                    &mut ds,
-                    d_o,
-                    Layout::Plain,
-                    vs,
-                    Layout::Transposed,
-                    [t, dv, t],
-                    false,
-                );
-                // dS = scale · P ⊙ (dP − rowsum(dP ⊙ P)) (the scale of S = scale · Q Kᵀ folded in).
-                dispatch(SoftmaxGrad {
-                    ds: &mut ds,
-                    p,
-                    t,
-                    scale: self.scale,
-                });
-                matmul_serial(dq, &ds, Layout::Plain, ks, Layout::Plain, [t, t, d], false);
-                matmul_serial(
-                    dk,
-                    &ds,
-                    Layout::Transposed,
-                    qs,
-                    Layout::Plain,
-                    [t, t, d],
-                    false,
-                );
+                let qkv = [
+                    block(&q.data, bh, t * d),
+                    block(&k.data, bh, t * d),
+                    block(&v.data, bh, t * dv),
+                ];
+                let p = block(&saved.p, bh, t * t);
+                let d_o = block(&grad.data, bh, t * dv);
+                self.head_backward([dq, dk, dvv], p, d_o, qkv, [t, d, dv]);
             });
         [dq, dk, dvs]
+    }
+}
+
+/// MLA's expanded attention (NoPE: nothing rotated) over its projections' own layouts, so that
+/// no per-head tensor is assembled around it: `q: [B, T, H, d_qk]`, `kv: [B, T, H, d_n + d_v]`
+/// (per head the key's first `d_n` dims, then the value) and `k_pe: [B, T, d_qk − d_n]` (the
+/// key's other dims, shared by every head) → `o: [B, T, H, d_v]`. Each (batch row, head) gathers
+/// its `q`, `k` and `v` rows and runs [`CausalAttention`]'s own per-head passes; the backward
+/// writes `dq`, `dkv` in the inputs' layouts and sums `dk_pe` over the heads in head order.
+#[derive(Debug, Clone)]
+pub(crate) struct MlaAttention {
+    /// The attention proper (scale and key padding).
+    pub attention: CausalAttention,
+    /// `d_n`: the key dims of `kv`.
+    pub dn: usize,
+}
+
+/// `(B, T, H, d_qk, d_v)` of [`MlaAttention`]'s inputs.
+fn mla_sizes(inputs: &[HostArray; 3], dn: usize) -> (usize, usize, usize, usize, usize) {
+    let (q, kv) = (&inputs[0].shape, &inputs[1].shape);
+    (q[0], q[1], q[2], q[3], kv[3] - dn)
+}
+
+impl MlaAttention {
+    /// Head `h` of batch row `b`: its `q` (`[t, d_qk]`), `k` (`[t, d_qk]`) and `v` (`[t, d_v]`)
+    /// rows gathered into `buf`.
+    fn gather<'b>(
+        &self,
+        inputs: &[HostArray; 3],
+        b: usize,
+        h: usize,
+        buf: &'b mut [f32],
+    ) -> [&'b [f32]; 3] {
+        let (_, t, heads, d, dv) = mla_sizes(inputs, self.dn);
+        let [q, kv, k_pe] = inputs;
+        let (dn, dr, dkv) = (self.dn, d - self.dn, self.dn + dv);
+        let (qs, rest) = buf.split_at_mut(t * d);
+        let (ks, vs) = rest.split_at_mut(t * d);
+        for i in 0..t {
+            let row = (b * t + i) * heads + h;
+            qs[i * d..(i + 1) * d].copy_from_slice(&q.data[row * d..(row + 1) * d]);
+            let kv_row = &kv.data[row * dkv..(row + 1) * dkv];
+            ks[i * d..i * d + dn].copy_from_slice(&kv_row[..dn]);
+            let pe = (b * t + i) * dr;
+            ks[i * d + dn..(i + 1) * d].copy_from_slice(&k_pe.data[pe..pe + dr]);
+            vs[i * dv..(i + 1) * dv].copy_from_slice(&kv_row[dn..]);
+        }
+        [qs, ks, &vs[..t * dv]]
+    }
+}
+
+impl HostOp<3> for MlaAttention {
+    type Saved = Saved;
+
+    fn forward(&self, inputs: &[HostArray; 3], save: bool) -> (HostArray, Option<Saved>) {
+        let (b, t, h, d, dv) = mla_sizes(inputs, self.dn);
+        let mut out = HostArray::zeros(&[b, t, h, dv]);
+        let mut p = scratch(b * h * t * t);
+        let o_rows = DisjointWrites::new(&mut out.data);
+        p.par_chunks_mut(t * t).enumerate().for_each(|(bh, p)| {
+            let (bi, hi) = (bh / h, bh % h);
+            let mut buf = scratch(t * (2 * d + dv) + t * dv);
+            let (qkv_buf, o) = buf.split_at_mut(t * (2 * d + dv));
+            let qkv = self.gather(inputs, bi, hi, qkv_buf);
+            self.attention.head_forward(o, p, qkv, bi, [t, d, dv]);
+            for (i, row) in o.chunks_exact(dv).enumerate() {
+                // SAFETY: row `(b, i, h)` of `o` belongs to this (batch row, head) alone.
+                unsafe { o_rows.slice(((bi * t + i) * h + hi) * dv, dv) }.copy_from_slice(row);
+            }
+        });
+        let saved = save.then_some(Saved { p });
+        (out, saved)
+    }
+
+    fn backward(&self, inputs: &[HostArray; 3], saved: &Saved, grad: &HostArray) -> [HostArray; 3] {
+        let (b, t, h, d, dv) = mla_sizes(inputs, self.dn);
+        let (dn, dr) = (self.dn, d - self.dn);
+        let dkv_w = dn + dv;
+        let mut dq = HostArray::zeros(&inputs[0].shape);
+        let mut dkv = HostArray::zeros(&inputs[1].shape);
+        let mut dk_pe = HostArray::zeros(&inputs[2].shape);
+        // Every head's share of `dk_pe`, `[B, H, T, d_r]`, summed over the heads afterwards.
+        let mut pe_parts = scratch(b * h * t * dr);
+        let (dq_rows, dkv_rows, pe_rows) = (
+            DisjointWrites::new(&mut dq.data),
+            DisjointWrites::new(&mut dkv.data),
+            DisjointWrites::new(&mut pe_parts),
+        );
+        (0..b * h).into_par_iter().for_each(|bh| {
+            let (bi, hi) = (bh / h, bh % h);
+            let mut buf = scratch(t * (2 * d + dv) + t * (2 * d + 2 * dv));
+            let (qkv_buf, rest) = buf.split_at_mut(t * (2 * d + dv));
+            let qkv = self.gather(inputs, bi, hi, qkv_buf);
+            let (d_o, rest) = rest.split_at_mut(t * dv);
+            let (dqs, rest) = rest.split_at_mut(t * d);
+            let (dks, dvs) = rest.split_at_mut(t * d);
+            for (i, row) in d_o.chunks_exact_mut(dv).enumerate() {
+                let at = ((bi * t + i) * h + hi) * dv;
+                row.copy_from_slice(&grad.data[at..at + dv]);
+            }
+            let p = block(&saved.p, bh, t * t);
+            self.attention
+                .head_backward([dqs, dks, dvs], p, d_o, qkv, [t, d, dv]);
+            // SAFETY: this (batch row, head)'s share of `dk_pe` is its own block.
+            let pe_part = unsafe { pe_rows.slice(bh * t * dr, t * dr) };
+            for i in 0..t {
+                let row = (bi * t + i) * h + hi;
+                // SAFETY: row `(b, i, h)` of `dq` and of `dkv` belongs to this (batch row, head)
+                // alone.
+                let (dq_row, dkv_row) = unsafe {
+                    (
+                        dq_rows.slice(row * d, d),
+                        dkv_rows.slice(row * dkv_w, dkv_w),
+                    )
+                };
+                let dk = &dks[i * d..(i + 1) * d];
+                dq_row.copy_from_slice(&dqs[i * d..(i + 1) * d]);
+                dkv_row[..dn].copy_from_slice(&dk[..dn]);
+                dkv_row[dn..].copy_from_slice(&dvs[i * dv..(i + 1) * dv]);
+                pe_part[i * dr..(i + 1) * dr].copy_from_slice(&dk[dn..]);
+            }
+        });
+        if dr > 0 {
+            dk_pe
+                .data
+                .par_chunks_mut(t * dr)
+                .enumerate()
+                .for_each(|(bi, dk_pe)| {
+                    for hi in 0..h {
+                        let part = block(&pe_parts, bi * h + hi, t * dr);
+                        dk_pe.iter_mut().zip(part).for_each(|(s, x)| *s += x);
+                    }
+                });
+        }
+        [dq, dkv, dk_pe]
     }
 }
 
@@ -260,7 +432,7 @@ mod tests {
     use burn::backend::{Autodiff, NdArray};
     use burn::tensor::{Bool, Distribution, Tensor, TensorData, Tolerance};
 
-    use crate::ops::mla::{causal_attention, AttentionKind};
+    use crate::ops::mla::{causal_attention, mla_attention, AttentionKind};
     use crate::ops::with_kernels;
 
     type B = Autodiff<NdArray<f32>>;
@@ -308,6 +480,62 @@ mod tests {
             let (want, got) = (run(false), run(true));
             for (w, g) in want.iter().zip(&got) {
                 g.assert_approx_eq::<f32>(w, Tolerance::rel_abs(1e-4, 1e-5));
+            }
+        }
+    }
+
+    /// MLA's attention over the projections' layouts: the host kernel against the per-head
+    /// tensors assembled by tensor ops and the tensor-op attention, output and the gradients of
+    /// `q`, `kv` and `k_pe`, with right padding on one row, `d_v ≠ d_n` and three heads (the
+    /// shared key's gradient sums them). Also with no shared key dims (`d_qk = d_n`).
+    #[test]
+    fn mla_layout_attention_matches_the_assembled_heads_and_their_gradients() {
+        fn normal<const D: usize>(s: [usize; D]) -> Tensor<B, D> {
+            Tensor::random(s, Distribution::Normal(0.0, 1.0), &Default::default())
+        }
+        let device = Default::default();
+        let (b, h, t) = (2, 3, 17);
+        let pad: Vec<bool> = (0..b * t).map(|i| i / t == 1 && i % t >= 12).collect();
+        let pad = Tensor::<B, 2, Bool>::from_data(TensorData::new(pad, [b, t]), &device);
+        for (dn, dr, dv) in [(6, 4, 5), (7, 0, 3)] {
+            let q: Tensor<B, 4> = normal([b, t, h, dn + dr]);
+            let kv: Tensor<B, 4> = normal([b, t, h, dn + dv]);
+            let k_pe: Tensor<B, 3> = normal([b, t, dr]);
+            let d_o: Tensor<B, 4> = normal([b, t, h, dv]);
+            for padding in [None, Some(pad.clone())] {
+                let run = |host: bool| {
+                    with_kernels(host, || {
+                        let (q, kv, k_pe) = (
+                            q.clone().require_grad(),
+                            kv.clone().require_grad(),
+                            k_pe.clone().require_grad(),
+                        );
+                        let o = mla_attention(
+                            q.clone(),
+                            kv.clone(),
+                            k_pe.clone(),
+                            dn,
+                            padding.clone(),
+                            AttentionKind::Plain,
+                        );
+                        let grads = o.clone().mul(d_o.clone()).sum().backward();
+                        let mut out = vec![
+                            o.inner().into_data(),
+                            q.grad(&grads).expect("dq").into_data(),
+                            kv.grad(&grads).expect("dkv").into_data(),
+                        ];
+                        if dr > 0 {
+                            out.push(k_pe.grad(&grads).expect("dk_pe").into_data());
+                        }
+                        out
+                    })
+                };
+                let (want, got) = (run(false), run(true));
+                assert_eq!(want.len(), got.len());
+                for (w, g) in want.iter().zip(&got) {
+                    assert_eq!(w.shape, g.shape);
+                    g.assert_approx_eq::<f32>(w, Tolerance::rel_abs(1e-4, 1e-5));
+                }
             }
         }
     }

@@ -192,6 +192,101 @@ pub fn causal_attention<B: Backend>(
     }
 }
 
+/// MLA's expanded causal attention over its projections' own layouts (NoPE: no dim rotated):
+/// `q: [B, T, H, dqk]`, `kv: [B, T, H, dn + dv]` and `k_pe: [B, T, dqk − dn]` → `[B, T, H,
+/// dv]`. Head `h`'s key is `kv`'s first `dn` dims followed by `k_pe` (shared by all heads), its
+/// value `kv`'s other `dv` dims; the scale is `dqk^−1/2`, as in [`causal_attention`].
+///
+/// On the CPU backends (f32) one host kernel gathers each head's rows itself and writes the
+/// output and the gradients in these layouts: no per-head key, value or query tensor is built
+/// (a concatenation, two slices and a broadcast forward, and as many full-size zero-filled
+/// gradients backward). Elsewhere the per-head tensors are assembled and [`causal_attention`]
+/// runs with `kind`.
+///
+/// # Panics
+/// When the shapes disagree (`kv`, `k_pe` or the padding not as above, `dn > dqk`).
+pub fn mla_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    kv: Tensor<B, 4>,
+    k_pe: Tensor<B, 3>,
+    dn: usize,
+    key_padding: Option<Tensor<B, 2, Bool>>,
+    kind: AttentionKind,
+) -> Tensor<B, 4> {
+    let [batch, t, heads, dqk] = q.dims();
+    let dv = kv.dims()[3].saturating_sub(dn);
+    assert!(
+        dn <= dqk
+            && kv.dims()[..3] == [batch, t, heads]
+            && kv.dims()[3] > dn
+            && k_pe.dims() == [batch, t, dqk - dn],
+        "mla_attention: q {:?}, kv {:?} and k_pe {:?} must be [B, T, H, dqk], [B, T, H, dn + dv] \
+         and [B, T, dqk − dn] with dn = {dn}",
+        q.dims(),
+        kv.dims(),
+        k_pe.dims()
+    );
+    if let Some(pad) = &key_padding {
+        assert!(
+            pad.dims() == [batch, t],
+            "mla_attention: the key padding has shape {:?}, expected [B, T] = [{batch}, {t}]",
+            pad.dims()
+        );
+    }
+    if let Some(o) = host_mla_attention(&q, &kv, &k_pe, dn, key_padding.as_ref()) {
+        return o;
+    }
+    let kv = kv.swap_dims(1, 2);
+    let k_nope = kv.clone().narrow(3, 0, dn);
+    let v = kv.narrow(3, dn, dv);
+    let k = if dqk > dn {
+        let k_pe = k_pe
+            .unsqueeze_dim::<4>(1)
+            .expand([batch, heads, t, dqk - dn]);
+        Tensor::cat(vec![k_nope, k_pe], 3)
+    } else {
+        k_nope
+    };
+    causal_attention(q.swap_dims(1, 2), k, v, key_padding, kind).swap_dims(1, 2)
+}
+
+/// [`mla_attention`] on the host kernel ([`crate::ops::attention::MlaAttention`]) when `B` is a
+/// CPU backend and the tensors are f32.
+fn host_mla_attention<B: Backend>(
+    q: &Tensor<B, 4>,
+    kv: &Tensor<B, 4>,
+    k_pe: &Tensor<B, 3>,
+    dn: usize,
+    key_padding: Option<&Tensor<B, 2, Bool>>,
+) -> Option<Tensor<B, 4>> {
+    use crate::ops::attention::{CausalAttention, MlaAttention};
+    let f32s = [q.dtype(), kv.dtype(), k_pe.dtype()]
+        .iter()
+        .all(|d| *d == DType::F32);
+    if !(f32s && backend::host::is_cpu_backend::<B>()) {
+        return None;
+    }
+    let key_padding = match key_padding {
+        Some(pad) => Some(crate::sync::read(pad.clone()).to_vec::<bool>().ok()?),
+        None => None,
+    };
+    let op = MlaAttention {
+        attention: CausalAttention {
+            scale: (q.dims()[3] as f32).powf(-0.5),
+            key_padding,
+        },
+        dn,
+    };
+    Some(backend::host::run(
+        &op,
+        [
+            q.clone().into_primitive().tensor(),
+            kv.clone().into_primitive().tensor(),
+            k_pe.clone().into_primitive().tensor(),
+        ],
+    ))
+}
+
 /// The widest head the attention kernels take (`dqk` and `dv`): each unit keeps a few head
 /// vectors in registers. Wider heads run the other paths.
 pub const KERNEL_MAX_HEAD_DIM: usize = 256;
