@@ -14,7 +14,9 @@
 
 use rayon::prelude::*;
 
-use crate::ops::backend::host::{scratch, DisjointWrites, HostArray, HostOp, Scratch};
+use crate::ops::backend::host::{
+    scratch, DisjointWrites, Fresh, HostArray, HostData, HostOp, Scratch,
+};
 use crate::ops::backend::matmul::{matmul_serial, Layout};
 use crate::ops::backend::simd::{dispatch, exp_lane, max_in, update, Elementwise, Simd, WithSimd};
 
@@ -345,14 +347,16 @@ impl HostOp<3> for MlaAttention {
 
     fn forward(&self, inputs: &[HostArray; 3], save: bool) -> (HostArray, Option<Saved>) {
         let (b, t, h, d, dv) = mla_sizes(inputs, self.dn);
-        let mut out = HostArray::zeros(&[b, t, h, dv]);
+        let mut out = Fresh::new(b * t * h * dv);
         let mut p = scratch(b * h * t * t);
-        let o_rows = DisjointWrites::new(&mut out.data);
-        p.par_chunks_mut(t * t).enumerate().for_each(|(bh, p)| {
+        let (o_rows, p_blocks) = (DisjointWrites::fresh(&mut out), DisjointWrites::new(&mut p));
+        (0..b * h).into_par_iter().for_each(|bh| {
             let (bi, hi) = (bh / h, bh % h);
             let mut buf = scratch(t * (2 * d + dv) + t * dv);
             let (qkv_buf, o) = buf.split_at_mut(t * (2 * d + dv));
             let qkv = self.gather(inputs, bi, hi, qkv_buf);
+            // SAFETY: the probabilities of this (batch row, head) are its own block.
+            let p = unsafe { p_blocks.slice(bh * t * t, t * t) };
             self.attention.head_forward(o, p, qkv, bi, [t, d, dv]);
             for (i, row) in o.chunks_exact(dv).enumerate() {
                 // SAFETY: row `(b, i, h)` of `o` belongs to this (batch row, head) alone.
@@ -360,6 +364,11 @@ impl HostOp<3> for MlaAttention {
             }
         });
         let saved = save.then_some(Saved { p });
+        let out = HostArray {
+            // SAFETY: the (batch row, head) pairs took every row of `o` once.
+            data: HostData::Owned(unsafe { out.into_vec() }),
+            shape: vec![b, t, h, dv],
+        };
         (out, saved)
     }
 
@@ -367,14 +376,14 @@ impl HostOp<3> for MlaAttention {
         let (b, t, h, d, dv) = mla_sizes(inputs, self.dn);
         let (dn, dr) = (self.dn, d - self.dn);
         let dkv_w = dn + dv;
-        let mut dq = HostArray::zeros(&inputs[0].shape);
-        let mut dkv = HostArray::zeros(&inputs[1].shape);
+        let mut dq = Fresh::new(b * t * h * d);
+        let mut dkv = Fresh::new(b * t * h * dkv_w);
         let mut dk_pe = HostArray::zeros(&inputs[2].shape);
         // Every head's share of `dk_pe`, `[B, H, T, d_r]`, summed over the heads afterwards.
         let mut pe_parts = scratch(b * h * t * dr);
         let (dq_rows, dkv_rows, pe_rows) = (
-            DisjointWrites::new(&mut dq.data),
-            DisjointWrites::new(&mut dkv.data),
+            DisjointWrites::fresh(&mut dq),
+            DisjointWrites::fresh(&mut dkv),
             DisjointWrites::new(&mut pe_parts),
         );
         (0..b * h).into_par_iter().for_each(|bh| {
@@ -423,6 +432,11 @@ impl HostOp<3> for MlaAttention {
                     }
                 });
         }
+        let [dq, dkv] = [(dq, &inputs[0]), (dkv, &inputs[1])].map(|(d, x)| HostArray {
+            // SAFETY: the (batch row, head) pairs took every row once.
+            data: HostData::Owned(unsafe { d.into_vec() }),
+            shape: x.shape.clone(),
+        });
         [dq, dkv, dk_pe]
     }
 }
