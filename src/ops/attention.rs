@@ -294,12 +294,13 @@ impl HostOp<3> for CausalAttention {
     }
 }
 
-/// MLA's expanded attention (NoPE: nothing rotated) over its projections' own layouts, so that
-/// no per-head tensor is assembled around it: `q: [B, T, H, d_qk]`, `kv: [B, T, H, d_n + d_v]`
-/// (per head the key's first `d_n` dims, then the value) and `k_pe: [B, T, d_qk − d_n]` (the
-/// key's other dims, shared by every head) → `o: [B, T, H, d_v]`. Each (batch row, head) gathers
-/// its `q`, `k` and `v` rows and runs [`CausalAttention`]'s own per-head passes; the backward
-/// writes `dq`, `dkv` in the inputs' layouts and sums `dk_pe` over the heads in head order.
+/// MLA's expanded attention over its projections' own layouts (rotated beforehand, if at all),
+/// so that no per-head tensor is assembled around it: `q: [B, T, H, d_qk]`, `kv: [B, T, H, d_n +
+/// d_v]` (per head the key's first `d_n` dims, then the value) and `k_pe: [B, T, d_qk − d_n]`
+/// (the key's other dims, shared by every head) → `o: [B, T, H, d_v]`. Each (batch row, head)
+/// gathers its `q`, `k` and `v` rows and runs [`CausalAttention`]'s own per-head passes; the
+/// backward writes `dq`, `dkv` in the inputs' layouts and sums `dk_pe` over the heads in head
+/// order.
 #[derive(Debug, Clone)]
 pub(crate) struct MlaAttention {
     /// The attention proper (scale and key padding).

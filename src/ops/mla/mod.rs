@@ -192,10 +192,12 @@ pub fn causal_attention<B: Backend>(
     }
 }
 
-/// MLA's expanded causal attention over its projections' own layouts (NoPE: no dim rotated):
-/// `q: [B, T, H, dqk]`, `kv: [B, T, H, dn + dv]` and `k_pe: [B, T, dqk − dn]` → `[B, T, H,
-/// dv]`. Head `h`'s key is `kv`'s first `dn` dims followed by `k_pe` (shared by all heads), its
-/// value `kv`'s other `dv` dims; the scale is `dqk^−1/2`, as in [`causal_attention`].
+/// MLA's expanded causal attention over its projections' own layouts: `q: [B, T, H, dqk]`,
+/// `kv: [B, T, H, dn + dv]` and `k_pe: [B, T, dqk − dn]` → `[B, T, H, dv]`. Head `h`'s key is
+/// `kv`'s first `dn` dims followed by `k_pe` (shared by all heads), its value `kv`'s other `dv`
+/// dims; the scale is `dqk^−1/2`, as in [`causal_attention`]. A rotary embedding, where the
+/// layer has one, is applied to `q`'s last `dqk − dn` dims and to `k_pe` before the call (under
+/// NoPE nothing is rotated).
 ///
 /// On the CPU backends (f32) one host kernel gathers each head's rows itself and writes the
 /// output and the gradients in these layouts: no per-head key, value or query tensor is built
