@@ -434,21 +434,37 @@ impl<B: Backend> GatedMla<B> {
         (w_uk, w_uv)
     }
 
-    /// Per-head queries `(q_nope [B, H, T, dn], q_pe [B, H, T, dr])` for positions from `start`.
+    /// Per-head queries `(q_nope [B, H, T, dn], q_pe [B, H, T, dr])` for positions from `start`
+    /// (the absorbed form takes the two apart).
     fn query(&self, x: Tensor<B, 3>, start: usize) -> Result<(Tensor<B, 4>, Tensor<B, 4>)> {
-        let q = self.query_heads(x, start)?.swap_dims(1, 2);
-        let dn = self.qk_nope_head_dim;
-        Ok((
-            q.clone().narrow(3, 0, dn),
-            q.narrow(3, dn, self.qk_rope_head_dim),
-        ))
+        let q = self.projected_query(x)?.swap_dims(1, 2);
+        let (dn, dr) = (self.qk_nope_head_dim, self.qk_rope_head_dim);
+        let q_nope = q.clone().narrow(3, 0, dn);
+        let mut q_pe = q.narrow(3, dn, dr);
+        if let Some(base) = self.rope {
+            q_pe = rotary(q_pe, start, base);
+        }
+        Ok((q_nope, q_pe))
     }
 
     /// The queries `[B, T, H, dn + dr]` for positions from `start`, as the projection lays them
-    /// out (each head's `dn` dims, then its `dr`, rotated when the layer has RoPE).
+    /// out (each head's `dn` dims, then its `dr`, rotated when the layer has RoPE): what the
+    /// expanded form takes whole.
     fn query_heads(&self, x: Tensor<B, 3>, start: usize) -> Result<Tensor<B, 4>> {
-        let [batch, t, _] = x.dims();
+        let q = self.projected_query(x)?;
+        let Some(base) = self.rope else {
+            return Ok(q);
+        };
         let (dn, dr) = (self.qk_nope_head_dim, self.qk_rope_head_dim);
+        let q_pe = q.clone().narrow(3, dn, dr).swap_dims(1, 2);
+        let q_pe = rotary(q_pe, start, base).swap_dims(1, 2);
+        Ok(Tensor::cat(vec![q.narrow(3, 0, dn), q_pe], 3))
+    }
+
+    /// The query projection of `x: [B, T, d]` as `[B, T, H, dn + dr]`, nothing rotated.
+    fn projected_query(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 4>> {
+        let [batch, t, _] = x.dims();
+        let width = self.qk_nope_head_dim + self.qk_rope_head_dim;
         let q =
             match (
                 &self.q_proj,
@@ -464,15 +480,7 @@ impl<B: Backend> GatedMla<B> {
                     "GatedMla needs either q_proj or all of q_a_proj, q_a_layernorm and q_b_proj",
                 )),
             };
-        let q = q.reshape([batch, t, self.num_heads, dn + dr]);
-        Ok(match self.rope {
-            None => q,
-            Some(base) => {
-                let q_pe = q.clone().narrow(3, dn, dr).swap_dims(1, 2);
-                let q_pe = rotary(q_pe, start, base).swap_dims(1, 2);
-                Tensor::cat(vec![q.narrow(3, 0, dn), q_pe], 3)
-            }
-        })
+        Ok(q.reshape([batch, t, self.num_heads, width]))
     }
 
     /// The normalised latent `c: [B, T, r]` and the shared key slice `k_pe: [B, T, dr]` of the
@@ -628,5 +636,27 @@ mod tests {
         let config = MlaConfig::new(7168, 96);
         assert_eq!(config.cache_width() * 2, 1152);
         assert_eq!(config.qk_head_dim(), 192);
+    }
+
+    /// With RoPE on, the expanded form over the whole sequence (the query rotated whole, then
+    /// [`mla_attention`]) equals the absorbed form through a cache in two pieces (the query split,
+    /// its `q_pe` rotated at the cache's positions), on the host kernels and on the tensor ops.
+    #[test]
+    fn rope_expanded_equals_rope_absorbed() {
+        use burn::tensor::{Distribution, Tolerance};
+        let device = Default::default();
+        let mla = tiny().with_use_nope(false).init::<B>(&device);
+        let x = Tensor::<B, 3>::random([2, 9, 24], Distribution::Normal(0.0, 1.0), &device);
+        for host in [true, false] {
+            crate::ops::with_kernels(host, || {
+                let whole = mla.forward(x.clone(), None);
+                let mut cache = MlaCache::new();
+                let head = mla.forward_cached(x.clone().narrow(1, 0, 5), None, &mut cache);
+                let tail = mla.forward_cached(x.clone().narrow(1, 5, 4), None, &mut cache);
+                Tensor::cat(vec![head, tail], 1)
+                    .into_data()
+                    .assert_approx_eq::<f32>(&whole.into_data(), Tolerance::rel_abs(1e-4, 1e-5));
+            });
+        }
     }
 }

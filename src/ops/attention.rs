@@ -169,12 +169,12 @@ impl Elementwise<2> for ProbabilityGrad {
     }
 }
 
-/// Sizes `(B, H, T, d_qk, d_v)` of a call.
 /// Block `i` of `len` elements of `x`.
 fn block(x: &[f32], i: usize, len: usize) -> &[f32] {
     &x[i * len..(i + 1) * len]
 }
 
+/// Sizes `(B, H, T, d_qk, d_v)` of a call.
 fn sizes(inputs: &[HostArray; 3]) -> (usize, usize, usize, usize, usize) {
     let (q, v) = (&inputs[0].shape, &inputs[2].shape);
     (q[0], q[1], q[2], q[3], v[3])
