@@ -26,6 +26,9 @@ import sys
 
 WAIT = "keep_awake"
 WINDOW_S = 0.002
+# A sample's first line, "TID TIME:" (perf pads the thread id with spaces to a common width);
+# its frames follow on lines of their own, indented with a tab.
+HEADER = re.compile(r"^\s*\d+\s+\d+\.\d+:\s*$")
 
 
 def read(path):
@@ -37,7 +40,7 @@ def read(path):
                 if cur:
                     samples.append(cur)
                 cur = None
-            elif not line[0].isspace():
+            elif HEADER.match(line):
                 parts = line.split()
                 cur = (parts[0], float(parts[1].rstrip(":")), [])
             elif cur is not None:
