@@ -12,6 +12,8 @@
 //! * `situ_glu_4096x512`: [`situ_glu`] (K3's `β1 = 4`, `β2 = 25`) on `[4096, 512]` gate and up
 //!   (the shared expert's hidden layer at the MoE bench's shape), forward on `NdArray` and
 //!   forward + backward on `Autodiff<NdArray>`.
+//! * `unary_4096x512`: [`tanh`], [`softplus`] and [`situ`] (`β1 = 4`) on `[4096, 512]`, forward +
+//!   backward on `Autodiff<NdArray>`.
 //!
 //! `cargo bench --bench ops -- --warm-up-time 1 --measurement-time 3`
 // Reading tensors back is this program's business: the crate's read counter covers the library.
@@ -22,7 +24,9 @@ use burn::tensor::{Distribution, Tensor};
 use criterion::{criterion_group, criterion_main, Criterion};
 use kimi_burn::ops::kda::kda_gate;
 use kimi_burn::ops::mla::{causal_mask, masked_softmax, rotary};
+use kimi_burn::ops::moe::situ::situ;
 use kimi_burn::ops::optim::{adamw_update, scaled_sum, AdamWScalars};
+use kimi_burn::ops::precision::{softplus, tanh};
 use kimi_burn::ops::{situ_glu, with_kernels};
 use kimi_burn::optim::{newton_schulz_batched, NS_STEPS};
 
@@ -187,12 +191,36 @@ fn bench_situ(c: &mut Criterion) {
     group.finish();
 }
 
+fn bench_unary(c: &mut Criterion) {
+    let device = Default::default();
+    let x = Tensor::<Ad, 2>::random([4096, 512], Distribution::Normal(0.0, 4.0), &device)
+        .require_grad();
+    let dy = Tensor::<Ad, 2>::random([4096, 512], Distribution::Normal(0.0, 1.0), &device);
+    type Op = fn(Tensor<Ad, 2>) -> Tensor<Ad, 2>;
+    let ops: [(&str, Op); 3] = [
+        ("tanh", tanh),
+        ("softplus", softplus),
+        ("situ", |x| situ(x, 4.0)),
+    ];
+    let mut group = c.benchmark_group("unary_4096x512");
+    group.sample_size(10);
+    for (name, op) in ops {
+        for (path, on) in PATHS {
+            group.bench_function(format!("{name}/forward_backward/{path}"), |b| {
+                b.iter(|| with_kernels(on, || op(x.clone()).mul(dy.clone()).sum().backward()))
+            });
+        }
+    }
+    group.finish();
+}
+
 criterion_group!(
     benches,
     bench_gate,
     bench_mla_helpers,
     bench_optim,
     bench_newton_schulz,
-    bench_situ
+    bench_situ,
+    bench_unary
 );
 criterion_main!(benches);

@@ -1105,17 +1105,19 @@ fn moe_checkpoint_round_trips_and_reports_mismatches_by_name() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// The CPU host kernels of SiTU-GLU, sigmoid and SiLU (one pass, hand-written backward) against
-/// the tensor-op reference on the same backend (`with_kernels(false)`), values and gradients, on
-/// inputs wide enough to saturate every branch.
+/// The CPU host kernels of SiTU-GLU, sigmoid, SiLU, `tanh`, softplus, SiTU's gate and the soft
+/// cap (one pass, hand-written backward) against the tensor-op reference on the same backend
+/// (`with_kernels(false)`), values and gradients, on inputs wide enough to saturate every branch
+/// (softplus's linear branch above 20 included).
 #[test]
 fn host_activation_kernels_match_the_tensor_ops() {
-    use kimi_burn::ops::precision::{sigmoid, silu};
+    use kimi_burn::ops::moe::situ::{situ, soft_cap};
+    use kimi_burn::ops::precision::{sigmoid, silu, softplus, tanh};
     use kimi_burn::ops::with_kernels;
     type B = CpuAd;
     let device = Default::default();
     let mut r = rng(41);
-    let g0 = randn::<B, 2>(&mut r, [33, 70], 6.0, &device);
+    let g0 = randn::<B, 2>(&mut r, [33, 70], 9.0, &device);
     let v0 = randn::<B, 2>(&mut r, [33, 70], 30.0, &device);
     let dy = randn::<B, 2>(&mut r, [33, 70], 1.0, &device);
     // (value, d/dg, d/dv) of each activation, with kernels on or off.
@@ -1126,7 +1128,12 @@ fn host_activation_kernels_match_the_tensor_ops() {
                 0 => situ_glu(g.clone(), v.clone(), 4.0, Some(25.0)),
                 1 => situ_glu(g.clone(), v.clone(), 4.0, None),
                 2 => sigmoid(g.clone()).mul(v.clone()),
-                _ => silu(g.clone()).mul(v.clone()),
+                3 => silu(g.clone()).mul(v.clone()),
+                4 => tanh(g.clone()).mul(v.clone()),
+                5 => softplus(g.clone()).mul(v.clone()),
+                6 => situ(g.clone(), 4.0).mul(v.clone()),
+                7 => situ(g.clone(), 2.5).mul(v.clone()),
+                _ => soft_cap(g.clone(), 3.0).mul(v.clone()),
             };
             let grads = y.clone().mul(dy.clone()).sum().backward();
             [
@@ -1136,15 +1143,28 @@ fn host_activation_kernels_match_the_tensor_ops() {
             ]
         })
     };
-    for (which, name) in ["situ_glu", "situ_glu beta2 = None", "sigmoid", "silu"]
-        .iter()
-        .enumerate()
-    {
+    assert!(
+        host(g0.clone()).iter().any(|&x| x > 20.0),
+        "the draw must reach softplus's linear branch"
+    );
+    let names = [
+        "situ_glu",
+        "situ_glu beta2 = None",
+        "sigmoid",
+        "silu",
+        "tanh",
+        "softplus",
+        "situ 4",
+        "situ 2.5",
+        "soft_cap 3",
+    ];
+    for (which, name) in names.iter().enumerate() {
         let (want, got) = (run(false, which), run(true, which));
-        // SiTU: two different implementations ran (`expm1` against a polynomial and `exp` for
-        // tanh), so some values differ in the last bits and this is not the reference compared
-        // with itself. The sigmoid and SiLU are the same formula in both and may agree exactly.
-        if which < 2 {
+        // Apart from the sigmoid and SiLU (the same formula both ways, which may agree exactly),
+        // two different implementations ran (`expm1` against a polynomial and `exp` for tanh, a
+        // series against the backend's `log1p`), so some values differ in the last bits and this
+        // is not the reference compared with itself.
+        if !matches!(which, 2 | 3) {
             assert!(
                 want[0].iter().zip(&got[0]).any(|(a, b)| a != b),
                 "{name}: the kernel run matched the reference bit for bit; did the host kernel run?"

@@ -29,7 +29,7 @@ use rayon::prelude::*;
 use crate::ops::backend::host::{HostArray, HostOp};
 use crate::ops::backend::simd::{dispatch, update, AddProduct, Simd, WithSimd};
 use crate::ops::norm::host::{BLOCK_ROWS, MIN_PARALLEL};
-use crate::ops::precision::host::{Derivative, Unary, Value};
+use crate::ops::precision::host::{Derivative, Silu, Value};
 
 /// The causal depthwise convolution and SiLU on the host: inputs `x: [B, T, P]` and the taps
 /// `w: [P, W]`; output of `x`'s shape.
@@ -119,7 +119,7 @@ impl WithSimd for ForwardRows<'_> {
         } = self;
         for (j, y) in out.chunks_exact_mut(p).enumerate() {
             pre_activation(y, x, taps, block.start, block.lo + j);
-            update(y, [], Value(Unary::Silu));
+            update(y, [], Value(Silu));
         }
     }
 }
@@ -151,7 +151,7 @@ impl WithSimd for ActivationGrad<'_> {
         for (j, d) in du.chunks_exact_mut(p).enumerate() {
             let r = block.lo + j;
             pre_activation(d, x, taps, block.start, r);
-            update(d, [&dy[r * p..(r + 1) * p]], Derivative(Unary::Silu));
+            update(d, [&dy[r * p..(r + 1) * p]], Derivative(Silu));
         }
     }
 }
@@ -376,7 +376,7 @@ impl WithSimd for WithHistory<'_> {
                 };
                 update(y, [&taps[i * p..(i + 1) * p], src], AddProduct);
             }
-            update(y, [], Value(Unary::Silu));
+            update(y, [], Value(Silu));
         }
         // The new history: the last `W − 1` padded rows, oldest first.
         let len = out.len() / p.max(1);

@@ -12,7 +12,7 @@
 //! ```
 //!
 //! `softplus(x) = max(x, 0) + log1p(e^{−|x|})` as in the tensor ops, with the `log1p` of
-//! [`ln_1p_unit_lane`] and `1 − σ` never formed by a subtraction ([`sigmoid_pair`]).
+//! [`ln_1p_unit_lane`](crate::ops::backend::simd::ln_1p_unit_lane) and `1 − σ` never formed by a subtraction ([`sigmoid_pair`]).
 //!
 //! The gradients of `dt_bias` and `A_log` sum fixed blocks of rows, then the blocks in order, so
 //! they do not depend on the number of threads. Where a gate has saturated, a gradient below
@@ -28,14 +28,9 @@
 use rayon::prelude::*;
 
 use crate::ops::backend::host::{HostArray, HostOp};
-use crate::ops::backend::simd::{
-    dispatch, exp_lane, flush_subnormal, ln_1p_unit_lane, Simd, WithSimd,
-};
+use crate::ops::backend::simd::{dispatch, flush_subnormal, Simd, WithSimd};
 use crate::ops::norm::host::{for_row_blocks, BLOCK_ROWS, MIN_PARALLEL};
-use crate::ops::precision::host::sigmoid_pair;
-
-/// Above this, softplus is the identity (design §4.2), as in the tensor ops.
-const SOFTPLUS_LINEAR: f32 = 20.0;
+use crate::ops::precision::host::{sigmoid_pair, softplus, SOFTPLUS_LINEAR};
 
 /// The gate on the host: inputs `f: [.., H, K]`, `A_log: [H]`, `dt_bias: [H·K]`; output of `f`'s
 /// shape.
@@ -56,14 +51,6 @@ trait Gate: Copy + Send + Sync {
 /// `g = −a · softplus(x)`.
 #[derive(Clone, Copy)]
 struct Softplus;
-
-/// `(softplus(x), e^{−|x|})`.
-#[inline(always)]
-fn softplus(x: f32) -> (f32, f32) {
-    let e = exp_lane(-x.abs());
-    let y = x.max(0.0) + ln_1p_unit_lane(e);
-    (if x > SOFTPLUS_LINEAR { x } else { y }, e)
-}
 
 impl Gate for Softplus {
     #[inline(always)]

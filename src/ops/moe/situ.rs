@@ -3,8 +3,9 @@
 use burn::tensor::{backend::Backend, Tensor, TensorPrimitive};
 
 use crate::error::{Error, Result};
+use crate::ops::backend::host as cpu;
 use crate::ops::backend::{self, FusedKernels, FusedOp, KernelOp, KernelPath};
-use crate::ops::precision::host::SituGlu as SituGluKernel;
+use crate::ops::precision::host::{SituGlu as SituGluKernel, Unary};
 use crate::ops::precision::{restore, sigmoid, widen};
 use serde::{Deserialize, Serialize};
 
@@ -84,7 +85,8 @@ impl GluActivation {
 /// K3 uses `β1 = 4`, `β2 = Some(25)`. As `β → ∞` it tends to SwiGLU (`SiLU(g)·v`).
 ///
 /// On the CubeCL backends (see `ops::backend`) this runs one fused kernel forward and one
-/// backward (design §1 derivatives); elsewhere the tensor ops below.
+/// backward (design §1 derivatives), on the CPU backends one host kernel each way (f32), and
+/// elsewhere the tensor ops of [`situ_glu_reference`].
 ///
 /// # Panics
 /// If `beta1` or `beta2` is not finite and positive, or the shapes differ. Configs validate these
@@ -265,7 +267,9 @@ fn try_fused<B: Backend, const D: usize>(
     result
 }
 
-/// The tensor-op form of [`situ_glu`] (what every non-CubeCL backend runs).
+/// [`situ_glu`] without the CubeCL kernels: one host kernel each way on the CPU backends (f32),
+/// the tensor ops of [`situ`] and [`soft_cap`] times each other elsewhere, and everywhere with
+/// the kernels switched off ([`with_kernels`](crate::ops::with_kernels)).
 pub fn situ_glu_reference<B: Backend, const D: usize>(
     gate: Tensor<B, D>,
     up: Tensor<B, D>,
@@ -298,15 +302,24 @@ fn situ_glu_f32<B: Backend, const D: usize>(
     (a.mul(b), dtype)
 }
 
-/// `SiTU(g) = β1·tanh(g/β1)·σ(g)`, the gate branch of [`situ_glu`].
+/// `SiTU(g) = β1·tanh(g/β1)·σ(g)`, the gate branch of [`situ_glu`] (`β1 > 0`). On the CPU
+/// backends an `f32` tensor goes through one host kernel forward and one backward, SiTU-GLU's
+/// own arithmetic without the up branch.
 pub fn situ<B: Backend, const D: usize>(g: Tensor<B, D>, beta1: f32) -> Tensor<B, D> {
-    soft_cap(g.clone(), beta1).mul(sigmoid(g))
+    match cpu::try_run(&Unary::SituGate(beta1), [g]) {
+        Ok(y) => y,
+        Err([g]) => soft_cap(g.clone(), beta1).mul(sigmoid(g)),
+    }
 }
 
-/// `β·tanh(x/β)`: a cap at ±β whose gradient never vanishes (unlike a clamp), with the
-/// cancellation-free [`tanh`](crate::ops::precision::tanh).
+/// `β·tanh(x/β)` (`β > 0`): a cap at ±β whose gradient never vanishes (unlike a clamp), with the
+/// cancellation-free [`tanh`](crate::ops::precision::tanh). On the CPU backends an `f32` tensor
+/// goes through one host kernel forward and one backward.
 pub fn soft_cap<B: Backend, const D: usize>(x: Tensor<B, D>, beta: f32) -> Tensor<B, D> {
-    crate::ops::precision::tanh(x.div_scalar(beta)).mul_scalar(beta)
+    match cpu::try_run(&Unary::SoftCap(beta), [x]) {
+        Ok(y) => y,
+        Err([x]) => crate::ops::precision::tanh(x.div_scalar(beta)).mul_scalar(beta),
+    }
 }
 
 /// The SwiGLU activation `SiLU(gate) ⊙ up`, for comparison with [`situ_glu`]; computed in f32 like it

@@ -1,5 +1,6 @@
-//! Elementwise CPU kernels: the sigmoid, SiLU and SiTU-GLU islands of the model in one pass each,
-//! forward and backward, with `f32` arithmetic.
+//! Elementwise CPU kernels: the sigmoid, SiLU, `tanh` (and the soft cap `β·tanh(x/β)`), softplus,
+//! SiTU and SiTU-GLU islands of the model in one pass each, forward and backward, with `f32`
+//! arithmetic.
 //!
 //! In tensor ops each of these is a chain of four to twelve ops, and on ndarray `tanh` rounds
 //! through f64 (tens of nanoseconds per element): the activations alone cost more than the matrix
@@ -23,8 +24,8 @@
 
 use crate::ops::backend::host::{HostArray, HostOp};
 use crate::ops::backend::simd::{
-    exp_expm1_nonpositive_lane, exp_expm1_nonpositive_lean_lane, exp_lane, map, map_into, map_many,
-    map_many_into, Elementwise, ElementwiseMany,
+    exp_expm1_nonpositive_lane, exp_expm1_nonpositive_lean_lane, exp_lane, ln_1p_unit_lane, map,
+    map_into, map_many, map_many_into, Elementwise, ElementwiseMany,
 };
 
 /// `(σ(x), 1 − σ(x))` in `f32`, each accurate to a few ulp for every `x`.
@@ -46,12 +47,11 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
     sigmoid_pair(x).0
 }
 
-/// `(tanh(x), 1 − tanh²(x))` in `f32` through `expm1`: accurate near zero, and the derivative
-/// keeps its relative precision where `tanh` has saturated to ±1.
-#[cfg(test)]
+/// `(tanh(c·x), 1 − tanh²(c·x))` in `f32` through `expm1` for a scale `c > 0`: accurate near
+/// zero, and the derivative keeps its relative precision where `tanh` has saturated to ±1.
 #[inline(always)]
-pub(crate) fn tanh_sech2(x: f32) -> (f32, f32) {
-    let (n, d, e2) = tanh_parts::<false>(x, 1.0);
+fn scaled_tanh_sech2(x: f32, c: f32) -> (f32, f32) {
+    let (n, d, e2) = tanh_parts::<false>(x, c);
     // One division (they are the slow instruction of these loops) for both.
     let r = 1.0 / d;
     (n * r, 4.0 * e2 * r * r)
@@ -78,6 +78,13 @@ fn tanh_parts<const LEAN: bool>(x: f32, c: f32) -> (f32, f32, f32) {
     ((-m).copysign(x), 1.0 + e2, e2)
 }
 
+/// `(tanh(x), 1 − tanh²(x))`: [`scaled_tanh_sech2`] at scale 1.
+#[cfg(test)]
+#[inline(always)]
+pub(crate) fn tanh_sech2(x: f32) -> (f32, f32) {
+    scaled_tanh_sech2(x, 1.0)
+}
+
 /// `tanh` in `f32` through `expm1`, accurate near zero and saturating cleanly for large `|x|`.
 #[cfg(test)]
 #[inline]
@@ -85,47 +92,202 @@ pub(crate) fn tanh(x: f32) -> f32 {
     tanh_sech2(x).0
 }
 
-/// `y = f(x)` elementwise for a differentiable scalar `f`.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Unary {
-    /// `σ(x)`.
-    Sigmoid,
-    /// `x·σ(x)`.
-    Silu,
+/// Above this, softplus is the identity (design §4.2), as in the tensor ops.
+pub(crate) const SOFTPLUS_LINEAR: f32 = 20.0;
+
+/// `(softplus(x), e^{−|x|})`: `max(x, 0) + log1p(e^{−|x|})` as in the tensor ops (the `log1p` by
+/// [`ln_1p_unit_lane`], branch-free), and `x` itself above [`SOFTPLUS_LINEAR`].
+#[inline(always)]
+pub(crate) fn softplus(x: f32) -> (f32, f32) {
+    let e = exp_lane(-x.abs());
+    let y = x.max(0.0) + ln_1p_unit_lane(e);
+    (if x > SOFTPLUS_LINEAR { x } else { y }, e)
 }
 
-impl Unary {
+/// A differentiable scalar function of one input for the elementwise loops ([`Value`],
+/// [`Derivative`]). Both methods must be `#[inline(always)]` and branch-free (selects only), so
+/// that the loops around them vectorise.
+pub(crate) trait Scalar: Copy + Send + Sync {
+    /// `f(x)`.
+    fn value(self, x: f32) -> f32;
+    /// `f'(x)`.
+    fn derivative(self, x: f32) -> f32;
+}
+
+/// `σ(x)` ([`sigmoid_pair`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sigmoid;
+
+impl Scalar for Sigmoid {
     #[inline(always)]
-    pub(crate) fn value(self, x: f32) -> f32 {
-        match self {
-            Self::Sigmoid => sigmoid(x),
-            Self::Silu => x * sigmoid(x),
-        }
+    fn value(self, x: f32) -> f32 {
+        sigmoid(x)
     }
 
     #[inline(always)]
-    pub(crate) fn derivative(self, x: f32) -> f32 {
+    fn derivative(self, x: f32) -> f32 {
         let (s, c) = sigmoid_pair(x);
-        match self {
-            Self::Sigmoid => s * c,
-            Self::Silu => s * (1.0 + x * c),
+        s * c
+    }
+}
+
+/// `x·σ(x)`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Silu;
+
+impl Scalar for Silu {
+    #[inline(always)]
+    fn value(self, x: f32) -> f32 {
+        x * sigmoid(x)
+    }
+
+    #[inline(always)]
+    fn derivative(self, x: f32) -> f32 {
+        let (s, c) = sigmoid_pair(x);
+        s * (1.0 + x * c)
+    }
+}
+
+/// The soft cap `β·tanh(x/β)` for `β > 0` (`tanh` itself at `β = 1`), with the derivative
+/// `1 − tanh²(x/β)` from the same exponential ([`tanh_parts`]: the argument is formed as
+/// `|x|·(−2/β)`, as in SiTU-GLU's capped branch).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SoftCap(pub f32);
+
+impl Scalar for SoftCap {
+    #[inline(always)]
+    fn value(self, x: f32) -> f32 {
+        let (n, d, _) = tanh_parts::<true>(x, 1.0 / self.0);
+        self.0 * n / d
+    }
+
+    #[inline(always)]
+    fn derivative(self, x: f32) -> f32 {
+        scaled_tanh_sech2(x, 1.0 / self.0).1
+    }
+}
+
+/// `softplus(x) = log(1 + e^x)` ([`softplus`]), whose derivative is `σ(x)` (1 above
+/// [`SOFTPLUS_LINEAR`], where the value is `x`), from the same exponential.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Softplus;
+
+impl Scalar for Softplus {
+    #[inline(always)]
+    fn value(self, x: f32) -> f32 {
+        softplus(x).0
+    }
+
+    #[inline(always)]
+    fn derivative(self, x: f32) -> f32 {
+        let e = exp_lane(-x.abs());
+        // σ(x): 1/(1 + e) for x ≥ 0, e/(1 + e) below.
+        let sigma = if x >= 0.0 { 1.0 } else { e } / (1.0 + e);
+        if x > SOFTPLUS_LINEAR {
+            1.0
+        } else {
+            sigma
         }
     }
+}
+
+/// SiTU's gate branch `A(x) = β1·tanh(x/β1)·σ(x)` alone: SiTU-GLU's [`SituGlu::parts`] without
+/// the up branch, with `SHARED` as in [`Situ`] (`β1 = 4`, one exponential).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SituGate<const SHARED: bool>(pub f32);
+
+impl<const SHARED: bool> SituGate<SHARED> {
+    #[inline(always)]
+    fn glu(self) -> SituGlu {
+        SituGlu {
+            beta1: self.0,
+            beta2: None,
+        }
+    }
+}
+
+impl<const SHARED: bool> Scalar for SituGate<SHARED> {
+    #[inline(always)]
+    fn value(self, x: f32) -> f32 {
+        let p = self.glu().parts::<SHARED, true>(x, 1.0);
+        p.a_num / (p.t_den * p.s_den)
+    }
+
+    #[inline(always)]
+    fn derivative(self, x: f32) -> f32 {
+        let p = self.glu().parts::<SHARED, false>(x, 1.0);
+        // One division for the reciprocals of both denominators, as in `value_and_gradient`.
+        let r = 1.0 / (p.t_den * p.s_den);
+        let (inv_t, inv_s) = (p.s_den * r, p.t_den * r);
+        let t = p.t_num * inv_t;
+        let sech2 = 4.0 * p.e_t * inv_t * inv_t;
+        let (s, c) = (p.s_num * inv_s, p.c_num * inv_s);
+        sech2 * s + self.0 * t * s * c
+    }
+}
+
+/// `y = f(x)` elementwise for one of the [`Scalar`] functions, as a host op.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Unary {
+    /// [`Sigmoid`].
+    Sigmoid,
+    /// [`Silu`].
+    Silu,
+    /// [`SoftCap`] with its `β`.
+    SoftCap(f32),
+    /// [`Softplus`].
+    Softplus,
+    /// [`SituGate`] with its `β1`.
+    SituGate(f32),
+}
+
+/// `$body` with `$f` bound to the [`Scalar`] function of the [`Unary`] `$op`: one match per call,
+/// outside the loops, so that each function's loop is compiled on its own.
+macro_rules! with_scalar {
+    ($op:expr, $f:ident => $body:expr) => {
+        match $op {
+            Unary::Sigmoid => {
+                let $f = Sigmoid;
+                $body
+            }
+            Unary::Silu => {
+                let $f = Silu;
+                $body
+            }
+            Unary::SoftCap(beta) => {
+                let $f = SoftCap(beta);
+                $body
+            }
+            Unary::Softplus => {
+                let $f = Softplus;
+                $body
+            }
+            Unary::SituGate(beta1) if beta1 == 4.0 => {
+                let $f = SituGate::<true>(beta1);
+                $body
+            }
+            Unary::SituGate(beta1) => {
+                let $f = SituGate::<false>(beta1);
+                $body
+            }
+        }
+    };
 }
 
 impl HostOp<1> for Unary {
     type Saved = ();
 
     fn forward(&self, [x]: &[HostArray; 1], save: bool) -> (HostArray, Option<()>) {
+        let data = with_scalar!(*self, f => map([&x.data], Value(f)));
         let out = HostArray {
-            data: map([&x.data], Value(*self)).into(),
+            data: data.into(),
             shape: x.shape.clone(),
         };
         (out, save.then_some(()))
     }
 
     fn backward(&self, [x]: &[HostArray; 1], _: &(), grad: &HostArray) -> [HostArray; 1] {
-        let data = map([&x.data, &grad.data], Derivative(*self));
+        let data = with_scalar!(*self, f => map([&x.data, &grad.data], Derivative(f)));
         [HostArray {
             data: data.into(),
             shape: x.shape.clone(),
@@ -413,9 +575,25 @@ mod tests {
             }
         };
         let x = with_nans(3.1);
-        for f in [Unary::Sigmoid, Unary::Silu] {
-            check("value", &map([&x], Value(f)), &nan_at);
-            check("derivative", &map([&x, &x], Derivative(f)), &nan_at);
+        let ops = [
+            Unary::Sigmoid,
+            Unary::Silu,
+            Unary::SoftCap(1.0),
+            Unary::SoftCap(0.7),
+            Unary::Softplus,
+            Unary::SituGate(4.0),
+            Unary::SituGate(2.5),
+        ];
+        for op in ops {
+            // Through the host op, so through its choice of loop too.
+            let input = || HostArray {
+                data: x.clone().into(),
+                shape: vec![len],
+            };
+            let (y, _) = op.forward(&[input()], false);
+            check(&format!("{op:?} value"), &y.data, &nan_at);
+            let [dx] = op.backward(&[input()], &(), &input());
+            check(&format!("{op:?} derivative"), &dx.data, &nan_at);
         }
         let plain: Vec<f32> = (0..len).map(|i| 0.7 * (i as f32 - 33.0)).collect();
         for beta2 in [Some(25.0), Some(0.7), None] {
@@ -484,6 +662,88 @@ mod tests {
         assert_eq!(tanh(1e-20), 1e-20);
         assert_eq!(tanh(-50.0), -1.0);
     }
+
+    /// The soft cap (and `tanh`), softplus and SiTU's gate, value and derivative, through the
+    /// loops as the host op runs them ([`map`]: vectorised, in parts on the pool for long inputs),
+    /// against their f64 formulas from −120 to 120 (both tails saturated, and past the range of
+    /// `e^{−|x|}` in f32), with SiTU's gate in both compiled forms.
+    #[test]
+    fn unary_functions_match_f64_through_the_loops() {
+        const EPS: f64 = f32::EPSILON as f64;
+        /// `reference(x)` gives `[f, f', error allowed in f, error allowed in f']` in f64.
+        fn check<F: Scalar>(name: &str, f: F, reference: impl Fn(f64) -> [f64; 4]) {
+            let xs: Vec<f32> = (-1200..=1200).map(|i| i as f32 * 0.1 + 0.0007).collect();
+            let ones = vec![1.0f32; xs.len()];
+            let values = map([&xs], Value(f));
+            let slopes = map([&xs, &ones], Derivative(f));
+            for ((&x, &y), &dy) in xs.iter().zip(&values).zip(&slopes) {
+                let [want, dwant, err, derr] = reference(x as f64);
+                // Below f32's smallest normal numbers the spacing is absolute.
+                assert!(
+                    (y as f64 - want).abs() <= err + 1e-37,
+                    "{name}({x}) = {y} vs {want}"
+                );
+                assert!(
+                    (dy as f64 - dwant).abs() <= derr + 1e-37,
+                    "{name}'({x}) = {dy} vs {dwant}"
+                );
+            }
+        }
+        // `e^{−2|x|/β}` is evaluated at the f32 product `|x|·(−2/β)`, whose rounding (half an ulp
+        // of an argument of size `2|x/β|`) moves the exponential by that much relative: the
+        // conditioning of `exp`, which no f32 evaluation avoids. Exact where `2/β` is a power of
+        // two (`tanh`, SiTU at β1 = 4).
+        let exp_rounding = |x: f64, b: f64| {
+            if (2.0 / b).log2().fract() == 0.0 {
+                0.0
+            } else {
+                (2.0 * x / b).abs() * EPS
+            }
+        };
+        for beta in [1.0f32, 0.7, 25.0] {
+            let b = beta as f64;
+            let soft_cap = |x: f64| {
+                let (v, d) = (b * (x / b).tanh(), 1.0 / (x / b).cosh().powi(2));
+                [
+                    v,
+                    d,
+                    4.0 * EPS * v.abs(),
+                    (8.0 * EPS + exp_rounding(x, b)) * d,
+                ]
+            };
+            check(&format!("soft_cap {beta}"), SoftCap(beta), soft_cap);
+        }
+        let softplus = |x: f64| {
+            let v = if x > 20.0 {
+                x
+            } else {
+                x.max(0.0) + (-x.abs()).exp().ln_1p()
+            };
+            let d = if x > 20.0 {
+                1.0
+            } else {
+                1.0 / (1.0 + (-x).exp())
+            };
+            [v, d, 4.0 * EPS * v, 4.0 * EPS * d]
+        };
+        check("softplus", Softplus, softplus);
+        let situ_gate = |b1: f64| {
+            move |x: f64| {
+                let (t, s) = ((x / b1).tanh(), 1.0 / (1.0 + (-x).exp()));
+                let c = 1.0 / (1.0 + x.exp());
+                // A' = sech²(x/β1)·σ + A·(1 − σ): its error is measured against the sum of
+                // the magnitudes of its terms (they cancel near the minimum of A, x ≈ −1.2).
+                let terms = [s / (x / b1).cosh().powi(2), b1 * t * s * c];
+                let a = b1 * t * s;
+                let derr = 40.0 * EPS * (terms[0].abs() + terms[1].abs())
+                    + exp_rounding(x, b1) * terms[0].abs();
+                [a, terms[0] + terms[1], 16.0 * EPS * a.abs(), derr]
+            }
+        };
+        check("situ 4, shared", SituGate::<true>(4.0), situ_gate(4.0));
+        check("situ 4", SituGate::<false>(4.0), situ_gate(4.0));
+        check("situ 2.5", SituGate::<false>(2.5), situ_gate(2.5));
+    }
 }
 
 /// An elementwise function's value, for [`map`].
@@ -499,14 +759,14 @@ pub(crate) struct Derivative<F>(pub F);
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Gradient<F>(pub F);
 
-impl Elementwise<1> for Value<Unary> {
+impl<F: Scalar> Elementwise<1> for Value<F> {
     #[inline(always)]
     fn apply(&self, [x]: [f32; 1]) -> f32 {
         self.0.value(x)
     }
 }
 
-impl Elementwise<2> for Derivative<Unary> {
+impl<F: Scalar> Elementwise<2> for Derivative<F> {
     #[inline(always)]
     fn apply(&self, [x, d]: [f32; 2]) -> f32 {
         d * self.0.derivative(x)
@@ -554,7 +814,7 @@ pub(crate) struct SwiGlu;
 impl Elementwise<2> for Value<SwiGlu> {
     #[inline(always)]
     fn apply(&self, [g, v]: [f32; 2]) -> f32 {
-        Unary::Silu.value(g) * v
+        Silu.value(g) * v
     }
 }
 

@@ -77,8 +77,14 @@ const TANH_SERIES_BELOW: f64 = 0.25;
 /// Autodiff through this form gives `1 − tanh²(x) = 4e/(1 + e)²` as a product, so the derivative
 /// keeps its relative precision where `tanh` has saturated to ±1 (the backend's `tanh` backward
 /// forms `1 − t²`, which is 0 there). The same function as the CubeCL kernels' and the CPU host
-/// kernels' `tanh` (docs/design.md, "Numerics of the activations").
+/// kernels' `tanh` (docs/design.md, "Numerics of the activations"); on the CPU backends an `f32`
+/// tensor goes through one host kernel forward and one backward, computing it through `expm1`
+/// (accurate near 0 without the polynomial).
 pub fn tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let x = match cpu::try_run(&Unary::SoftCap(1.0), [x]) {
+        Ok(y) => return y,
+        Err([x]) => x,
+    };
     let neg = x.clone().lower_elem(0.0);
     let small = x.clone().abs().lower_elem(TANH_SERIES_BELOW);
     // Each branch sees only inputs where it is used (others are set to a harmless value), so no
@@ -105,8 +111,12 @@ pub fn tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
 }
 
 /// `softplus(x) = log(1 + e^x)`, equal to `x` for `x > 20` (design §4.2), computed without overflow
-/// as `max(x, 0) + log1p(e^{−|x|})`.
+/// as `max(x, 0) + log1p(e^{−|x|})` (one host kernel each way on the CPU backends, for `f32`).
 pub fn softplus<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let x = match cpu::try_run(&Unary::Softplus, [x]) {
+        Ok(y) => return y,
+        Err([x]) => x,
+    };
     let tail = x.clone().abs().neg().exp().log1p();
     let linear = x.clone().greater_elem(20.0);
     x.clone().clamp_min(0.0).add(tail).mask_where(linear, x)
