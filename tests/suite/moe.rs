@@ -1179,6 +1179,38 @@ fn host_activation_kernels_match_the_tensor_ops() {
     }
 }
 
+/// SiTU's gate and the soft cap refuse a `β` that is not finite and positive before any kernel
+/// runs, naming the op and the value (a zero `β` would divide by zero on every path).
+#[test]
+fn situ_and_soft_cap_reject_a_beta_that_is_not_finite_and_positive() {
+    use kimi_burn::ops::moe::situ::{situ, soft_cap};
+    let x = randn::<Cpu, 2>(&mut rng(45), [2, 3], 1.0, &Default::default());
+    for beta in [0.0f32, -1.5, f32::INFINITY, f32::NAN] {
+        let message = |f: &dyn Fn()| -> String {
+            let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+                .expect_err("the op must refuse the value");
+            err.downcast_ref::<String>().cloned().unwrap_or_default()
+        };
+        let m = message(&|| drop(situ(x.clone(), beta)));
+        assert!(
+            m.contains(&format!(
+                "situ: beta1 must be finite and positive, got {beta}"
+            )),
+            "{m}"
+        );
+        let m = message(&|| drop(soft_cap(x.clone(), beta)));
+        assert!(
+            m.contains(&format!(
+                "soft_cap: beta must be finite and positive, got {beta}"
+            )),
+            "{m}"
+        );
+    }
+    // The accepted range still runs.
+    assert_eq!(situ(x.clone(), 4.0).dims(), [2, 3]);
+    assert_eq!(soft_cap(x, 0.5).dims(), [2, 3]);
+}
+
 /// `RoutedExperts::expert` on an autodiff backend: a standalone copy of expert `e` (its weights
 /// equal the stack's slice) whose gradients reach its own parameters, not the stack.
 #[test]

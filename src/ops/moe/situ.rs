@@ -165,16 +165,18 @@ pub fn situ_glu_weighted<B: Backend>(
 }
 
 fn check_betas(beta1: f32, beta2: Option<f32>) {
-    assert!(
-        beta1.is_finite() && beta1 > 0.0,
-        "situ_glu: beta1 must be finite and positive, got {beta1}"
-    );
+    check_beta("situ_glu", "beta1", beta1);
     if let Some(b2) = beta2 {
-        assert!(
-            b2.is_finite() && b2 > 0.0,
-            "situ_glu: beta2 must be finite and positive, got {b2}"
-        );
+        check_beta("situ_glu", "beta2", b2);
     }
+}
+
+/// Panics unless `value`, the parameter `name` of `op`, is finite and positive.
+fn check_beta(op: &str, name: &str, value: f32) {
+    assert!(
+        value.is_finite() && value > 0.0,
+        "{op}: {name} must be finite and positive, got {value}"
+    );
 }
 
 /// The kernels take f32/f16/bf16 storage with both branches in one dtype, and non-empty rows.
@@ -305,7 +307,11 @@ fn situ_glu_f32<B: Backend, const D: usize>(
 /// `SiTU(g) = β1·tanh(g/β1)·σ(g)`, the gate branch of [`situ_glu`] (`β1 > 0`). On the CPU
 /// backends an `f32` tensor goes through one host kernel forward and one backward, SiTU-GLU's
 /// own arithmetic without the up branch.
+///
+/// # Panics
+/// If `beta1` is not finite and positive.
 pub fn situ<B: Backend, const D: usize>(g: Tensor<B, D>, beta1: f32) -> Tensor<B, D> {
+    check_beta("situ", "beta1", beta1);
     match cpu::try_run(&Unary::SituGate(beta1), [g]) {
         Ok(y) => y,
         Err([g]) => soft_cap(g.clone(), beta1).mul(sigmoid(g)),
@@ -315,7 +321,11 @@ pub fn situ<B: Backend, const D: usize>(g: Tensor<B, D>, beta1: f32) -> Tensor<B
 /// `β·tanh(x/β)` (`β > 0`): a cap at ±β whose gradient never vanishes (unlike a clamp), with the
 /// cancellation-free [`tanh`](crate::ops::precision::tanh). On the CPU backends an `f32` tensor
 /// goes through one host kernel forward and one backward.
+///
+/// # Panics
+/// If `beta` is not finite and positive.
 pub fn soft_cap<B: Backend, const D: usize>(x: Tensor<B, D>, beta: f32) -> Tensor<B, D> {
+    check_beta("soft_cap", "beta", beta);
     match cpu::try_run(&Unary::SoftCap(beta), [x]) {
         Ok(y) => y,
         Err([x]) => crate::ops::precision::tanh(x.div_scalar(beta)).mul_scalar(beta),
