@@ -262,7 +262,7 @@ macro_rules! with_scalar {
                 let $f = Softplus;
                 $body
             }
-            Unary::SituGate(beta1) if beta1 == 4.0 => {
+            Unary::SituGate(beta1) if SituGlu { beta1, beta2: None }.shares_exp() => {
                 let $f = SituGate::<true>(beta1);
                 $body
             }
