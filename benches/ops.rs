@@ -11,7 +11,8 @@
 //!   on `NdArray`, a batch of small blocks and one larger matrix.
 //! * `situ_glu_4096x512`: [`situ_glu`] (K3's `β1 = 4`, `β2 = 25`) on `[4096, 512]` gate and up
 //!   (the shared expert's hidden layer at the MoE bench's shape), forward on `NdArray` and
-//!   forward + backward on `Autodiff<NdArray>`.
+//!   forward + backward on `Autodiff<NdArray>`; forward + backward of [`situ_glu_weighted`] with a
+//!   weight per row.
 //! * `unary_4096x512`: [`tanh`], [`softplus`] and [`situ`] (`β1 = 4`) on `[4096, 512]`, forward +
 //!   backward on `Autodiff<NdArray>`.
 //!
@@ -27,7 +28,7 @@ use kimi_burn::ops::mla::{causal_mask, masked_softmax, rotary};
 use kimi_burn::ops::moe::situ::situ;
 use kimi_burn::ops::optim::{adamw_update, scaled_sum, AdamWScalars};
 use kimi_burn::ops::precision::{softplus, tanh};
-use kimi_burn::ops::{situ_glu, with_kernels};
+use kimi_burn::ops::{situ_glu, situ_glu_weighted, with_kernels};
 use kimi_burn::optim::{newton_schulz_batched, NS_STEPS};
 
 type Cpu = NdArray<f32>;
@@ -168,6 +169,8 @@ fn bench_situ(c: &mut Criterion) {
         randn(2.0).require_grad(),
         randn(1.0),
     );
+    let w =
+        Tensor::<Ad, 1>::random([4096], Distribution::Uniform(0.0, 1.0), &device).require_grad();
     let (g_plain, u_plain) = (g.clone().inner(), u.clone().inner());
     let mut group = c.benchmark_group("situ_glu_4096x512");
     group.sample_size(20);
@@ -183,6 +186,14 @@ fn bench_situ(c: &mut Criterion) {
             b.iter(|| {
                 with_kernels(on, || {
                     let y = situ_glu(g.clone(), u.clone(), 4.0, Some(25.0));
+                    y.mul(dy.clone()).sum().backward()
+                })
+            })
+        });
+        group.bench_function(format!("weighted_forward_backward/{path}"), |b| {
+            b.iter(|| {
+                with_kernels(on, || {
+                    let y = situ_glu_weighted(g.clone(), u.clone(), w.clone(), 4.0, Some(25.0));
                     y.mul(dy.clone()).sum().backward()
                 })
             })

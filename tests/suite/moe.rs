@@ -1179,6 +1179,55 @@ fn host_activation_kernels_match_the_tensor_ops() {
     }
 }
 
+/// `situ_glu_weighted`'s CPU host kernel (the weight applied in the same pass, its gradient summed
+/// from the recomputed value) against the tensor ops (`with_kernels(false)`): the value and the
+/// gradients of the gate, the up branch and the weight, with and without `β2`.
+#[test]
+fn host_weighted_situ_glu_matches_the_tensor_ops() {
+    use kimi_burn::ops::situ_glu_weighted;
+    use kimi_burn::ops::with_kernels;
+    type B = CpuAd;
+    let device = Default::default();
+    let mut r = rng(46);
+    let g0 = randn::<B, 2>(&mut r, [37, 45], 6.0, &device);
+    let v0 = randn::<B, 2>(&mut r, [37, 45], 30.0, &device);
+    let w0 = randn::<B, 1>(&mut r, [37], 1.0, &device);
+    let dy = randn::<B, 2>(&mut r, [37, 45], 1.0, &device);
+    for beta2 in [Some(25.0), None] {
+        let run = |kernels: bool| -> [Vec<f64>; 4] {
+            with_kernels(kernels, || {
+                let g = g0.clone().require_grad();
+                let v = v0.clone().require_grad();
+                let w = w0.clone().require_grad();
+                let y = situ_glu_weighted(g.clone(), v.clone(), w.clone(), 4.0, beta2);
+                let grads = y.clone().mul(dy.clone()).sum().backward();
+                [
+                    host(y),
+                    host(g.grad(&grads).expect("d/dg")),
+                    host(v.grad(&grads).expect("d/dv")),
+                    host(w.grad(&grads).expect("d/dw")),
+                ]
+            })
+        };
+        let (want, got) = (run(false), run(true));
+        assert!(
+            want[0].iter().zip(&got[0]).any(|(a, b)| a != b),
+            "beta2 {beta2:?}: the kernel run matched the tensor ops bit for bit; did the host kernel run?"
+        );
+        for (part, (w, g)) in ["value", "d/dgate", "d/dup", "d/dweight"]
+            .iter()
+            .zip(want.iter().zip(&got))
+        {
+            assert_close(
+                &format!("weighted situ_glu, beta2 {beta2:?}, {part}"),
+                w,
+                g,
+                1e-5,
+            );
+        }
+    }
+}
+
 /// SiTU's gate and the soft cap refuse a `β` that is not finite and positive before any kernel
 /// runs, naming the op and the value (a zero `β` would divide by zero on every path).
 #[test]

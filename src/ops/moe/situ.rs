@@ -5,7 +5,7 @@ use burn::tensor::{backend::Backend, Tensor, TensorPrimitive};
 use crate::error::{Error, Result};
 use crate::ops::backend::host as cpu;
 use crate::ops::backend::{self, FusedKernels, FusedOp, KernelOp, KernelPath};
-use crate::ops::precision::host::{SituGlu as SituGluKernel, Unary};
+use crate::ops::precision::host::{SituGlu as SituGluKernel, Unary, WeightedSituGlu};
 use crate::ops::precision::{restore, sigmoid, widen};
 use serde::{Deserialize, Serialize};
 
@@ -157,9 +157,17 @@ pub fn situ_glu_weighted<B: Backend>(
         }
         Err(op) => {
             backend::record(FusedOp::SituGlu, KernelPath::Reference);
-            let (y, dtype) = situ_glu_f32(op.gate, op.up, beta1, beta2);
+            let (g, dtype) = widen(op.gate);
+            let (v, _) = widen(op.up);
             let (p, _) = widen(op.weight);
-            restore(y.mul(p.unsqueeze_dim(1)), dtype)
+            // One host kernel on the CPU backends: the value and the weight in one pass each way.
+            let kernel = WeightedSituGlu(SituGluKernel { beta1, beta2 });
+            let (g, v, p) = match cpu::try_run(&kernel, [g, v, p.unsqueeze_dim(1)]) {
+                Ok(y) => return restore(y, dtype),
+                Err([g, v, p]) => (g, v, p),
+            };
+            let (y, _) = situ_glu_f32(g, v, beta1, beta2);
+            restore(y.mul(p), dtype)
         }
     }
 }

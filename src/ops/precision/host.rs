@@ -487,6 +487,101 @@ impl HostOp<2> for SituGlu {
     }
 }
 
+/// SiTU-GLU times one weight per row, `y[r, j] = A(g[r, j])·B(v[r, j])·w[r]`, for `g, v: [R, C]`
+/// and `w: [R, 1]` (a routing weight per token), in one pass each way: the value and the weight in
+/// the same loop over a row, and backward the weight's gradient `Σ_j dy[r, j]·A·B` from the value
+/// that the gradients' pass recomputes anyway.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WeightedSituGlu(pub SituGlu);
+
+impl WeightedSituGlu {
+    /// `f(r, row of every buffer in outs)` for every row of `C` values, on rayon's pool for large
+    /// inputs ([`MIN_PARALLEL`](crate::ops::norm::host::MIN_PARALLEL) elements).
+    fn rows<const M: usize>(
+        cols: usize,
+        outs: [&mut [f32]; M],
+        f: impl Fn(usize, [&mut [f32]; M]) + Send + Sync,
+    ) {
+        use rayon::prelude::*;
+        let len = outs[0].len();
+        let mut chunks = outs.map(|o| o.chunks_mut(cols));
+        let rows: Vec<[&mut [f32]; M]> = (0..len / cols)
+            .map(|_| std::array::from_fn(|k| chunks[k].next().unwrap_or_else(|| unreachable!())))
+            .collect();
+        if len >= crate::ops::norm::host::MIN_PARALLEL {
+            rows.into_par_iter()
+                .enumerate()
+                .for_each(|(r, row)| f(r, row));
+        } else {
+            rows.into_iter().enumerate().for_each(|(r, row)| f(r, row));
+        }
+    }
+}
+
+impl HostOp<3> for WeightedSituGlu {
+    type Saved = ();
+
+    fn forward(&self, [g, v, w]: &[HostArray; 3], save: bool) -> (HostArray, Option<()>) {
+        let cols = g.shape.last().copied().unwrap_or(0);
+        let mut out = vec![0.0f32; g.data.len()];
+        if cols > 0 {
+            Self::rows(cols, [&mut out], |r, [y]| {
+                let at = r * cols..(r + 1) * cols;
+                self.0.value_into(y, [&g.data[at.clone()], &v.data[at]]);
+                let p = w.data[r];
+                for y in y.iter_mut() {
+                    *y *= p;
+                }
+            });
+        }
+        let out = HostArray {
+            data: out.into(),
+            shape: g.shape.clone(),
+        };
+        (out, save.then_some(()))
+    }
+
+    fn backward(&self, [g, v, w]: &[HostArray; 3], _: &(), grad: &HostArray) -> [HostArray; 3] {
+        let cols = g.shape.last().copied().unwrap_or(0);
+        let (mut dg, mut dv) = (vec![0.0f32; g.data.len()], vec![0.0f32; g.data.len()]);
+        let mut dw = vec![0.0f32; w.data.len()];
+        if cols > 0 {
+            let dw_rows = crate::ops::backend::host::DisjointWrites::new(&mut dw);
+            Self::rows(cols, [&mut dg, &mut dv], |r, [dg, dv]| {
+                let at = r * cols..(r + 1) * cols;
+                let p = w.data[r];
+                // The weighted output gradient, then the value (unweighted) and both gradients
+                // from one evaluation; the value's row is then the weight's gradient's terms.
+                let mut buf = vec![0.0f32; 2 * cols];
+                let (d, a) = buf.split_at_mut(cols);
+                for (d, &dy) in d.iter_mut().zip(&grad.data[at.clone()]) {
+                    *d = dy * p;
+                }
+                let (gr, vr) = (&g.data[at.clone()], &v.data[at.clone()]);
+                self.0.value_and_gradient_into([a, dg, dv], [gr, vr, d]);
+                let sum: f32 = a.iter().zip(&grad.data[at]).map(|(a, d)| a * d).sum();
+                // SAFETY: row `r`'s weight gradient is written by this row's call alone.
+                let slot = unsafe { dw_rows.slice(r, 1) };
+                slot[0] = sum;
+            });
+        }
+        [
+            HostArray {
+                data: dg.into(),
+                shape: g.shape.clone(),
+            },
+            HostArray {
+                data: dv.into(),
+                shape: v.shape.clone(),
+            },
+            HostArray {
+                data: dw.into(),
+                shape: w.shape.clone(),
+            },
+        ]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
