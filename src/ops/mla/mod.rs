@@ -125,6 +125,23 @@ pub fn attention_plain<B: Backend>(
     masked_softmax(scores, mask).matmul(v)
 }
 
+/// Panics unless the key padding, where there is one, is `[B, T] = [batch, t]` (the message names
+/// `op` and both shapes).
+fn check_key_padding<B: Backend>(
+    op: &str,
+    key_padding: Option<&Tensor<B, 2, Bool>>,
+    batch: usize,
+    t: usize,
+) {
+    if let Some(pad) = key_padding {
+        assert!(
+            pad.dims() == [batch, t],
+            "{op}: the key padding has shape {:?}, expected [B, T] = [{batch}, {t}]",
+            pad.dims()
+        );
+    }
+}
+
 /// Causal self-attention with optional key padding, by the chosen implementation.
 ///
 /// `q, k: [B, H, T, dqk]`, `v: [B, H, T, dv]` (`dv` may differ from `dqk`), `key_padding:
@@ -154,13 +171,7 @@ pub fn causal_attention<B: Backend>(
         k.dims(),
         v.dims()
     );
-    if let Some(pad) = &key_padding {
-        assert!(
-            pad.dims() == [batch, t],
-            "causal_attention: the key padding has shape {:?}, expected [B, T] = [{batch}, {t}]",
-            pad.dims()
-        );
-    }
+    check_key_padding("causal_attention", key_padding.as_ref(), batch, t);
     if let Some(o) = host_attention(&q, &k, &v, key_padding.as_ref()) {
         return o;
     }
@@ -228,13 +239,7 @@ pub fn mla_attention<B: Backend>(
         kv.dims(),
         k_pe.dims()
     );
-    if let Some(pad) = &key_padding {
-        assert!(
-            pad.dims() == [batch, t],
-            "mla_attention: the key padding has shape {:?}, expected [B, T] = [{batch}, {t}]",
-            pad.dims()
-        );
-    }
+    check_key_padding("mla_attention", key_padding.as_ref(), batch, t);
     if let Some(o) = host_mla_attention(&q, &kv, &k_pe, dn, key_padding.as_ref()) {
         return o;
     }

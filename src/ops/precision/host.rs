@@ -22,11 +22,12 @@
     allow(dead_code, unused_imports)
 )]
 
-use crate::ops::backend::host::{HostArray, HostOp};
+use crate::ops::backend::host::{DisjointWrites, HostArray, HostOp};
 use crate::ops::backend::simd::{
     exp_expm1_nonpositive_lane, exp_expm1_nonpositive_lean_lane, exp_lane, ln_1p_unit_lane, map,
     map_into, map_many, map_many_into, Elementwise, ElementwiseMany,
 };
+use crate::ops::norm::host::for_row_blocks;
 
 /// `(σ(x), 1 − σ(x))` in `f32`, each accurate to a few ulp for every `x`.
 #[inline(always)]
@@ -488,35 +489,12 @@ impl HostOp<2> for SituGlu {
 }
 
 /// SiTU-GLU times one weight per row, `y[r, j] = A(g[r, j])·B(v[r, j])·w[r]`, for `g, v: [R, C]`
-/// and `w: [R, 1]` (a routing weight per token), in one pass each way: the value and the weight in
-/// the same loop over a row, and backward the weight's gradient `Σ_j dy[r, j]·A·B` from the value
-/// that the gradients' pass recomputes anyway.
+/// and `w: [R, 1]` (a routing weight per token), in one pass each way over blocks of rows (on
+/// rayon's pool for large inputs): the value and the weight in the same loop over a row, and
+/// backward the weight's gradient `Σ_j dy[r, j]·A·B` from the value that the gradients' pass
+/// recomputes anyway.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct WeightedSituGlu(pub SituGlu);
-
-impl WeightedSituGlu {
-    /// `f(r, row of every buffer in outs)` for every row of `C` values, on rayon's pool for large
-    /// inputs ([`MIN_PARALLEL`](crate::ops::norm::host::MIN_PARALLEL) elements).
-    fn rows<const M: usize>(
-        cols: usize,
-        outs: [&mut [f32]; M],
-        f: impl Fn(usize, [&mut [f32]; M]) + Send + Sync,
-    ) {
-        use rayon::prelude::*;
-        let len = outs[0].len();
-        let mut chunks = outs.map(|o| o.chunks_mut(cols));
-        let rows: Vec<[&mut [f32]; M]> = (0..len / cols)
-            .map(|_| std::array::from_fn(|k| chunks[k].next().unwrap_or_else(|| unreachable!())))
-            .collect();
-        if len >= crate::ops::norm::host::MIN_PARALLEL {
-            rows.into_par_iter()
-                .enumerate()
-                .for_each(|(r, row)| f(r, row));
-        } else {
-            rows.into_iter().enumerate().for_each(|(r, row)| f(r, row));
-        }
-    }
-}
 
 impl HostOp<3> for WeightedSituGlu {
     type Saved = ();
@@ -524,16 +502,17 @@ impl HostOp<3> for WeightedSituGlu {
     fn forward(&self, [g, v, w]: &[HostArray; 3], save: bool) -> (HostArray, Option<()>) {
         let cols = g.shape.last().copied().unwrap_or(0);
         let mut out = vec![0.0f32; g.data.len()];
-        if cols > 0 {
-            Self::rows(cols, [&mut out], |r, [y]| {
+        for_row_blocks(&mut out, cols, |first, block| {
+            for (i, y) in block.chunks_mut(cols).enumerate() {
+                let r = first + i;
                 let at = r * cols..(r + 1) * cols;
                 self.0.value_into(y, [&g.data[at.clone()], &v.data[at]]);
                 let p = w.data[r];
                 for y in y.iter_mut() {
                     *y *= p;
                 }
-            });
-        }
+            }
+        });
         let out = HostArray {
             data: out.into(),
             shape: g.shape.clone(),
@@ -545,26 +524,28 @@ impl HostOp<3> for WeightedSituGlu {
         let cols = g.shape.last().copied().unwrap_or(0);
         let (mut dg, mut dv) = (vec![0.0f32; g.data.len()], vec![0.0f32; g.data.len()]);
         let mut dw = vec![0.0f32; w.data.len()];
-        if cols > 0 {
-            let dw_rows = crate::ops::backend::host::DisjointWrites::new(&mut dw);
-            Self::rows(cols, [&mut dg, &mut dv], |r, [dg, dv]| {
+        let (dv_rows, dw_rows) = (DisjointWrites::new(&mut dv), DisjointWrites::new(&mut dw));
+        for_row_blocks(&mut dg, cols, |first, block| {
+            // The weighted output gradient and the value of one row.
+            let mut buf = vec![0.0f32; 2 * cols];
+            let (d, a) = buf.split_at_mut(cols);
+            for (i, dg) in block.chunks_mut(cols).enumerate() {
+                let r = first + i;
                 let at = r * cols..(r + 1) * cols;
                 let p = w.data[r];
-                // The weighted output gradient, then the value (unweighted) and both gradients
-                // from one evaluation; the value's row is then the weight's gradient's terms.
-                let mut buf = vec![0.0f32; 2 * cols];
-                let (d, a) = buf.split_at_mut(cols);
                 for (d, &dy) in d.iter_mut().zip(&grad.data[at.clone()]) {
                     *d = dy * p;
                 }
+                // SAFETY: row `r` of `dv` and of `dw` is written by this row's iteration alone.
+                let (dv, dw) = unsafe { (dv_rows.slice(r * cols, cols), dw_rows.slice(r, 1)) };
                 let (gr, vr) = (&g.data[at.clone()], &v.data[at.clone()]);
-                self.0.value_and_gradient_into([a, dg, dv], [gr, vr, d]);
-                let sum: f32 = a.iter().zip(&grad.data[at]).map(|(a, d)| a * d).sum();
-                // SAFETY: row `r`'s weight gradient is written by this row's call alone.
-                let slot = unsafe { dw_rows.slice(r, 1) };
-                slot[0] = sum;
-            });
-        }
+                // The value (unweighted) and both gradients from one evaluation; the value's row
+                // is then the terms of the weight's gradient.
+                self.0
+                    .value_and_gradient_into([&mut *a, dg, dv], [gr, vr, &*d]);
+                dw[0] = a.iter().zip(&grad.data[at]).map(|(a, d)| a * d).sum();
+            }
+        });
         [
             HostArray {
                 data: dg.into(),
