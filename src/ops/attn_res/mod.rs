@@ -15,6 +15,8 @@ use super::precision::{restore, widen};
 mod autodiff;
 #[cfg(feature = "cubecl-kernels")]
 mod cube;
+#[cfg(feature = "cubecl-kernels")]
+mod fusion;
 mod host;
 
 /// The block-form AttnRes mix of design §6, in f32 (f64 stays f64):

@@ -56,7 +56,7 @@ pub(crate) mod autodiff;
 #[cfg(feature = "cubecl-kernels")]
 pub(crate) mod cube;
 #[cfg(feature = "cubecl-kernels")]
-mod fusion;
+pub(crate) mod fusion;
 pub(crate) mod host;
 pub(crate) mod matmul;
 mod memory;

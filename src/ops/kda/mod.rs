@@ -26,6 +26,8 @@ mod cube;
 #[cfg(feature = "cubecl-kernels")]
 mod cube_chunk;
 mod fused_recurrent;
+#[cfg(feature = "cubecl-kernels")]
+mod fusion;
 mod gate;
 mod gate_host;
 mod intra;

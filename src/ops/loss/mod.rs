@@ -16,6 +16,8 @@ use super::precision::{restore, widen};
 mod autodiff;
 #[cfg(feature = "cubecl-kernels")]
 mod cube;
+#[cfg(feature = "cubecl-kernels")]
+mod fusion;
 mod host;
 
 /// Mean cross-entropy over the scored positions, `−(1/N)·Σ_{t: y_t ≠ ignore} log softmax(z_t)[y_t]`.

@@ -18,6 +18,8 @@ use super::precision::{restore, widen};
 mod autodiff;
 #[cfg(feature = "cubecl-kernels")]
 mod cube;
+#[cfg(feature = "cubecl-kernels")]
+mod fusion;
 mod host;
 
 /// Which implementation computes the training / prefill attention of the expanded form.

@@ -9,6 +9,8 @@ mod autodiff;
 #[cfg(feature = "cubecl-kernels")]
 mod cube;
 pub mod dispatch;
+#[cfg(feature = "cubecl-kernels")]
+mod fusion;
 mod host;
 pub(crate) mod kernels;
 pub mod route;

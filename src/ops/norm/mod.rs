@@ -14,6 +14,8 @@ use super::precision::{restore, widen};
 mod autodiff;
 #[cfg(feature = "cubecl-kernels")]
 mod cube;
+#[cfg(feature = "cubecl-kernels")]
+mod fusion;
 pub(crate) mod host;
 
 /// `x / sqrt(mean(x², last dim) + eps) · weight`.

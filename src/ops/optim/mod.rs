@@ -18,6 +18,8 @@ use super::backend::{self, same, FusedKernels, FusedOp, KernelOp, KernelPath};
 
 #[cfg(feature = "cubecl-kernels")]
 mod cube;
+#[cfg(feature = "cubecl-kernels")]
+mod fusion;
 mod host;
 
 /// The scalars of one AdamW step, each in f32 as the tensor-op form rounds them.

@@ -3,6 +3,8 @@
 
 use burn::tensor::{backend::Backend, DType, FloatDType, Tensor};
 
+#[cfg(feature = "cubecl-kernels")]
+mod fusion;
 pub(crate) mod host;
 mod kernel;
 

@@ -31,10 +31,10 @@ use std::sync::Arc;
 #[cfg(feature = "ndarray")]
 use memory::ndarray_slice;
 pub(crate) use memory::{scratch, DisjointWrites, Fresh, HostArray, HostData, Scratch};
-#[cfg(any(feature = "ndarray", feature = "flex"))]
-use transfer::{cast, from_host, to_host};
 #[cfg(feature = "ndarray")]
 use transfer::try_cast;
+#[cfg(any(feature = "ndarray", feature = "flex"))]
+use transfer::{cast, from_host, to_host};
 
 /// An op with `N` float inputs and one float output, computed on the host.
 pub(crate) trait HostOp<const N: usize>: Debug + Clone + Send + Sync + 'static {
