@@ -2,7 +2,8 @@
 //!
 //! Burn's AdamW step is about fourteen tensor ops per parameter (each a kernel launch over the
 //! whole parameter), which on a GPU makes the optimiser step of a small model a stream of tiny
-//! launches. [`adamw_step`] does the same arithmetic, in the same order, in one pass:
+//! launches. [`adamw_step`](fn@adamw_step) does the same arithmetic, in the same order, in one
+//! pass:
 //!
 //! ```text
 //! m₁ ← β₁·m₁ + (1 − β₁)·g          m₂ ← β₂·m₂ + (1 − β₂)·g²
@@ -11,8 +12,9 @@
 //! ```
 //!
 //! The moments are stored in the parameter's dtype and the update reads them back rounded, as the
-//! tensor-op form does; the arithmetic is f32 whatever the storage dtype. [`scaled_sum`] is the
-//! two-term combination Muon's momentum and update are made of.
+//! tensor-op form does; the arithmetic is f32 whatever the storage dtype.
+//! [`scaled_sum`](fn@scaled_sum) is the two-term combination Muon's momentum and update are made
+//! of.
 
 use cubecl::prelude::*;
 

@@ -484,8 +484,8 @@ pub(super) fn load_state_tile(
     sync_cube();
 }
 
-/// Writes the shared tile back: the inverse of [`load_state_tile`] (columns past `vdim` are
-/// dropped). The tile must be synchronised.
+/// Writes the shared tile back: the inverse of [`load_state_tile`](fn@load_state_tile) (columns
+/// past `vdim` are dropped). The tile must be synchronised.
 #[cube]
 pub(super) fn store_state_tile(
     tile: &SharedMemory<V4>,

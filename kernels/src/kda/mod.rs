@@ -24,7 +24,8 @@ pub use conv::*;
 pub use norm::*;
 pub use recurrent::*;
 
-/// `σ(x)` in the reference path's cancellation-free form ([`crate::situ::sigmoid_pair`]).
+/// `σ(x)` in the reference path's cancellation-free form
+/// ([`sigmoid_pair`](fn@crate::situ::sigmoid_pair)).
 #[cube]
 pub(crate) fn sigmoid(x: f32) -> f32 {
     let (s, _c) = crate::situ::sigmoid_pair(x);

@@ -1,0 +1,222 @@
+//! The weight gradients of the grouped matmul: per expert, `Aᵀ · dY` over its segment, on the same
+//! shared-memory tiles (and matrix units) as the forward.
+
+use cubecl::prelude::*;
+
+use super::grouped::micro_rows;
+use super::tiles::{
+    fma_micro, lanes_below, load_v4, multiply_pair, read_micro_tile, store_pair, zero_block,
+    zero_micro_tile,
+};
+use super::{MMA_PLANE, TILE, TILE_K};
+use crate::V4;
+
+/// Grouped weight gradient, one launch for all experts:
+///
+/// ```text
+/// out[e, r, c] = Σ_{pos ∈ segment e} a[arow(pos), r] · b[brow(pos), c]
+/// ```
+///
+/// `a: [*, adim]`, `b: [*, bdim]`, `out: [n, adim, bdim]`; `arow(pos) = rows[pos]` when
+/// `gather_a` else `pos`, likewise `brow`. Experts with an empty segment get zeros. Both shared
+/// slices hold `TILE_K` pairs × `TILE` features as [`V4`]s of four consecutive features (one
+/// contiguous load from a row of `a` or `b`); each unit owns a [`GMM_MICRO`]² micro-tile (4×4
+/// with `mma`). With `mma` (as in [`grouped_matmul`]) the products run on the matrix units.
+/// Grid: `(ceil(adim / TILE), ceil(bdim / TILE), n)`; cube [`grouped_matmul_cube`]`(mma)`.
+///
+/// [`GMM_MICRO`]: super::GMM_MICRO
+/// [`grouped_matmul`]: fn@super::grouped_matmul
+/// [`grouped_matmul_cube`]: super::grouped_matmul_cube
+#[allow(clippy::too_many_arguments)]
+#[cube(launch_unchecked)]
+pub fn grouped_matmul_wgrad<F: Float>(
+    a: &Array<F>,
+    b: &Array<F>,
+    rows: &Array<u32>,
+    offsets: &Array<u32>,
+    out: &mut Array<F>,
+    adim: usize,
+    bdim: usize,
+    #[comptime] gather_a: bool,
+    #[comptime] gather_b: bool,
+    #[comptime] mma: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let e = CUBE_POS_Z as usize;
+    let q = (TILE / 4) as usize;
+    let tk = TILE_K as usize;
+    let r0 = CUBE_POS_X as usize * TILE as usize;
+    let c0 = CUBE_POS_Y as usize * TILE as usize;
+    let start = offsets[e] as usize;
+    let end = offsets[e + 1] as usize;
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    // The unit's `mr × mr` micro-tile, as in `grouped_matmul`.
+    let mr = comptime!(micro_rows(mma) as usize);
+    let mc4 = comptime!(micro_rows(mma) as usize / 4);
+    let mut acc = zero_micro_tile(comptime!(micro_rows(mma) * micro_rows(mma) / 4));
+
+    if comptime!(mma) {
+        let a_lanes = lanes_below(r0 + 4 * tx, adim);
+        let b_lanes = lanes_below(c0 + 4 * tx, bdim);
+        wgrad_mma::<F>(
+            a, b, rows, start, end, r0, c0, adim, bdim, a_lanes, b_lanes, &mut acc, gather_a,
+            gather_b,
+        );
+    } else {
+        // Both slices hold `tk` pairs × `TILE` features as V4s; entry `unit + s · units` of
+        // each (`s < stage`) is loaded by `unit`: features `4 · (unit % q)..` of the pair
+        // `unit / q + s · units / q`.
+        let mut sa = SharedMemory::<V4>::new(tk * q);
+        let mut sb = SharedMemory::<V4>::new(tk * q);
+        let units = comptime!(((TILE / micro_rows(mma)) * (TILE / micro_rows(mma))) as usize);
+        let stage = comptime!(
+            (TILE_K * TILE / 4 / ((TILE / micro_rows(mma)) * (TILE / micro_rows(mma)))) as usize
+        );
+        let unit = ty * comptime!((TILE / micro_rows(mma)) as usize) + tx;
+        let f4 = unit % q;
+        let a_lanes = lanes_below(r0 + 4 * f4, adim);
+        let b_lanes = lanes_below(c0 + 4 * f4, bdim);
+        let mut a_reg = Array::<V4>::new(comptime!((micro_rows(mma) / 4) as usize));
+        let mut b_reg = Array::<V4>::new(comptime!((micro_rows(mma) / 4) as usize));
+        let mut p0 = start;
+        while p0 < end {
+            #[unroll]
+            for s in 0..stage {
+                let kk = unit / q + s * (units / q);
+                let pos = p0 + kk;
+                let inside = pos < end;
+                let mut arow = pos;
+                let mut brow = pos;
+                if inside {
+                    if comptime!(gather_a) {
+                        arow = rows[pos] as usize;
+                    }
+                    if comptime!(gather_b) {
+                        brow = rows[pos] as usize;
+                    }
+                }
+                let mut na = 0usize;
+                let mut nb = 0usize;
+                if inside {
+                    na = a_lanes;
+                    nb = b_lanes;
+                }
+                sa[kk * q + f4] = load_v4::<F>(a, arow * adim + r0 + 4 * f4, 1usize, na);
+                sb[kk * q + f4] = load_v4::<F>(b, brow * bdim + c0 + 4 * f4, 1usize, nb);
+            }
+            sync_cube();
+            for kk in 0..tk {
+                #[unroll]
+                for i4 in 0..mc4 {
+                    a_reg[i4] = sa[kk * q + mc4 * ty + i4];
+                    b_reg[i4] = sb[kk * q + mc4 * tx + i4];
+                }
+                fma_micro(&mut acc, &a_reg, &b_reg, mr as u32, mc4 as u32);
+            }
+            sync_cube();
+            p0 += tk;
+        }
+    }
+
+    #[unroll]
+    for i in 0..mr {
+        let r = r0 + mr * ty + i;
+        #[unroll]
+        for j4 in 0..mc4 {
+            let v = acc[i * mc4 + j4];
+            #[unroll]
+            for j in 0..4usize {
+                let c = c0 + 4 * (mc4 * tx + j4) + j;
+                if r < adim && c < bdim {
+                    out[e * adim * bdim + r * bdim + c] = F::cast_from(v[j]);
+                }
+            }
+        }
+    }
+}
+
+/// The main loop of [`grouped_matmul_wgrad`](fn@grouped_matmul_wgrad) on the matrix units:
+/// `acc` gets the unit's 4×4 micro-tile of `Σ_pos a[arow(pos)]ᵀ · b[brow(pos)]`, accumulated
+/// in f32. Per `TILE_K` pairs the cube stages `a`'s and `b`'s features as `[TILE_K, TILE]`
+/// row-major in `F` (zeros past the segment and the widths); `a`'s slice is the `A` operand
+/// read column-major. Plane `p` of the eight owns rows `16·(p / 2)..` and the column blocks
+/// `32·(p % 2)..`, as in the grouped matmul's tensor-core loop.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn wgrad_mma<F: Float>(
+    a: &Array<F>,
+    b: &Array<F>,
+    rows: &Array<u32>,
+    start: usize,
+    end: usize,
+    r0: usize,
+    c0: usize,
+    adim: usize,
+    bdim: usize,
+    a_lanes: usize,
+    b_lanes: usize,
+    acc: &mut Array<V4>,
+    #[comptime] gather_a: bool,
+    #[comptime] gather_b: bool,
+) {
+    let t = TILE as usize;
+    let tk = TILE_K as usize;
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    let mut ha = SharedMemory::<F>::new_aligned(t * tk, 32usize);
+    let mut hb = SharedMemory::<F>::new_aligned(t * tk, 32usize);
+    let plane = (UNIT_POS / MMA_PLANE) as usize;
+    let a_off = (plane / 2) * 16;
+    let b_off = (plane % 2) * 32;
+    let c_off = (plane / 2) * 16 * t + b_off;
+    let m0 = zero_block();
+    let m1 = zero_block();
+    let zero = F::cast_from(0.0f32);
+    let mut p0 = start;
+    while p0 < end {
+        // Unit (tx, ty) stages features 4·tx.. of pair p0 + ty.
+        let pos = p0 + ty;
+        let inside = pos < end;
+        let mut arow = pos;
+        let mut brow = pos;
+        if inside {
+            if comptime!(gather_a) {
+                arow = rows[pos] as usize;
+            }
+            if comptime!(gather_b) {
+                brow = rows[pos] as usize;
+            }
+        }
+        #[unroll]
+        for j in 0..4usize {
+            let mut va = zero;
+            if inside && j < a_lanes {
+                va = a[arow * adim + r0 + 4 * tx + j];
+            }
+            ha[ty * t + 4 * tx + j] = va;
+            let mut vb = zero;
+            if inside && j < b_lanes {
+                vb = b[brow * bdim + c0 + 4 * tx + j];
+            }
+            hb[ty * t + 4 * tx + j] = vb;
+        }
+        sync_cube();
+        let am = cmma::Matrix::<F>::from_slice(
+            cmma::MatrixIdent::A,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::ColMajor,
+            &ha.slice(a_off, t * tk),
+            t as u32,
+        );
+        multiply_pair::<F>(&am, &hb, b_off, &m0, &m1);
+        sync_cube();
+        p0 += tk;
+    }
+    let mut tile = SharedMemory::<f32>::new_aligned(t * t, 32usize);
+    store_pair(&mut tile, c_off, &m0, &m1);
+    sync_cube();
+    read_micro_tile(&tile, acc);
+}
