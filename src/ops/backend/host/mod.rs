@@ -11,6 +11,9 @@
 //! The backends are recognised by type (`TypeId`) because Burn's autodiff needs the concrete inner
 //! backend to register a backward step: `Autodiff<NdArray<f32>>` and `NdArray<f32>` with the
 //! `ndarray` feature, `Autodiff<Flex>` and `Flex` with the `flex` feature.
+//!
+//! The buffers the kernels read and write are in [`memory`]; the moves of Burn's tensors to and
+//! from them, without a copy where ndarray allows it, in [`transfer`].
 
 // Without a CPU backend (ndarray, flex) no backend reaches the host kernels: compiled, unused.
 #![cfg_attr(

@@ -364,7 +364,8 @@ impl KdaRecurrence {
 }
 
 /// The widest blocks of columns of a row of `V` floats: `(start, blocks of 4 · lanes, blocks of
-/// lanes, single columns)` as column ranges, so that each loop below takes its block size.
+/// lanes, single columns)` as column ranges, so that each loop of a step (forward and backward)
+/// takes its block size.
 #[inline(always)]
 fn column_blocks(vd: usize, lanes: usize) -> [Range<usize>; 3] {
     let wide = vd / (4 * lanes) * 4 * lanes;
