@@ -11,8 +11,8 @@
 //!                                         dg/dA_log = lb · σ(a·x)(1 − σ(a·x)) · a·x
 //! ```
 //!
-//! `softplus(x) = max(x, 0) + log1p(e^{−|x|})` as in the tensor ops, with the `log1p` of
-//! [`ln_1p_unit_lane`](crate::ops::backend::simd::ln_1p_unit_lane) and `1 − σ` never formed by a subtraction ([`sigmoid_pair`]).
+//! `softplus(x) = max(x, 0) + log1p(e^{−|x|})` as in the tensor ops ([`softplus`], with the
+//! `log1p` of `ln_1p_unit_lane`), and `1 − σ` never formed by a subtraction ([`sigmoid_pair`]).
 //!
 //! The gradients of `dt_bias` and `A_log` sum fixed blocks of rows, then the blocks in order, so
 //! they do not depend on the number of threads. Where a gate has saturated, a gradient below

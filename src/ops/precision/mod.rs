@@ -120,7 +120,7 @@ pub fn softplus<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
         Err([x]) => x,
     };
     let tail = x.clone().abs().neg().exp().log1p();
-    let linear = x.clone().greater_elem(20.0);
+    let linear = x.clone().greater_elem(host::SOFTPLUS_LINEAR);
     x.clone().clamp_min(0.0).add(tail).mask_where(linear, x)
 }
 
