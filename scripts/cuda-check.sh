@@ -13,6 +13,9 @@
 #                                       minutes, so two calls where one command is limited to 10)
 #   scripts/cuda-check.sh               both, on a machine that has the GPU and the toolchain
 #
+# Before spending GPU time: `scripts/cuda-codegen.sh` compiles every kernel configuration for
+# sm_80 and sm_90a with NVRTC on any machine with a CUDA toolkit, no GPU needed.
+#
 # What runs, all on `Cuda` (a build with `cuda` and without `wgpu` runs the suite's GPU tests on
 # CUDA: `tests/common` makes `Gpu` the CUDA backend there):
 # - first the tensor-core checks of the grouped matmuls (`kernels_moe::dispatch::half_storage_*`),
