@@ -1,6 +1,6 @@
 //! The kernel configurations `kimi-burn` launches on CUDA: every kernel, each storage type it
-//! runs in, each comptime branch the ops take, and the head sizes of the presets (KDA `dk` 32
-//! to 128, MLA `d_qk` 192 and `d_v` 128). Cube sizes are those of the launch sites on a device
+//! runs in, each comptime branch the ops take, and the head sizes of the presets (KDA `dk` 128
+//! and MLA `(d_qk, d_v)` = (192, 128) in the Kimi presets, 32 and (24, 16) in the tiny model). Cube sizes are those of the launch sites on a device
 //! with 32-unit planes (`kimi_burn::ops`: 256 units for one-unit-per-element launches).
 
 use cubecl::ir::{ElemType, FloatKind, IntKind, StorageType};
@@ -33,11 +33,11 @@ const WEIGHTED_ROWS: u32 = 64;
 const FLOATS: [FloatKind; 3] = [FloatKind::F32, FloatKind::F16, FloatKind::BF16];
 /// `I` of the integer arrays: Burn's `Cuda` backend keeps its ints in i32.
 const INT: IntKind = IntKind::I32;
-/// KDA head sizes (`dk = dv`) and chunk sizes: the presets' 32, 64 and 128, an odd 60, and the
-/// smaller chunks the ops accept.
+/// KDA head sizes (`dk = dv`) and chunk sizes: the tiny model's 32, the benches' 64, the Kimi
+/// presets' 128, an odd 60 (as in the tests), and the smaller chunks the ops accept.
 const KDA: [(usize, usize); 6] = [(32, 64), (60, 64), (64, 16), (64, 32), (64, 64), (128, 64)];
-/// MLA `(d_qk, d_v)`: the Kimi presets (128 + 64, 128) and a small model's.
-const MLA: [(usize, usize); 2] = [(192, 128), (64, 64)];
+/// MLA `(d_qk, d_v)`: the Kimi presets' (128 + 64, 128) and the tiny model's (16 + 8, 16).
+const MLA: [(usize, usize); 2] = [(192, 128), (24, 16)];
 /// The activations of SiTU-GLU's kernels and of the grouped matmul's GLU epilogues.
 const SITU_MODES: [(&str, u32); 3] = [
     ("situ", situ::MODE_SITU),
