@@ -5,8 +5,8 @@
 //! It checks what can go wrong before a kernel ever runs on a GPU: CubeCL's translation (an
 //! instruction its CUDA dialect lacks), the C++ (the tensor-core `wmma` fragments of the grouped
 //! matmuls, the half-precision conversions), and the resources of the compiled code: a cube whose
-//! registers or shared memory do not fit one streaming multiprocessor fails at launch. It prints
-//! each kernel's registers, spills and shared memory.
+//! registers or shared memory do not fit one streaming multiprocessor fails at launch. It also
+//! fails on f64 arithmetic, and prints each kernel's registers, spills and shared memory.
 //!
 //! What it cannot check is the numbers: those need a GPU (`scripts/cuda-check.sh`).
 //!
@@ -231,6 +231,11 @@ struct Checked {
 
 fn check(source: &Source, archs: &[Arch], include: &[String]) -> Checked {
     let mut failures = Vec::new();
+    // The kernels compute in f32 (the crate's docs say so); a stray f64 literal or cast would
+    // run at a small fraction of the f32 rate on most GPUs.
+    if source.text.contains("double") {
+        failures.push(format!("{}: the CUDA source computes in f64", source.label));
+    }
     let mut row = format!(
         "| {} | {} | {} |",
         source.label, source.threads, source.shared
