@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every CubeCL kernel, in each configuration kimi-burn launches on CUDA, translated to CUDA C++
 # and compiled by NVRTC to machine code for the A100 (sm_80) and the H100/H200 (sm_90a). No GPU
-# needed. It fails on a kernel that does not compile, or whose cube needs more registers or
-# shared memory than a multiprocessor has, and prints each kernel's registers, spills and
-# shared memory (kernels/tests/cuda_codegen.rs).
+# needed. It fails on a kernel that does not compile, computes in f64, or whose cube needs more
+# registers or shared memory than a multiprocessor has, and prints each kernel's registers,
+# spills and shared memory (kernels/tests/cuda_codegen.rs).
 #
 #   scripts/cuda-codegen.sh [extra cargo test arguments]
 #
