@@ -6,7 +6,9 @@
 //! instruction its CUDA dialect lacks), the C++ (the tensor-core `wmma` fragments of the grouped
 //! matmuls, the half-precision conversions), and the resources of the compiled code: a cube whose
 //! registers or shared memory do not fit one streaming multiprocessor fails at launch. It also
-//! fails on f64 arithmetic, and prints each kernel's registers, spills and shared memory.
+//! fails on f64 arithmetic, and unless the grouped matmuls' PTX has tensor-core instructions
+//! exactly in the configurations that ask for them. It prints each kernel's registers, spills and
+//! shared memory.
 //!
 //! What it cannot check is the numbers: those need a GPU (`scripts/cuda-check.sh`).
 //!
@@ -103,6 +105,7 @@ struct Source {
     text: String,
     threads: u32,
     shared: usize,
+    tensor_cores: bool,
 }
 
 fn translate(case: Case) -> Source {
@@ -110,6 +113,7 @@ fn translate(case: Case) -> Source {
         label,
         definition,
         address,
+        tensor_cores,
     } = case;
     let entry = definition.options.kernel_name.clone();
     let threads = definition.cube_dim.num_elems();
@@ -122,6 +126,7 @@ fn translate(case: Case) -> Source {
         shared: kernel.shared_memory_size(),
         text: kernel.to_string(),
         threads,
+        tensor_cores,
     }
 }
 
@@ -132,6 +137,8 @@ struct Usage {
     spill_stores: u32,
     spill_loads: u32,
     static_shared: u32,
+    /// Whether the PTX has matrix-multiply-accumulate instructions (`wmma.mma` or `mma`).
+    mma: bool,
 }
 
 /// NVRTC's result for one kernel and architecture: the ptxas report, or the compiler's log.
@@ -145,23 +152,36 @@ fn compile(source: &Source, arch: &Arch, include: &[String]) -> Result<Usage, St
         "-lineinfo".to_string(),
     ];
     options.extend(include.iter().map(|dir| format!("--include-path={dir}")));
-    // SAFETY: `program` comes from `create_program` above and is destroyed once, at the end.
-    let (compiled, log) = unsafe {
+    // SAFETY: `program` comes from `create_program` above and is destroyed once, last.
+    let (compiled, log, ptx) = unsafe {
         let compiled = nvrtc::compile_program(program, &options);
-        let log = nvrtc::get_program_log(program).map_err(|e| format!("{e:?}"))?;
+        let log = nvrtc::get_program_log(program);
+        let ptx = compiled.is_ok().then(|| nvrtc::get_ptx(program));
         let _ = nvrtc::destroy_program(program);
-        (compiled, log)
+        (compiled, log, ptx)
     };
-    let log: Vec<u8> = log
+    let log = c_text(&log.map_err(|e| format!("{e:?}"))?);
+    if let Err(e) = compiled {
+        return Err(format!("{e:?}\n{log}"));
+    }
+    let ptx = match ptx {
+        Some(Ok(ptx)) => c_text(&ptx),
+        Some(Err(e)) => return Err(format!("{e:?}")),
+        None => unreachable!("the PTX is read after a successful compile"),
+    };
+    let mut usage = parse_ptxas(&log, &source.entry);
+    usage.mma = ptx.contains("wmma.mma") || ptx.contains("mma.sync");
+    Ok(usage)
+}
+
+/// NVRTC's NUL-terminated text as a string.
+fn c_text(chars: &[std::ffi::c_char]) -> String {
+    let bytes: Vec<u8> = chars
         .iter()
         .map(|&c| c as u8)
         .take_while(|&c| c != 0)
         .collect();
-    let log = String::from_utf8_lossy(&log).into_owned();
-    match compiled {
-        Ok(()) => Ok(parse_ptxas(&log, &source.entry)),
-        Err(e) => Err(format!("{e:?}\n{log}")),
-    }
+    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 /// The numbers of `ptxas -v` for the function `entry`.
@@ -252,6 +272,13 @@ fn check(source: &Source, archs: &[Arch], include: &[String]) -> Checked {
                 continue;
             }
         };
+        if usage.mma != source.tensor_cores {
+            let has = if usage.mma { "has" } else { "lacks" };
+            failures.push(format!(
+                "{} on {}: its PTX {has} tensor-core instructions",
+                source.label, arch.name
+            ));
+        }
         let spills = usage.spill_stores + usage.spill_loads;
         row.push_str(&format!(" {} / {} |", usage.registers, spills));
         let file = cube_registers(usage.registers, source.threads);

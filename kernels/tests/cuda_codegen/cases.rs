@@ -16,6 +16,8 @@ pub struct Case {
     pub label: String,
     pub definition: KernelDefinition,
     pub address: StorageType,
+    /// Whether its products must run on the tensor cores (`wmma` in the PTX), or must not.
+    pub tensor_cores: bool,
 }
 
 type Client = ComputeClient<WgpuRuntime>;
@@ -72,11 +74,17 @@ struct Cases {
 
 impl Cases {
     fn push<K: CubeKernel>(&mut self, label: String, kernel: K) {
+        self.push_on(label, kernel, false);
+    }
+
+    /// `push`, saying whether the kernel's products run on the tensor cores.
+    fn push_on<K: CubeKernel>(&mut self, label: String, kernel: K, tensor_cores: bool) {
         let address = kernel.address_type();
         self.all.push(Case {
             label,
             definition: kernel.define(),
             address,
+            tensor_cores,
         });
     }
 
@@ -517,7 +525,7 @@ fn moe_kernels(cs: &mut Cases) {
                     gather_a, gather_b, mma, t,
                 );
                 let gather = format!("gather=({gather_a},{gather_b})");
-                cs.push(format!("grouped_matmul_wgrad {n} {path} {gather}"), k);
+                cs.push_on(format!("grouped_matmul_wgrad {n} {path} {gather}"), k, mma);
             }
             for (label, g) in &launches {
                 let k = moe::grouped_matmul::GroupedMatmul::new(
@@ -527,7 +535,7 @@ fn moe_kernels(cs: &mut Cases) {
                     S, S, S, S, S, S,
                     g.gather, g.transposed, g.accumulate, g.epilogue, g.mode, g.save, mma, t,
                 );
-                cs.push(format!("grouped_matmul {n} {path} {label}"), k);
+                cs.push_on(format!("grouped_matmul {n} {path} {label}"), k, mma);
             }
         }
     }
