@@ -19,6 +19,10 @@ pub const MODE_SITU_CAPPED: u32 = 1;
 /// `A(g) = g·σ(g)`, `B(v) = v` (SwiGLU).
 pub const MODE_SWIGLU: u32 = 2;
 
+/// Units per cube of [`situ_glu_backward_weighted`](fn@situ_glu_backward_weighted) as
+/// `kimi-burn` launches it (its `cube_size`; a power of two).
+pub const WEIGHTED_BACKWARD_CUBE: u32 = 64;
+
 /// Below this `|x|`, `tanh(x)` is the odd Taylor polynomial up to `x⁹` (truncation error below
 /// 1e−8 relative): `(1 − e^{−2|x|})/(1 + e^{−2|x|})` would cancel there, and shader `tanh` is
 /// often written through `exp(2x)`, which cancels the same way (and overflows for large `|x|`).

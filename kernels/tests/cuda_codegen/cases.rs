@@ -1,7 +1,9 @@
 //! The kernel configurations `kimi-burn` launches on CUDA: every kernel, each storage type it
 //! runs in, each comptime branch the ops take, and the head sizes of the presets (KDA `dk` 128
-//! and MLA `(d_qk, d_v)` = (192, 128) in the Kimi presets, 32 and (24, 16) in the tiny model). Cube sizes are those of the launch sites on a device
-//! with 32-unit planes (`kimi_burn::ops`: 256 units for one-unit-per-element launches).
+//! and MLA `(d_qk, d_v)` = (192, 128) in the Kimi presets, 32 and (24, 16) in the tiny model).
+//! Cube sizes are those of the launch sites on a device with 32-unit planes (CubeCL's
+//! `CubeDim::new`, which the ops use for most one-unit-per-element launches, gives 32 × 8 units
+//! there).
 
 use cubecl::ir::{ElemType, FloatKind, IntKind, StorageType};
 use cubecl::prelude::*;
@@ -29,8 +31,6 @@ const S: () = ();
 
 /// One unit per element: CubeCL's `CubeDim::new` on a 32-unit plane device.
 const ELEMWISE: CubeDim = CubeDim::new_2d(32, 8);
-/// Units per cube of the weighted SiTU-GLU backward (one cube per row).
-const WEIGHTED_ROWS: u32 = 64;
 /// Storage types of the float kernels.
 const FLOATS: [FloatKind; 3] = [FloatKind::F32, FloatKind::F16, FloatKind::BF16];
 /// `I` of the integer arrays: Burn's `Cuda` backend keeps its ints in i32.
@@ -111,10 +111,10 @@ pub fn all(client: &Client) -> Vec<Case> {
 fn elementwise(cs: &mut Cases) {
     for f in FLOATS {
         let (t, n) = (float(f), name(f));
-        let k = act::sigmoid_forward::SigmoidForward::new(settings(ELEMWISE), cs.c(), A, A, S, t);
+        let dim = CubeDim::new_1d(act::ACTIVATION_CUBE);
+        let k = act::sigmoid_forward::SigmoidForward::new(settings(dim), cs.c(), A, A, S, t);
         cs.push(format!("sigmoid_forward {n}"), k);
-        let k =
-            act::sigmoid_backward::SigmoidBackward::new(settings(ELEMWISE), cs.c(), A, A, A, S, t);
+        let k = act::sigmoid_backward::SigmoidBackward::new(settings(dim), cs.c(), A, A, A, S, t);
         cs.push(format!("sigmoid_backward {n}"), k);
         let dim = CubeDim::new_1d(optim::OPTIM_CUBE);
         let k = optim::adamw_step::AdamwStep::new(
@@ -166,13 +166,13 @@ fn elementwise(cs: &mut Cases) {
                 );
                 cs.push(format!("situ_glu_backward {n} x{vs} {m}"), k);
                 let k = situ::situ_glu_backward_weighted::SituGluBackwardWeighted::new(
-                    settings(CubeDim::new_1d(WEIGHTED_ROWS)),
+                    settings(CubeDim::new_1d(situ::WEIGHTED_BACKWARD_CUBE)),
                     cs.c(),
                     A, A, A, A, A, A, A,
                     S, S, S, S,
                     vs,
                     mode,
-                    WEIGHTED_ROWS,
+                    situ::WEIGHTED_BACKWARD_CUBE,
                     t,
                 );
                 cs.push(format!("situ_glu_backward_weighted {n} x{vs} {m}"), k);

@@ -114,9 +114,6 @@ fn situ_forward<R: CubeRuntime>(
     out
 }
 
-/// Cube size of the row-wise backward (a power of two).
-const ROW_CUBE: u32 = 64;
-
 fn situ_backward<R: CubeRuntime>(
     gate: T<R>,
     up: T<R>,
@@ -171,7 +168,7 @@ fn situ_backward<R: CubeRuntime>(
                     ksitu::situ_glu_backward_weighted::launch_unchecked::<R>(
                         &client,
                         count,
-                        CubeDim::new_1d(ROW_CUBE),
+                        CubeDim::new_1d(ksitu::WEIGHTED_BACKWARD_CUBE),
                         vs,
                         gate.into_array_arg(),
                         up.into_array_arg(),
@@ -185,7 +182,7 @@ fn situ_backward<R: CubeRuntime>(
                         b1,
                         b2,
                         mode,
-                        ROW_CUBE,
+                        ksitu::WEIGHTED_BACKWARD_CUBE,
                         dtype.into(),
                     )
                 };
