@@ -2,8 +2,9 @@
 # Every CubeCL kernel, in each configuration kimi-burn launches on CUDA, translated to CUDA C++
 # and compiled by NVRTC to machine code for the A100 (sm_80) and the H100/H200 (sm_90a). No GPU
 # needed. It fails on a kernel that does not compile, computes in f64, or whose cube needs more
-# registers or shared memory than a multiprocessor has, and prints each kernel's registers,
-# spills and shared memory (kernels/tests/cuda_codegen.rs).
+# registers or shared memory than a multiprocessor has, and unless the tensor-core grouped
+# matmuls, and only they, have tensor-core instructions in their PTX. It prints each kernel's
+# registers, spills and shared memory (kernels/tests/cuda_codegen.rs).
 #
 #   scripts/cuda-codegen.sh [extra cargo test arguments]
 #

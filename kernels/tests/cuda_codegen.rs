@@ -228,11 +228,14 @@ fn include_dirs() -> Vec<String> {
          which finds one)",
     );
     let include = std::path::Path::new(&root).join("include");
-    assert!(
-        include.join("cuda_runtime.h").exists(),
-        "{} has no cuda_runtime.h",
-        include.display()
-    );
+    // `cuda_runtime.h` for every kernel, `crt/mma.h` (through `mma.h`) for the tensor-core ones.
+    for header in ["cuda_runtime.h", "crt/mma.h"] {
+        assert!(
+            include.join(header).exists(),
+            "{} has no {header}: CUDA_PATH must name a CUDA toolkit",
+            include.display()
+        );
+    }
     let mut dirs = vec![include.display().to_string()];
     let cccl = include.join("cccl");
     if cccl.exists() {

@@ -1,5 +1,5 @@
 //! The CUDA code-generation check (`tests/cuda_codegen.rs`, behind the `cuda-codegen` feature)
-//! covers every kernel: each `#[cube(launch_unchecked)]` function of the crate has a case in
+//! covers every kernel: each `#[cube(launch…)]` function of the crate has a case in
 //! `tests/cuda_codegen/cases.rs`. Runs everywhere (it reads the sources), so a new kernel
 //! without a case fails the ordinary test suite.
 
@@ -20,15 +20,25 @@ fn kernels(root: &Path, dir: &Path, out: &mut Vec<(String, String)>) {
         let text = std::fs::read_to_string(&path).expect("read a kernel source");
         let mut lines = text.lines();
         while let Some(line) = lines.next() {
-            if line.trim() != "#[cube(launch_unchecked)]" {
+            // `#[cube(launch)]` or `#[cube(launch_unchecked)]`, with or without other options.
+            if !line.trim().starts_with("#[cube(launch") {
                 continue;
             }
-            let signature = lines.next().unwrap_or_default();
+            // Further attributes may stand between the macro and the function.
+            let signature = lines
+                .by_ref()
+                .map(str::trim)
+                .find(|l| !l.starts_with("#[") && !l.starts_with("//"))
+                .unwrap_or_default();
             let name = signature
-                .trim()
                 .strip_prefix("pub fn ")
                 .and_then(|rest| rest.split(['<', '(']).next())
-                .unwrap_or_else(|| panic!("{}: a kernel that is not a `pub fn`", path.display()));
+                .unwrap_or_else(|| {
+                    panic!(
+                        "{}: a kernel that is not a `pub fn`: {signature:?}",
+                        path.display()
+                    )
+                });
             let file = path.strip_prefix(root).unwrap_or(&path);
             out.push((file.display().to_string(), name.to_string()));
         }
