@@ -23,5 +23,8 @@ pub mod precision;
 pub mod quant;
 
 pub use backend::{kernel_calls, last_path, set_kernels, with_kernels, FusedOp, KernelPath};
-pub use backend::{tensor_core_launches, tensor_cores_enabled, with_tensor_cores};
+pub use backend::{
+    tensor_core_emulation, tensor_core_launches, tensor_cores_enabled, with_tensor_core_emulation,
+    with_tensor_cores,
+};
 pub use moe::situ::{situ_glu, situ_glu_weighted};

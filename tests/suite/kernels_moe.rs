@@ -590,6 +590,38 @@ mod dispatch {
         }
     }
 
+    /// The tensor-core path with its block products emulated on the units
+    /// ([`with_tensor_core_emulation`](kimi_burn::ops::with_tensor_core_emulation)): the 16 × 16
+    /// cube's staging, the planes' placement of their blocks, the accumulators' way through
+    /// shared memory and the 4×4 micro-tile epilogues, in the forward, the fused backward and the
+    /// weight gradients, against the per-expert reference. The shapes above (partial tiles, an
+    /// empty expert, padding) in f32; half storage in `half_storage_*`.
+    #[test]
+    fn emulated_tensor_core_path_matches_reference() {
+        use kimi_burn::ops::{tensor_core_launches, with_tensor_core_emulation};
+        let tol = matmul_tol::<Gpu>(&Default::default(), 1e-5);
+        for (m, n, k, l, me, masked, seed) in [
+            (150, 5, 2, 70, 80, false, 1),
+            (41, 6, 3, 9, 20, true, 2),
+            (7, 3, 1, 5, 3, false, 3),
+        ] {
+            let c = case(m, n, k, l, me, masked, seed);
+            let before = tensor_core_launches();
+            let kr = with_tensor_core_emulation(|| run(&c, true));
+            let launches = tensor_core_launches() - before;
+            // Forward (both layers), the backward's two products, three weight gradients.
+            assert!(
+                launches >= 7,
+                "only {launches} grouped launches took the emulated path"
+            );
+            let rf = run(&c, false);
+            let what = format!("m {m} n {n} k {k} ℓ {l} m_e {me} masked {masked}");
+            for (i, name) in ["out", "dh", "dp", "dW1", "dW3", "dW2"].iter().enumerate() {
+                assert_close(&format!("{name} emulated ({what})"), &rf[i], &kr[i], tol);
+            }
+        }
+    }
+
     /// An expert index outside `0..n` drops its pair, as padding drops a token's pairs: that
     /// token's output is the sum over its other pairs, and every row equals, bit for bit, the run
     /// where the pair keeps a valid expert with routing weight 0. The kernels run unchecked, so
@@ -712,8 +744,13 @@ mod dispatch {
         } else {
             assert_eq!(matrix_units, 0, "{name}: this device has no matrix units");
         }
+        let emulated = kimi_burn::ops::with_tensor_core_emulation(|| run(&rounded, true));
         let tolerances = [5e-3, 8e-3, 2e-2, 8e-3, 8e-3, 8e-3];
-        for (path, out) in [("matrix units", &fast), ("scalar", &scalar)] {
+        for (path, out) in [
+            ("matrix units", &fast),
+            ("scalar", &scalar),
+            ("emulated matrix units", &emulated),
+        ] {
             for (i, what) in ["out", "dh", "dp", "dW1", "dW3", "dW2"].iter().enumerate() {
                 assert_close(
                     &format!("{name} {what} ({path})"),

@@ -5,17 +5,17 @@
 use cubecl::prelude::*;
 
 use super::tiles::{
-    fma_micro, lanes_below, load_f32, load_v4, multiply_pair, read_micro_tile, store_pair,
+    fma_micro, lanes_below, load_a, load_f32, load_v4, multiply_pair, read_micro_tile, store_pair,
     zero_block, zero_micro_tile,
 };
-use super::{EPILOGUE_GLU, EPILOGUE_GLU_BACKWARD, GMM_MICRO, MMA_PLANE, TILE, TILE_K};
+use super::{Products, EPILOGUE_GLU, EPILOGUE_GLU_BACKWARD, GMM_MICRO, MMA_PLANE, TILE, TILE_K};
 use crate::situ::{glu_a, glu_b, glu_backward};
 use crate::V4;
 
 /// Rows (= columns) of a unit's micro-tile in [`grouped_matmul`](fn@grouped_matmul): 4 on the
-/// tensor-core layout, [`GMM_MICRO`] in the scalar loop.
-pub const fn micro_rows(mma: bool) -> u32 {
-    if mma {
+/// tensor-core layout ([`Products::blocks`]), [`GMM_MICRO`] in the scalar loop.
+pub const fn micro_rows(products: Products) -> u32 {
+    if products.blocks() {
         4
     } else {
         GMM_MICRO
@@ -24,8 +24,8 @@ pub const fn micro_rows(mma: bool) -> u32 {
 
 /// The cube of [`grouped_matmul`](fn@grouped_matmul) (`x` along the tile's columns, `y` along
 /// its rows): one unit per micro-tile of the `TILE × TILE` output tile.
-pub const fn grouped_matmul_cube(mma: bool) -> (u32, u32) {
-    (TILE / micro_rows(mma), TILE / micro_rows(mma))
+pub const fn grouped_matmul_cube(products: Products) -> (u32, u32) {
+    (TILE / micro_rows(products), TILE / micro_rows(products))
 }
 
 /// Grouped matmul over the expert segments, one launch for all experts:
@@ -44,7 +44,7 @@ pub const fn grouped_matmul_cube(mma: bool) -> (u32, u32) {
 /// lanes, the reads set the speed: 8×8 halved the time of 4×4 in the training step). Grid:
 /// `x` = tiles (at least `ceil(pairs / TILE) + n` in all; spare cubes exit; launches past the
 /// grid limit continue at `tile_base`), `y` = `ceil(cols / TILE)`; cube
-/// [`grouped_matmul_cube`]`(mma)`.
+/// [`grouped_matmul_cube`]`(products)`.
 ///
 /// The `epilogue` decides what is done with the product:
 ///
@@ -61,11 +61,12 @@ pub const fn grouped_matmul_cube(mma: bool) -> (u32, u32) {
 ///   `dp[pos · col_tiles + tile_y]` (a fixed-order sum across the cube's units, so the result
 ///   is reproducible; the caller sums the column tiles).
 ///
-/// With `mma` (half storage on a device with `16×16×16` cooperative matrices for `F × F → f32`
-/// and planes of [`MMA_PLANE`] units, i.e. tensor cores on CUDA) the products run on the
-/// matrix units: the slices are staged in `F` in shared memory, each plane multiplies its two
-/// `16 × 16` blocks with f32 accumulation, and the blocks go through shared memory into the same
-/// 4×4 micro-tiles, so the epilogues are unchanged. Without it, the scalar f32 loop above.
+/// With [`Products::MatrixUnits`] (half storage on a device with `16×16×16` cooperative matrices
+/// for `F × F → f32` and planes of [`MMA_PLANE`] units, i.e. tensor cores on CUDA) the products
+/// run on the matrix units: the slices are staged in `F` in shared memory, each plane multiplies
+/// its two `16 × 16` blocks with f32 accumulation, and the blocks go through shared memory into
+/// the same 4×4 micro-tiles, so the epilogues are unchanged. [`Products::Emulated`] is that path
+/// with the block products computed by the units; [`Products::Scalar`] is the f32 loop above.
 ///
 /// Products are rounded to `F` before the activation math, as the unfused path stores them, so
 /// the forward gives the same bits as separate launches in every storage type. No
@@ -104,7 +105,7 @@ pub fn grouped_matmul<F: Float>(
     #[comptime] epilogue: u32,
     #[comptime] mode: u32,
     #[comptime] save: bool,
-    #[comptime] mma: bool,
+    #[comptime] products: Products,
     #[define(F)] _dtype: StorageType,
 ) {
     let tile = CUBE_POS_X + tile_base;
@@ -133,20 +134,20 @@ pub fn grouped_matmul<F: Float>(
     let w_base = e * kdim * cols;
     // The unit's micro-tile: `mr` rows by `mc` columns, as `mr · mc / 4` V4s
     // (`acc[r · mc/4 + j4]` holds row `r`, columns `4·j4..4·j4 + 4`).
-    let mr = comptime!(micro_rows(mma) as usize);
+    let mr = comptime!(micro_rows(products) as usize);
     let mc = mr;
-    let mc4 = comptime!(micro_rows(mma) as usize / 4);
-    let ux = comptime!((TILE / micro_rows(mma)) as usize);
+    let mc4 = comptime!(micro_rows(products) as usize / 4);
+    let ux = comptime!((TILE / micro_rows(products)) as usize);
 
     let glu = comptime!(epilogue == EPILOGUE_GLU);
-    let mut acc = zero_micro_tile(comptime!(micro_rows(mma) * micro_rows(mma) / 4));
+    let mut acc = zero_micro_tile(comptime!(micro_rows(products) * micro_rows(products) / 4));
     let mut acc3 = zero_micro_tile(comptime!(if glu {
-        micro_rows(mma) * micro_rows(mma) / 4
+        micro_rows(products) * micro_rows(products) / 4
     } else {
         1u32
     }));
 
-    if comptime!(mma) {
+    if comptime!(products.blocks()) {
         // The tensor-core layout: a 16 × 16 cube staging four rows and four columns per unit.
         let mut arows = Array::<usize>::new(4usize);
         let a_lanes = lanes_below(row0 + 4 * ty, row_end);
@@ -163,8 +164,21 @@ pub fn grouped_matmul<F: Float>(
         }
         let c_lanes = lanes_below(col0 + 4 * tx, cols);
         grouped_mma::<F>(
-            a, w, w3, &arows, a_lanes, c_lanes, w_base, col0, kdim, cols, &mut acc, &mut acc3,
-            transposed, glu,
+            a,
+            w,
+            w3,
+            &arows,
+            a_lanes,
+            c_lanes,
+            w_base,
+            col0,
+            kdim,
+            cols,
+            &mut acc,
+            &mut acc3,
+            transposed,
+            glu,
+            products.emulated(),
         );
     } else {
         // sa[kk·q + r4]: rows 4·r4..4·r4+4 at depth kk; sb[kk·q + c4]: columns 4·c4..4·c4+4.
@@ -180,9 +194,11 @@ pub fn grouped_matmul<F: Float>(
         // `unit + s · units` for `s < stage`: `a` at depth `unit % tk` of the row groups
         // `unit / tk + s · units / tk`, `w` at column group `unit % q` of the depths
         // `unit / q + s · units / q`. The staged rows (gathered once) and their counts:
-        let units = comptime!(((TILE / micro_rows(mma)) * (TILE / micro_rows(mma))) as usize);
+        let units =
+            comptime!(((TILE / micro_rows(products)) * (TILE / micro_rows(products))) as usize);
         let stage = comptime!(
-            (TILE_K * TILE / 4 / ((TILE / micro_rows(mma)) * (TILE / micro_rows(mma)))) as usize
+            (TILE_K * TILE / 4 / ((TILE / micro_rows(products)) * (TILE / micro_rows(products))))
+                as usize
         );
         let unit = ty * ux + tx;
         let ka0 = unit % tk;
@@ -190,11 +206,14 @@ pub fn grouped_matmul<F: Float>(
         let cb = col0 + 4 * (unit % q);
         let b_lanes = lanes_below(cb, cols);
         let mut srows = Array::<usize>::new(comptime!(
-            (4 * TILE_K * TILE / 4 / ((TILE / micro_rows(mma)) * (TILE / micro_rows(mma))))
+            (4 * TILE_K * TILE
+                / 4
+                / ((TILE / micro_rows(products)) * (TILE / micro_rows(products))))
                 as usize
         ));
         let mut slanes = Array::<usize>::new(comptime!(
-            (TILE_K * TILE / 4 / ((TILE / micro_rows(mma)) * (TILE / micro_rows(mma)))) as usize
+            (TILE_K * TILE / 4 / ((TILE / micro_rows(products)) * (TILE / micro_rows(products))))
+                as usize
         ));
         #[unroll]
         for s in 0..stage {
@@ -213,10 +232,10 @@ pub fn grouped_matmul<F: Float>(
                 srows[4 * s + j] = r;
             }
         }
-        let mut a_reg = Array::<V4>::new(comptime!((micro_rows(mma) / 4) as usize));
-        let mut b_reg = Array::<V4>::new(comptime!((micro_rows(mma) / 4) as usize));
+        let mut a_reg = Array::<V4>::new(comptime!((micro_rows(products) / 4) as usize));
+        let mut b_reg = Array::<V4>::new(comptime!((micro_rows(products) / 4) as usize));
         let mut b3_reg = Array::<V4>::new(comptime!(if glu {
-            (micro_rows(mma) / 4) as usize
+            (micro_rows(products) / 4) as usize
         } else {
             1usize
         }));
@@ -275,7 +294,7 @@ pub fn grouped_matmul<F: Float>(
     if comptime!(epilogue == EPILOGUE_GLU_BACKWARD) {
         // Per row, this unit's partial Σ d·A·B; then unit tx = 0 sums the row's `ux` partials.
         let mut rowsum =
-            SharedMemory::<f32>::new(comptime!((TILE * (TILE / micro_rows(mma))) as usize));
+            SharedMemory::<f32>::new(comptime!((TILE * (TILE / micro_rows(products))) as usize));
         #[unroll]
         for r in 0..mr {
             let pos = row0 + mr * ty + r;
@@ -366,8 +385,8 @@ pub fn grouped_matmul<F: Float>(
     }
 }
 
-/// The main loop of [`grouped_matmul`](fn@grouped_matmul) on the matrix units (its `mma`
-/// path): fills the unit's 4×4 micro-tiles `acc` (and `acc3` with `glu`) with the same
+/// The main loop of [`grouped_matmul`](fn@grouped_matmul) on the matrix units (or their
+/// emulation, when `emulated`): fills the unit's 4×4 micro-tiles `acc` (and `acc3` with `glu`) with the same
 /// products as the scalar loop, accumulated in f32.
 ///
 /// Per `TILE_K` step the cube stages the `a` rows as `[TILE, TILE_K]` and the `w` (and `w3`)
@@ -393,6 +412,7 @@ fn grouped_mma<F: Float>(
     acc3: &mut Array<V4>,
     #[comptime] transposed: bool,
     #[comptime] glu: bool,
+    #[comptime] emulated: bool,
 ) {
     let t = TILE as usize;
     let tk = TILE_K as usize;
@@ -406,10 +426,10 @@ fn grouped_mma<F: Float>(
     let a_off = (plane / 2) * 16 * tk;
     let b_off = (plane % 2) * 32;
     let c_off = (plane / 2) * 16 * t + b_off;
-    let m0 = zero_block();
-    let m1 = zero_block();
-    let u0 = zero_block();
-    let u1 = zero_block();
+    let mut m0 = zero_block(emulated);
+    let mut m1 = zero_block(emulated);
+    let mut u0 = zero_block(emulated);
+    let mut u1 = zero_block(emulated);
     let zero = F::cast_from(0.0f32);
     let mut k0 = 0usize;
     while k0 < kdim {
@@ -445,18 +465,10 @@ fn grouped_mma<F: Float>(
             }
         }
         sync_cube();
-        let am = cmma::Matrix::<F>::from_slice(
-            cmma::MatrixIdent::A,
-            16usize,
-            16usize,
-            16usize,
-            cmma::MatrixLayout::RowMajor,
-            &ha.slice(a_off, t * tk),
-            tk as u32,
-        );
-        multiply_pair::<F>(&am, &hb, b_off, &m0, &m1);
+        let am = load_a::<F>(&ha, a_off, t * tk, tk, false, emulated);
+        multiply_pair::<F>(&am, &hb, b_off, &mut m0, &mut m1);
         if comptime!(glu) {
-            multiply_pair::<F>(&am, &hb3, b_off, &u0, &u1);
+            multiply_pair::<F>(&am, &hb3, b_off, &mut u0, &mut u1);
         }
         sync_cube();
         k0 += tk;

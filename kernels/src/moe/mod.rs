@@ -49,6 +49,36 @@ pub const EPILOGUE_GLU_BACKWARD: u32 = 2;
 /// The plane width the tensor-core path of [`grouped_matmul`](fn@grouped_matmul) is laid out for:
 /// its `GMM_CUBE²` = 256 units are eight planes, each owning two 16 × 16 blocks of the tile.
 pub const MMA_PLANE: u32 = 32;
+/// How [`grouped_matmul`](fn@grouped_matmul) and [`grouped_matmul_wgrad`](fn@grouped_matmul_wgrad)
+/// compute their products (a comptime switch of both).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum Products {
+    /// The scalar f32 loop: [`GMM_MICRO`]² micro-tiles in cubes of 64 units. Every device.
+    Scalar,
+    /// The matrix units (`cmma`, tensor cores on CUDA): `16 × 16` blocks per plane of
+    /// [`MMA_PLANE`] units, 4×4 micro-tiles in cubes of [`GMM_CUBE`]² units.
+    MatrixUnits,
+    /// [`MatrixUnits`](Self::MatrixUnits)' tiles, staging, block placement and epilogues, with
+    /// each `16 × 16` block product computed in f32 by the plane's units instead (a unit per
+    /// half row of the block, as the 32 units of a plane share a block's 256 entries). No
+    /// device feature needed: this is how a device without matrix units (lavapipe in CI) tests
+    /// everything of the tensor-core path but the `cmma` instructions. Slower than
+    /// [`Scalar`](Self::Scalar), never a speed-up.
+    Emulated,
+}
+
+impl Products {
+    /// Whether the products are laid out in the matrix units' `16 × 16` blocks.
+    pub const fn blocks(self) -> bool {
+        !matches!(self, Self::Scalar)
+    }
+
+    /// Whether the block products are emulated on the units.
+    pub const fn emulated(self) -> bool {
+        matches!(self, Self::Emulated)
+    }
+}
+
 /// Marks a pair that is not dispatched (its token is masked) in `inv`.
 pub const NONE: u32 = u32::MAX;
 

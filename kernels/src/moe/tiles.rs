@@ -1,10 +1,12 @@
 //! The building blocks of the grouped matmul and of its weight gradient: loads of 4 lanes,
 //! a unit's micro-tile (zeroing, one depth step, reading it back from shared memory), and the
-//! tensor-core blocks (`cmma`) with their store to shared memory.
+//! tensor-core blocks (`cmma`, or their emulation on the units) with their store to shared
+//! memory.
 
+use cubecl::cmma::Matrix as CubeMatrix;
 use cubecl::prelude::*;
 
-use super::{TILE, TILE_K};
+use super::{MMA_PLANE, TILE, TILE_K};
 use crate::V4;
 
 /// Loads element `index` of `m` as f32, or 0 when not `inside`.
@@ -73,51 +75,168 @@ pub(super) fn lanes_below(start: usize, end: usize) -> usize {
     n
 }
 
-/// A zeroed `16 × 16` f32 accumulator block of the matrix units.
-#[cube]
-pub(super) fn zero_block() -> cmma::Matrix<f32> {
-    cmma::Matrix::<f32>::from_value(
-        cmma::MatrixIdent::Accumulator,
-        16usize,
-        16usize,
-        16usize,
-        cmma::MatrixLayout::Undefined,
-        0.0f32,
-    )
+/// A `16 × 16` operand or accumulator block of the tensor-core layout: a cooperative matrix on
+/// the matrix units, or, where their products are emulated ([`Products::Emulated`]), the part
+/// of the block this unit holds in registers: unit `lane` of the plane ([`MMA_PLANE`] units)
+/// holds row `lane / 2` (an `A` operand: its 16 depths; an accumulator: its columns
+/// `8 · (lane % 2)..` + 8).
+///
+/// [`Products::Emulated`]: super::Products::Emulated
+// The variants are built by the `#[cube]` expansion (`Block::new_Matrix`, …), which rustc's
+// dead-code pass does not see.
+#[allow(dead_code)]
+#[derive(CubeType)]
+pub(super) enum Block<E: Numeric> {
+    /// On the matrix units.
+    Matrix(CubeMatrix<E>),
+    /// Emulated: this unit's entries, in f32.
+    Emulated(Array<f32>),
 }
 
-/// `acc0 += a · B₀` and `acc1 += a · B₁` on the matrix units, with `B₀`, `B₁` the `16 × 16`
-/// blocks at columns `off..` and `off + 16..` of the row-major `[TILE_K, TILE]` stage `b`.
+/// This unit's row of its plane's emulated blocks, and the first of its 8 accumulator columns.
+#[cube]
+fn emulated_lane() -> (usize, usize) {
+    let lane = (UNIT_POS % MMA_PLANE) as usize;
+    (lane / 2, 8 * (lane % 2))
+}
+
+/// A zeroed `16 × 16` f32 accumulator block.
+#[cube]
+pub(super) fn zero_block(#[comptime] emulated: bool) -> Block<f32> {
+    if comptime!(emulated) {
+        let mut v = Array::<f32>::new(8usize);
+        #[unroll]
+        for j in 0..8usize {
+            v[j] = 0.0f32;
+        }
+        Block::<f32>::new_Emulated(v)
+    } else {
+        Block::<f32>::new_Matrix(cmma::Matrix::<f32>::from_value(
+            cmma::MatrixIdent::Accumulator,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::Undefined,
+            0.0f32,
+        ))
+    }
+}
+
+/// The `16 × 16` `A` operand at `off` of the shared stage `s` (`len` entries), row-major with
+/// row stride `stride`, or column-major (column stride `stride`) when `col_major`.
+#[cube]
+pub(super) fn load_a<F: Float>(
+    s: &SharedMemory<F>,
+    off: usize,
+    len: usize,
+    stride: usize,
+    #[comptime] col_major: bool,
+    #[comptime] emulated: bool,
+) -> Block<F> {
+    if comptime!(emulated) {
+        let (row, _) = emulated_lane();
+        let mut v = Array::<f32>::new(16usize);
+        #[unroll]
+        for k in 0..16usize {
+            let mut at = off + row * stride + k;
+            if comptime!(col_major) {
+                at = off + k * stride + row;
+            }
+            v[k] = f32::cast_from(s[at]);
+        }
+        Block::<F>::new_Emulated(v)
+    } else {
+        let layout = comptime!(if col_major {
+            cmma::MatrixLayout::ColMajor
+        } else {
+            cmma::MatrixLayout::RowMajor
+        });
+        Block::<F>::new_Matrix(cmma::Matrix::<F>::from_slice(
+            cmma::MatrixIdent::A,
+            16usize,
+            16usize,
+            16usize,
+            layout,
+            &s.slice(off, len),
+            stride as u32,
+        ))
+    }
+}
+
+/// `acc += a · B` with `B` the `16 × 16` block at column `off` of the row-major
+/// `[TILE_K, TILE]` stage `b`.
+#[cube]
+fn multiply_block<F: Float>(a: &Block<F>, b: &SharedMemory<F>, off: usize, acc: &mut Block<f32>) {
+    let t = TILE as usize;
+    match a {
+        Block::Matrix(am) => match acc {
+            Block::Matrix(m) => {
+                let bm = cmma::Matrix::<F>::from_slice(
+                    cmma::MatrixIdent::B,
+                    16usize,
+                    16usize,
+                    16usize,
+                    cmma::MatrixLayout::RowMajor,
+                    &b.slice(off, t * TILE_K as usize),
+                    t as u32,
+                );
+                cmma::execute::<F, F, f32, f32>(am, &bm, m, m);
+            }
+            Block::Emulated(_) => panic!("a matrix-unit operand with an emulated accumulator"),
+        },
+        Block::Emulated(av) => match acc {
+            Block::Emulated(c) => {
+                let (_, col) = emulated_lane();
+                #[unroll]
+                for j in 0..8usize {
+                    let mut sum = c[j];
+                    #[unroll]
+                    for k in 0..16usize {
+                        sum += av[k] * f32::cast_from(b[off + k * t + col + j]);
+                    }
+                    c[j] = sum;
+                }
+            }
+            Block::Matrix(_) => panic!("an emulated operand with a matrix-unit accumulator"),
+        },
+    }
+}
+
+/// `acc0 += a · B₀` and `acc1 += a · B₁`, with `B₀`, `B₁` the `16 × 16` blocks at columns
+/// `off..` and `off + 16..` of the row-major `[TILE_K, TILE]` stage `b`.
 #[cube]
 pub(super) fn multiply_pair<F: Float>(
-    a: &cmma::Matrix<F>,
+    a: &Block<F>,
     b: &SharedMemory<F>,
     off: usize,
-    acc0: &cmma::Matrix<f32>,
-    acc1: &cmma::Matrix<f32>,
+    acc0: &mut Block<f32>,
+    acc1: &mut Block<f32>,
 ) {
+    multiply_block::<F>(a, b, off, acc0);
+    multiply_block::<F>(a, b, off + 16, acc1);
+}
+
+/// Stores an accumulator block at `off` of the shared row-major `[TILE, TILE]` f32 tile.
+#[cube]
+fn store_block(tile: &mut SharedMemory<f32>, off: usize, acc: &Block<f32>) {
     let t = TILE as usize;
-    let len = t * TILE_K as usize;
-    let b0 = cmma::Matrix::<F>::from_slice(
-        cmma::MatrixIdent::B,
-        16usize,
-        16usize,
-        16usize,
-        cmma::MatrixLayout::RowMajor,
-        &b.slice(off, len),
-        t as u32,
-    );
-    let b1 = cmma::Matrix::<F>::from_slice(
-        cmma::MatrixIdent::B,
-        16usize,
-        16usize,
-        16usize,
-        cmma::MatrixLayout::RowMajor,
-        &b.slice(off + 16, len),
-        t as u32,
-    );
-    cmma::execute::<F, F, f32, f32>(a, &b0, acc0, acc0);
-    cmma::execute::<F, F, f32, f32>(a, &b1, acc1, acc1);
+    match acc {
+        Block::Matrix(m) => {
+            cmma::store(
+                &mut tile.slice_mut(off, t * t),
+                m,
+                t as u32,
+                cmma::MatrixLayout::RowMajor,
+            );
+        }
+        Block::Emulated(c) => {
+            let (row, col) = emulated_lane();
+            #[unroll]
+            for j in 0..8usize {
+                tile[off + row * t + col + j] = c[j];
+            }
+        }
+    }
 }
 
 /// Stores two accumulator blocks side by side at `off` and `off + 16` of the shared row-major
@@ -126,22 +245,11 @@ pub(super) fn multiply_pair<F: Float>(
 pub(super) fn store_pair(
     tile: &mut SharedMemory<f32>,
     off: usize,
-    acc0: &cmma::Matrix<f32>,
-    acc1: &cmma::Matrix<f32>,
+    acc0: &Block<f32>,
+    acc1: &Block<f32>,
 ) {
-    let t = TILE as usize;
-    cmma::store(
-        &mut tile.slice_mut(off, t * t),
-        acc0,
-        t as u32,
-        cmma::MatrixLayout::RowMajor,
-    );
-    cmma::store(
-        &mut tile.slice_mut(off + 16, t * t),
-        acc1,
-        t as u32,
-        cmma::MatrixLayout::RowMajor,
-    );
+    store_block(tile, off, acc0);
+    store_block(tile, off + 16, acc1);
 }
 
 /// The unit's 4×4 micro-tile (rows `4·ty..`, columns `4·tx..`) of a shared `[TILE, TILE]` f32

@@ -5,10 +5,10 @@ use cubecl::prelude::*;
 
 use super::grouped::micro_rows;
 use super::tiles::{
-    fma_micro, lanes_below, load_v4, multiply_pair, read_micro_tile, store_pair, zero_block,
-    zero_micro_tile,
+    fma_micro, lanes_below, load_a, load_v4, multiply_pair, read_micro_tile, store_pair,
+    zero_block, zero_micro_tile,
 };
-use super::{MMA_PLANE, TILE, TILE_K};
+use super::{Products, MMA_PLANE, TILE, TILE_K};
 use crate::V4;
 
 /// Grouped weight gradient, one launch for all experts:
@@ -21,8 +21,9 @@ use crate::V4;
 /// `gather_a` else `pos`, likewise `brow`. Experts with an empty segment get zeros. Both shared
 /// slices hold `TILE_K` pairs × `TILE` features as [`V4`]s of four consecutive features (one
 /// contiguous load from a row of `a` or `b`); each unit owns a [`GMM_MICRO`]² micro-tile (4×4
-/// with `mma`). With `mma` (as in [`grouped_matmul`]) the products run on the matrix units.
-/// Grid: `(ceil(adim / TILE), ceil(bdim / TILE), n)`; cube [`grouped_matmul_cube`]`(mma)`.
+/// on the tensor-core layout). `products` chooses the scalar loop, the matrix units or their
+/// emulation, as in [`grouped_matmul`]. Grid: `(ceil(adim / TILE), ceil(bdim / TILE), n)`;
+/// cube [`grouped_matmul_cube`]`(products)`.
 ///
 /// [`GMM_MICRO`]: super::GMM_MICRO
 /// [`grouped_matmul`]: fn@super::grouped_matmul
@@ -39,7 +40,7 @@ pub fn grouped_matmul_wgrad<F: Float>(
     bdim: usize,
     #[comptime] gather_a: bool,
     #[comptime] gather_b: bool,
-    #[comptime] mma: bool,
+    #[comptime] products: Products,
     #[define(F)] _dtype: StorageType,
 ) {
     let e = CUBE_POS_Z as usize;
@@ -52,16 +53,29 @@ pub fn grouped_matmul_wgrad<F: Float>(
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
     // The unit's `mr × mr` micro-tile, as in `grouped_matmul`.
-    let mr = comptime!(micro_rows(mma) as usize);
-    let mc4 = comptime!(micro_rows(mma) as usize / 4);
-    let mut acc = zero_micro_tile(comptime!(micro_rows(mma) * micro_rows(mma) / 4));
+    let mr = comptime!(micro_rows(products) as usize);
+    let mc4 = comptime!(micro_rows(products) as usize / 4);
+    let mut acc = zero_micro_tile(comptime!(micro_rows(products) * micro_rows(products) / 4));
 
-    if comptime!(mma) {
+    if comptime!(products.blocks()) {
         let a_lanes = lanes_below(r0 + 4 * tx, adim);
         let b_lanes = lanes_below(c0 + 4 * tx, bdim);
         wgrad_mma::<F>(
-            a, b, rows, start, end, r0, c0, adim, bdim, a_lanes, b_lanes, &mut acc, gather_a,
+            a,
+            b,
+            rows,
+            start,
+            end,
+            r0,
+            c0,
+            adim,
+            bdim,
+            a_lanes,
+            b_lanes,
+            &mut acc,
+            gather_a,
             gather_b,
+            products.emulated(),
         );
     } else {
         // Both slices hold `tk` pairs × `TILE` features as V4s; entry `unit + s · units` of
@@ -69,16 +83,18 @@ pub fn grouped_matmul_wgrad<F: Float>(
         // `unit / q + s · units / q`.
         let mut sa = SharedMemory::<V4>::new(tk * q);
         let mut sb = SharedMemory::<V4>::new(tk * q);
-        let units = comptime!(((TILE / micro_rows(mma)) * (TILE / micro_rows(mma))) as usize);
+        let units =
+            comptime!(((TILE / micro_rows(products)) * (TILE / micro_rows(products))) as usize);
         let stage = comptime!(
-            (TILE_K * TILE / 4 / ((TILE / micro_rows(mma)) * (TILE / micro_rows(mma)))) as usize
+            (TILE_K * TILE / 4 / ((TILE / micro_rows(products)) * (TILE / micro_rows(products))))
+                as usize
         );
-        let unit = ty * comptime!((TILE / micro_rows(mma)) as usize) + tx;
+        let unit = ty * comptime!((TILE / micro_rows(products)) as usize) + tx;
         let f4 = unit % q;
         let a_lanes = lanes_below(r0 + 4 * f4, adim);
         let b_lanes = lanes_below(c0 + 4 * f4, bdim);
-        let mut a_reg = Array::<V4>::new(comptime!((micro_rows(mma) / 4) as usize));
-        let mut b_reg = Array::<V4>::new(comptime!((micro_rows(mma) / 4) as usize));
+        let mut a_reg = Array::<V4>::new(comptime!((micro_rows(products) / 4) as usize));
+        let mut b_reg = Array::<V4>::new(comptime!((micro_rows(products) / 4) as usize));
         let mut p0 = start;
         while p0 < end {
             #[unroll]
@@ -136,7 +152,8 @@ pub fn grouped_matmul_wgrad<F: Float>(
     }
 }
 
-/// The main loop of [`grouped_matmul_wgrad`](fn@grouped_matmul_wgrad) on the matrix units:
+/// The main loop of [`grouped_matmul_wgrad`](fn@grouped_matmul_wgrad) on the matrix units (or
+/// their emulation, when `emulated`):
 /// `acc` gets the unit's 4×4 micro-tile of `Σ_pos a[arow(pos)]ᵀ · b[brow(pos)]`, accumulated
 /// in f32. Per `TILE_K` pairs the cube stages `a`'s and `b`'s features as `[TILE_K, TILE]`
 /// row-major in `F` (zeros past the segment and the widths); `a`'s slice is the `A` operand
@@ -159,6 +176,7 @@ fn wgrad_mma<F: Float>(
     acc: &mut Array<V4>,
     #[comptime] gather_a: bool,
     #[comptime] gather_b: bool,
+    #[comptime] emulated: bool,
 ) {
     let t = TILE as usize;
     let tk = TILE_K as usize;
@@ -170,8 +188,8 @@ fn wgrad_mma<F: Float>(
     let a_off = (plane / 2) * 16;
     let b_off = (plane % 2) * 32;
     let c_off = (plane / 2) * 16 * t + b_off;
-    let m0 = zero_block();
-    let m1 = zero_block();
+    let mut m0 = zero_block(emulated);
+    let mut m1 = zero_block(emulated);
     let zero = F::cast_from(0.0f32);
     let mut p0 = start;
     while p0 < end {
@@ -202,16 +220,8 @@ fn wgrad_mma<F: Float>(
             hb[ty * t + 4 * tx + j] = vb;
         }
         sync_cube();
-        let am = cmma::Matrix::<F>::from_slice(
-            cmma::MatrixIdent::A,
-            16usize,
-            16usize,
-            16usize,
-            cmma::MatrixLayout::ColMajor,
-            &ha.slice(a_off, t * tk),
-            t as u32,
-        );
-        multiply_pair::<F>(&am, &hb, b_off, &m0, &m1);
+        let am = load_a::<F>(&ha, a_off, t * tk, t, true, emulated);
+        multiply_pair::<F>(&am, &hb, b_off, &mut m0, &mut m1);
         sync_cube();
         p0 += tk;
     }

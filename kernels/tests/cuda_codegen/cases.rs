@@ -12,6 +12,7 @@ use kimi_burn_kernels::{
     activation as act, attention as att, attn_res as ar, cross_entropy as ce, kda, moe, mx,
     optim, qb_histogram as qb, rms_norm as rn, situ,
 };
+use moe::Products;
 
 /// One kernel configuration: a label for the report, CubeCL's definition and its index type.
 pub struct Case {
@@ -511,10 +512,21 @@ fn moe_kernels(cs: &mut Cases) {
     let launches = grouped_launches();
     for f in FLOATS {
         let (t, n) = (float(f), name(f));
-        let units: &[bool] = if f == FloatKind::F32 { &[false] } else { &[false, true] };
-        for &mma in units {
-            let path = if mma { "tensor cores" } else { "scalar" };
-            let (x, y) = moe::grouped_matmul_cube(mma);
+        // The matrix units take half storage; their emulation (a testing mode) is compiled for
+        // f16 only, to check that it has no matrix instructions.
+        let all: &[Products] = match f {
+            FloatKind::F32 => &[Products::Scalar],
+            FloatKind::F16 => &[Products::Scalar, Products::MatrixUnits, Products::Emulated],
+            _ => &[Products::Scalar, Products::MatrixUnits],
+        };
+        for &products in all {
+            let mma = products == Products::MatrixUnits;
+            let path = match products {
+                Products::Scalar => "scalar",
+                Products::MatrixUnits => "tensor cores",
+                Products::Emulated => "emulated tensor cores",
+            };
+            let (x, y) = moe::grouped_matmul_cube(products);
             let dim = CubeDim::new_2d(x, y);
             for (gather_a, gather_b) in [(false, true), (true, false)] {
                 let k = moe::grouped_matmul_wgrad::GroupedMatmulWgrad::new(
@@ -522,7 +534,7 @@ fn moe_kernels(cs: &mut Cases) {
                     cs.c(),
                     A, A, A, A, A,
                     S, S,
-                    gather_a, gather_b, mma, t,
+                    gather_a, gather_b, products, t,
                 );
                 let gather = format!("gather=({gather_a},{gather_b})");
                 cs.push_on(format!("grouped_matmul_wgrad {n} {path} {gather}"), k, mma);
@@ -533,7 +545,7 @@ fn moe_kernels(cs: &mut Cases) {
                     cs.c(),
                     A, A, A, A, A, A, A, A, A, A, A, A, A,
                     S, S, S, S, S, S,
-                    g.gather, g.transposed, g.accumulate, g.epilogue, g.mode, g.save, mma, t,
+                    g.gather, g.transposed, g.accumulate, g.epilogue, g.mode, g.save, products, t,
                 );
                 cs.push_on(format!("grouped_matmul {n} {path} {label}"), k, mma);
             }

@@ -154,6 +154,7 @@ thread_local! {
     static LAST: Cell<[Option<KernelPath>; N_OPS]> = const { Cell::new([None; N_OPS]) };
     static THREAD_SWITCH: Cell<Option<bool>> = const { Cell::new(None) };
     static TENSOR_CORES: Cell<Option<bool>> = const { Cell::new(None) };
+    static EMULATION: Cell<Option<bool>> = const { Cell::new(None) };
     static TENSOR_CORE_LAUNCHES: Cell<u64> = const { Cell::new(0) };
 }
 
@@ -165,6 +166,7 @@ pub(crate) struct PathState {
     last: [Option<KernelPath>; N_OPS],
     switch: Option<bool>,
     tensor_cores: Option<bool>,
+    emulation: Option<bool>,
     tensor_core_launches: u64,
 }
 
@@ -176,6 +178,7 @@ impl PathState {
             last: LAST.with(Cell::get),
             switch: THREAD_SWITCH.with(Cell::get),
             tensor_cores: TENSOR_CORES.with(Cell::get),
+            emulation: EMULATION.with(Cell::get),
             tensor_core_launches: TENSOR_CORE_LAUNCHES.with(Cell::get),
         }
     }
@@ -186,6 +189,7 @@ impl PathState {
         LAST.with(|c| c.set(self.last));
         THREAD_SWITCH.with(|c| c.set(self.switch));
         TENSOR_CORES.with(|c| c.set(self.tensor_cores));
+        EMULATION.with(|c| c.set(self.emulation));
         TENSOR_CORE_LAUNCHES.with(|c| c.set(self.tensor_core_launches));
     }
 
@@ -231,6 +235,47 @@ pub fn with_tensor_cores<T>(enabled: bool, f: impl FnOnce() -> T) -> T {
     with_switch(&TENSOR_CORES, enabled, f)
 }
 
+/// Runs `f` with the kernels' tensor-core paths emulated on this thread: the same tiles, shared
+/// memory staging, placement of the `16 × 16` blocks and epilogues as on the matrix units, with
+/// each block product computed in f32 by the units of its plane instead of a `cmma` instruction.
+/// It runs on every device and storage type, whatever [`with_tensor_cores`] says, and is slower
+/// than the kernels' scalar loops: it exists so that a device without matrix units (lavapipe in
+/// CI) tests everything of the tensor-core path except the matrix instructions themselves.
+/// [`tensor_core_launches`] counts its launches.
+///
+/// As with [`with_tensor_cores`], the choice is made when a kernel is launched
+/// (`KIMI_BURN_TENSOR_CORES=emulate` for a whole process, e.g. on a `Fusion` backend).
+pub fn with_tensor_core_emulation<T>(f: impl FnOnce() -> T) -> T {
+    with_switch(&EMULATION, true, f)
+}
+
+/// Whether the kernels emulate their tensor-core paths on this thread now: inside a
+/// [`with_tensor_core_emulation`] scope, or with `KIMI_BURN_TENSOR_CORES=emulate`.
+pub fn tensor_core_emulation() -> bool {
+    EMULATION
+        .with(Cell::get)
+        .unwrap_or_else(|| tensor_cores_from_env() == Some(TensorCoresEnv::Emulate))
+}
+
+/// What `KIMI_BURN_TENSOR_CORES` asks for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TensorCoresEnv {
+    On,
+    Emulate,
+}
+
+/// `KIMI_BURN_TENSOR_CORES`, read once: `1` or `true` on, `emulate` emulated, else unset.
+fn tensor_cores_from_env() -> Option<TensorCoresEnv> {
+    static FROM_ENV: std::sync::OnceLock<Option<TensorCoresEnv>> = std::sync::OnceLock::new();
+    *FROM_ENV.get_or_init(
+        || match std::env::var("KIMI_BURN_TENSOR_CORES").as_deref() {
+            Ok("1" | "true") => Some(TensorCoresEnv::On),
+            Ok("emulate") => Some(TensorCoresEnv::Emulate),
+            _ => None,
+        },
+    )
+}
+
 /// Runs `f` with the thread's `switch` set to `enabled`, and restores it afterwards (also when
 /// `f` panics).
 fn with_switch<T>(
@@ -254,15 +299,13 @@ fn with_switch<T>(
 /// Whether the kernels may use the device's matrix units on this thread now: the innermost
 /// [`with_tensor_cores`] scope, else `KIMI_BURN_TENSOR_CORES` (`1` or `true`: on; default off).
 pub fn tensor_cores_enabled() -> bool {
-    static FROM_ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    TENSOR_CORES.with(Cell::get).unwrap_or_else(|| {
-        *FROM_ENV.get_or_init(|| {
-            std::env::var("KIMI_BURN_TENSOR_CORES").is_ok_and(|v| v == "1" || v == "true")
-        })
-    })
+    TENSOR_CORES
+        .with(Cell::get)
+        .unwrap_or_else(|| tensor_cores_from_env() == Some(TensorCoresEnv::On))
 }
 
-/// How many kernel launches on this thread ran on the matrix units (tensor cores).
+/// How many kernel launches on this thread ran on the matrix units (tensor cores), or on their
+/// emulation ([`with_tensor_core_emulation`]).
 pub fn tensor_core_launches() -> u64 {
     TENSOR_CORE_LAUNCHES.with(Cell::get)
 }

@@ -324,14 +324,11 @@ fn launch_grouped<R: CubeRuntime>(
         None if mode.glu.is_some() => (kmoe::EPILOGUE_GLU, out.clone(), out.clone(), dummy_f32(a)),
         None => (kmoe::EPILOGUE_PLAIN, out.clone(), out.clone(), dummy_f32(a)),
     };
-    let mma = matrix_units(a);
-    let cube = kmoe::grouped_matmul_cube(mma);
     let mut base = 0u32;
     while base < tiles {
         let x = (tiles - base).min(max_x);
-        if mma {
-            crate::ops::backend::record_tensor_core_launch();
-        }
+        let products = products(a);
+        let cube = kmoe::grouped_matmul_cube(products);
         // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
         unsafe {
             kmoe::grouped_matmul::launch_unchecked::<R>(
@@ -363,7 +360,7 @@ fn launch_grouped<R: CubeRuntime>(
                 epilogue,
                 act_mode,
                 save,
-                mma,
+                products,
                 a.dtype.into(),
             )
         };
@@ -371,10 +368,28 @@ fn launch_grouped<R: CubeRuntime>(
     }
 }
 
-/// Whether `kmoe::grouped_matmul` runs its products on the matrix units for `a`'s storage
-/// type: f16 or bf16, tensor cores switched on ([`crate::ops::with_tensor_cores`]), a device
-/// with `16×16×16` cooperative matrices for that type with f32 accumulation, and planes of
-/// exactly [`kmoe::MMA_PLANE`] units (the kernel's layout).
+/// How the grouped matmuls compute their products for `a`'s storage type
+/// ([`kmoe::Products`]): emulating the tensor-core path under
+/// [`crate::ops::with_tensor_core_emulation`]; on the matrix units for f16 or bf16 storage with
+/// tensor cores switched on ([`crate::ops::with_tensor_cores`]), a device with `16×16×16`
+/// cooperative matrices for that type with f32 accumulation, and planes of exactly
+/// [`kmoe::MMA_PLANE`] units (the kernel's layout); else the scalar loop. Every launch off the
+/// scalar loop is counted ([`crate::ops::tensor_core_launches`]).
+fn products<R: CubeRuntime>(a: &T<R>) -> kmoe::Products {
+    let products = if crate::ops::tensor_core_emulation() {
+        kmoe::Products::Emulated
+    } else if matrix_units(a) {
+        kmoe::Products::MatrixUnits
+    } else {
+        kmoe::Products::Scalar
+    };
+    if products.blocks() {
+        crate::ops::backend::record_tensor_core_launch();
+    }
+    products
+}
+
+/// Whether the device runs `a`'s storage type on its matrix units (see [`products`]).
 fn matrix_units<R: CubeRuntime>(a: &T<R>) -> bool {
     use cubecl::ir::features::MmaConfig;
     use cubecl::ir::{ElemType, FloatKind, StorageType};
@@ -415,11 +430,8 @@ pub(super) fn grouped_wgrad<R: CubeRuntime>(
     let out = empty(a, [plan.n, adim, bdim], a.dtype);
     if plan.n * adim * bdim > 0 {
         let tile = kmoe::TILE as usize;
-        let mma = matrix_units(a);
-        if mma {
-            crate::ops::backend::record_tensor_core_launch();
-        }
-        let cube = kmoe::grouped_matmul_cube(mma);
+        let products = products(a);
+        let cube = kmoe::grouped_matmul_cube(products);
         // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
         unsafe {
             kmoe::grouped_matmul_wgrad::launch_unchecked::<R>(
@@ -439,7 +451,7 @@ pub(super) fn grouped_wgrad<R: CubeRuntime>(
                 bdim,
                 gather.0,
                 gather.1,
-                mma,
+                products,
                 a.dtype.into(),
             )
         };
