@@ -229,13 +229,19 @@ fn bench_gpu_vs_matmuls<G: burn::tensor::backend::Backend>(c: &mut Criterion, na
         "{name}_moe_vs_matmuls_n{n}_k{k}_d{d}_l{l}_me{me}_sh{sh}_{tokens}tok"
     ));
     group.sample_size(10);
-    group.bench_function("layer_forward", |b| {
-        b.iter(|| {
-            let out = moe.forward(x.clone());
-            G::sync(&device).unwrap();
-            out.loads.on_device()
-        })
-    });
+    // The layer with the grouped matmuls' products on the tensor cores (TF32 for this f32
+    // storage, as Burn's own f32 matmuls on CUDA) and on the scalar loop (the default for now).
+    for (suffix, on) in [("_tensor_cores", true), ("", false)] {
+        group.bench_function(format!("layer_forward{suffix}"), |b| {
+            b.iter(|| {
+                kimi_burn::ops::with_tensor_cores(on, || {
+                    let out = moe.forward(x.clone());
+                    G::sync(&device).unwrap();
+                    out.loads.on_device()
+                })
+            })
+        });
+    }
     let rand =
         |dims: [usize; 2]| Tensor::<G, 2>::random(dims, Distribution::Normal(0.0, 0.02), &device);
     let rand3 =
@@ -270,7 +276,7 @@ fn bench_gpu_vs_matmuls<G: burn::tensor::backend::Backend>(c: &mut Criterion, na
 
 /// The routed experts alone (`dispatch_fused`: sort, grouped matmuls with the fused SiTU-GLU,
 /// gather-sum) against Burn's batched matmul of the same products (an even split of the rows),
-/// forward, in f32 and in bf16 storage; bf16 with the tensor cores on and off. On CUDA this is
+/// forward, in f32 and in bf16 storage, each with the tensor cores on and off. On CUDA this is
 /// the grouped matmul against cubek's matmul, and the matrix units against the scalar loop.
 #[cfg(feature = "cuda")]
 fn bench_gpu_experts_dtypes<G: burn::tensor::backend::Backend>(
@@ -309,12 +315,8 @@ fn bench_gpu_experts_dtypes<G: burn::tensor::backend::Backend>(
             },
             hidden_quant: None,
         };
-        let cores: &[(&str, bool)] = if dtype == FloatDType::F32 {
-            &[("", true)]
-        } else {
-            &[("", true), ("_scalar", false)]
-        };
-        for &(suffix, on) in cores {
+        // Tensor cores (TF32 for f32 storage, bf16 products for bf16) and the scalar loop.
+        for (suffix, on) in [("", true), ("_scalar", false)] {
             group.bench_function(format!("fused_{dtype_name}{suffix}"), |b| {
                 b.iter(|| {
                     with_tensor_cores(on, || {

@@ -590,34 +590,67 @@ mod dispatch {
         }
     }
 
-    /// The tensor-core path with its block products emulated on the units
-    /// ([`with_tensor_core_emulation`](kimi_burn::ops::with_tensor_core_emulation)): the 16 × 16
-    /// cube's staging, the planes' placement of their blocks, the accumulators' way through
-    /// shared memory and the 4×4 micro-tile epilogues, in the forward, the fused backward and the
-    /// weight gradients, against the per-expert reference. The shapes above (partial tiles, an
-    /// empty expert, padding) in f32; half storage in `half_storage_*`.
+    /// The tensor-core path on f32 storage (TF32 blocks of depth 8) against the per-expert
+    /// reference, in the forward, the fused backward and the weight gradients, on the shapes
+    /// above (partial tiles, an empty expert, padding):
+    ///
+    /// - with its block products emulated on the units
+    ///   ([`with_tensor_core_emulation`](kimi_burn::ops::with_tensor_core_emulation)), on every
+    ///   device: the 16 × 16 cube's staging, the planes' placement of their blocks, the
+    ///   accumulators' way through shared memory and the 4×4 micro-tile epilogues;
+    /// - on the matrix units where the device has TF32 ones (CUDA; the comparison then takes
+    ///   the TF32 tolerance of `matmul_tol`, as the reference's matmuls run in TF32 there too);
+    ///   elsewhere no launch may claim them, and the scalar loop runs.
+    ///
+    /// Half storage: `half_storage_*`.
     #[test]
-    fn emulated_tensor_core_path_matches_reference() {
-        use kimi_burn::ops::{tensor_core_launches, with_tensor_core_emulation};
-        let tol = matmul_tol::<Gpu>(&Default::default(), 1e-5);
+    fn tensor_core_paths_match_reference() {
+        use kimi_burn::ops::{tensor_core_launches, with_tensor_core_emulation, with_tensor_cores};
+        let device = Default::default();
+        // On CUDA the reference's matmuls and the matrix units' both run in TF32.
+        let tol = matmul_tol::<Gpu>(&device, 1e-5);
         for (m, n, k, l, me, masked, seed) in [
             (150, 5, 2, 70, 80, false, 1),
             (41, 6, 3, 9, 20, true, 2),
             (7, 3, 1, 5, 3, false, 3),
         ] {
             let c = case(m, n, k, l, me, masked, seed);
-            let before = tensor_core_launches();
-            let kr = with_tensor_core_emulation(|| run(&c, true));
-            let launches = tensor_core_launches() - before;
-            // Forward (both layers), the backward's two products, three weight gradients.
-            assert!(
-                launches >= 7,
-                "only {launches} grouped launches took the emulated path"
-            );
-            let rf = run(&c, false);
             let what = format!("m {m} n {n} k {k} ℓ {l} m_e {me} masked {masked}");
+            let rf = run(&c, false);
+            // Forward (both layers), the backward's two products, three weight gradients.
+            let all_launches = 7;
+            let before = tensor_core_launches();
+            let emulated = with_tensor_core_emulation(|| run(&c, true));
+            let launches = tensor_core_launches() - before;
+            assert!(
+                launches >= all_launches,
+                "only {launches} grouped launches took the emulated path ({what})"
+            );
+            let before = tensor_core_launches();
+            let units = with_tensor_cores(true, || run(&c, true));
+            let launches = tensor_core_launches() - before;
+            let on_units = is_cuda::<Gpu>(&device);
+            if on_units {
+                assert!(
+                    launches >= all_launches,
+                    "CUDA has TF32 tensor cores, yet only {launches} grouped launches ran on them ({what})"
+                );
+            } else {
+                assert_eq!(launches, 0, "this device has no matrix units ({what})");
+            }
             for (i, name) in ["out", "dh", "dp", "dW1", "dW3", "dW2"].iter().enumerate() {
-                assert_close(&format!("{name} emulated ({what})"), &rf[i], &kr[i], tol);
+                assert_close(
+                    &format!("{name} emulated ({what})"),
+                    &rf[i],
+                    &emulated[i],
+                    tol,
+                );
+                assert_close(
+                    &format!("{name} matrix units ({what})"),
+                    &rf[i],
+                    &units[i],
+                    tol,
+                );
             }
         }
     }

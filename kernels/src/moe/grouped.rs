@@ -3,6 +3,7 @@
 //! tiles everywhere, and the tensor-core (`cmma`) path where the device has matrix units.
 
 use cubecl::prelude::*;
+use cubecl::tf32;
 
 use super::tiles::{
     fma_micro, lanes_below, load_a, load_f32, load_v4, multiply_pair, read_micro_tile, store_pair,
@@ -163,23 +164,18 @@ pub fn grouped_matmul<F: Float>(
             arows[j] = r;
         }
         let c_lanes = lanes_below(col0 + 4 * tx, cols);
-        grouped_mma::<F>(
-            a,
-            w,
-            w3,
-            &arows,
-            a_lanes,
-            c_lanes,
-            w_base,
-            col0,
-            kdim,
-            cols,
-            &mut acc,
-            &mut acc3,
-            transposed,
-            glu,
-            products.emulated(),
-        );
+        // The stage's type: TF32 on the matrix units' f32 path, else the storage type.
+        if comptime!(products == Products::MatrixUnitsTf32) {
+            grouped_mma::<F, tf32>(
+                a, w, w3, &arows, a_lanes, c_lanes, w_base, col0, kdim, cols, &mut acc, &mut acc3,
+                transposed, glu, products,
+            );
+        } else {
+            grouped_mma::<F, F>(
+                a, w, w3, &arows, a_lanes, c_lanes, w_base, col0, kdim, cols, &mut acc, &mut acc3,
+                transposed, glu, products,
+            );
+        }
     } else {
         // sa[kk·q + r4]: rows 4·r4..4·r4+4 at depth kk; sb[kk·q + c4]: columns 4·c4..4·c4+4.
         let mut sa = SharedMemory::<V4>::new(tk * q);
@@ -386,18 +382,19 @@ pub fn grouped_matmul<F: Float>(
 }
 
 /// The main loop of [`grouped_matmul`](fn@grouped_matmul) on the matrix units (or their
-/// emulation, when `emulated`): fills the unit's 4×4 micro-tiles `acc` (and `acc3` with `glu`) with the same
-/// products as the scalar loop, accumulated in f32.
+/// emulation, as `products` says): fills the unit's 4×4 micro-tiles `acc` (and `acc3` with
+/// `glu`) with the same products as the scalar loop, accumulated in f32.
 ///
 /// Per `TILE_K` step the cube stages the `a` rows as `[TILE, TILE_K]` and the `w` (and `w3`)
-/// columns as `[TILE_K, TILE]`, row-major in `F`, with the scalar loop's load pattern (zeros
-/// outside the segment and the matrix); plane `p` of the eight multiplies rows
-/// `16·(p / 2)..` by the two column blocks `32·(p % 2)..`. After the loop each accumulator
+/// columns as `[TILE_K, TILE]`, row-major in `S` (the storage type, or TF32), with the scalar
+/// loop's load pattern (zeros outside the segment and the matrix); plane `p` of the eight
+/// multiplies rows `16·(p / 2)..` by the two column blocks `32·(p % 2)..`, in
+/// `TILE_K / depth` block products of [`Products::depth`]. After the loop each accumulator
 /// block goes to a shared f32 `[TILE, TILE]` tile, which the units read back as their
 /// micro-tiles (`w3`'s blocks after `w`'s, through the same tile).
 #[allow(clippy::too_many_arguments)]
 #[cube]
-fn grouped_mma<F: Float>(
+fn grouped_mma<F: Float, S: Float>(
     a: &Array<F>,
     w: &Array<F>,
     w3: &Array<F>,
@@ -412,25 +409,27 @@ fn grouped_mma<F: Float>(
     acc3: &mut Array<V4>,
     #[comptime] transposed: bool,
     #[comptime] glu: bool,
-    #[comptime] emulated: bool,
+    #[comptime] products: Products,
 ) {
     let t = TILE as usize;
     let tk = TILE_K as usize;
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
-    let mut ha = SharedMemory::<F>::new_aligned(t * tk, 32usize);
-    let mut hb = SharedMemory::<F>::new_aligned(t * tk, 32usize);
+    let emulated = comptime!(products.emulated());
+    let depth = comptime!(products.depth());
+    let mut ha = SharedMemory::<S>::new_aligned(t * tk, 32usize);
+    let mut hb = SharedMemory::<S>::new_aligned(t * tk, 32usize);
     let mut hb3 =
-        SharedMemory::<F>::new_aligned(comptime!(if glu { t * tk } else { 1usize }), 32usize);
+        SharedMemory::<S>::new_aligned(comptime!(if glu { t * tk } else { 1usize }), 32usize);
     let plane = (UNIT_POS / MMA_PLANE) as usize;
     let a_off = (plane / 2) * 16 * tk;
     let b_off = (plane % 2) * 32;
     let c_off = (plane / 2) * 16 * t + b_off;
-    let mut m0 = zero_block(emulated);
-    let mut m1 = zero_block(emulated);
-    let mut u0 = zero_block(emulated);
-    let mut u1 = zero_block(emulated);
-    let zero = F::cast_from(0.0f32);
+    let mut m0 = zero_block(depth, emulated);
+    let mut m1 = zero_block(depth, emulated);
+    let mut u0 = zero_block(depth, emulated);
+    let mut u1 = zero_block(depth, emulated);
+    let zero = S::cast_from(0.0f32);
     let mut k0 = 0usize;
     while k0 < kdim {
         let ka = k0 + tx;
@@ -438,7 +437,7 @@ fn grouped_mma<F: Float>(
         for j in 0..4usize {
             let mut v = zero;
             if j < a_lanes && ka < kdim {
-                v = a[arows[j] * kdim + ka];
+                v = S::cast_from(a[arows[j] * kdim + ka]);
             }
             ha[(4 * ty + j) * tk + tx] = v;
         }
@@ -453,22 +452,27 @@ fn grouped_mma<F: Float>(
             let inside = j < c_lanes && kb < kdim;
             let mut v = zero;
             if inside {
-                v = w[index];
+                v = S::cast_from(w[index]);
             }
             hb[ty * t + 4 * tx + j] = v;
             if comptime!(glu) {
                 let mut v3 = zero;
                 if inside {
-                    v3 = w3[index];
+                    v3 = S::cast_from(w3[index]);
                 }
                 hb3[ty * t + 4 * tx + j] = v3;
             }
         }
         sync_cube();
-        let am = load_a::<F>(&ha, a_off, t * tk, tk, false, emulated);
-        multiply_pair::<F>(&am, &hb, b_off, &mut m0, &mut m1);
-        if comptime!(glu) {
-            multiply_pair::<F>(&am, &hb3, b_off, &mut u0, &mut u1);
+        #[unroll]
+        for ks in 0..comptime!(TILE_K as usize / products.depth()) {
+            // Depths `ks · depth..` of the slice: columns of `a`'s rows, rows of `w`'s.
+            let am = load_a::<S>(&ha, a_off + ks * depth, t * tk, tk, false, depth, emulated);
+            let b_at = b_off + ks * depth * t;
+            multiply_pair::<S>(&am, &hb, b_at, &mut m0, &mut m1, depth);
+            if comptime!(glu) {
+                multiply_pair::<S>(&am, &hb3, b_at, &mut u0, &mut u1, depth);
+            }
         }
         sync_cube();
         k0 += tk;

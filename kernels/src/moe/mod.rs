@@ -55,16 +55,24 @@ pub const MMA_PLANE: u32 = 32;
 pub enum Products {
     /// The scalar f32 loop: [`GMM_MICRO`]² micro-tiles in cubes of 64 units. Every device.
     Scalar,
-    /// The matrix units (`cmma`, tensor cores on CUDA): `16 × 16` blocks per plane of
-    /// [`MMA_PLANE`] units, 4×4 micro-tiles in cubes of [`GMM_CUBE`]² units.
+    /// The matrix units (`cmma`, tensor cores on CUDA) on half storage: `16 × 16 × 16` block
+    /// products of f16 or bf16 with f32 accumulation, two blocks per plane of [`MMA_PLANE`]
+    /// units, 4×4 micro-tiles in cubes of [`GMM_CUBE`]² units.
     MatrixUnits,
+    /// The matrix units on f32 storage: the same layout, with the slices staged in TF32 (f32's
+    /// range, a 10-bit significand: what Burn's own f32 matmuls use on CUDA's tensor cores) and
+    /// `16 × 16 × 8` block products, two per `TILE_K` step.
+    MatrixUnitsTf32,
     /// [`MatrixUnits`](Self::MatrixUnits)' tiles, staging, block placement and epilogues, with
-    /// each `16 × 16` block product computed in f32 by the plane's units instead (a unit per
-    /// half row of the block, as the 32 units of a plane share a block's 256 entries). No
-    /// device feature needed: this is how a device without matrix units (lavapipe in CI) tests
-    /// everything of the tensor-core path but the `cmma` instructions. Slower than
-    /// [`Scalar`](Self::Scalar), never a speed-up.
+    /// each block product computed in f32 by the plane's units instead (a unit per half row of
+    /// the block, as the 32 units of a plane share a block's 256 entries). No device feature
+    /// needed: this is how a device without matrix units (lavapipe in CI) tests everything of
+    /// the tensor-core path but the `cmma` instructions. Slower than [`Scalar`](Self::Scalar),
+    /// never a speed-up.
     Emulated,
+    /// The emulation of [`MatrixUnitsTf32`](Self::MatrixUnitsTf32): its `16 × 16 × 8` blocks,
+    /// staged in f32.
+    EmulatedTf32,
 }
 
 impl Products {
@@ -75,7 +83,15 @@ impl Products {
 
     /// Whether the block products are emulated on the units.
     pub const fn emulated(self) -> bool {
-        matches!(self, Self::Emulated)
+        matches!(self, Self::Emulated | Self::EmulatedTf32)
+    }
+
+    /// The depth of one block product: 16, or 8 in the TF32 shape.
+    pub const fn depth(self) -> usize {
+        match self {
+            Self::MatrixUnitsTf32 | Self::EmulatedTf32 => 8,
+            _ => 16,
+        }
     }
 }
 

@@ -100,9 +100,10 @@ fn emulated_lane() -> (usize, usize) {
     (lane / 2, 8 * (lane % 2))
 }
 
-/// A zeroed `16 × 16` f32 accumulator block.
+/// A zeroed `16 × 16` f32 accumulator block for products of `depth` (CUDA's fragments carry
+/// the product's shape, the accumulator's too).
 #[cube]
-pub(super) fn zero_block(#[comptime] emulated: bool) -> Block<f32> {
+pub(super) fn zero_block(#[comptime] depth: usize, #[comptime] emulated: bool) -> Block<f32> {
     if comptime!(emulated) {
         let mut v = Array::<f32>::new(8usize);
         #[unroll]
@@ -115,47 +116,48 @@ pub(super) fn zero_block(#[comptime] emulated: bool) -> Block<f32> {
             cmma::MatrixIdent::Accumulator,
             16usize,
             16usize,
-            16usize,
+            depth,
             cmma::MatrixLayout::Undefined,
             0.0f32,
         ))
     }
 }
 
-/// The `16 × 16` `A` operand at `off` of the shared stage `s` (`len` entries), row-major with
+/// The `16 × depth` `A` operand at `off` of the shared stage `s` (`len` entries), row-major with
 /// row stride `stride`, or column-major (column stride `stride`) when `col_major`.
 #[cube]
-pub(super) fn load_a<F: Float>(
-    s: &SharedMemory<F>,
+pub(super) fn load_a<S: Float>(
+    s: &SharedMemory<S>,
     off: usize,
     len: usize,
     stride: usize,
     #[comptime] col_major: bool,
+    #[comptime] depth: usize,
     #[comptime] emulated: bool,
-) -> Block<F> {
+) -> Block<S> {
     if comptime!(emulated) {
         let (row, _) = emulated_lane();
-        let mut v = Array::<f32>::new(16usize);
+        let mut v = Array::<f32>::new(depth);
         #[unroll]
-        for k in 0..16usize {
+        for k in 0..depth {
             let mut at = off + row * stride + k;
             if comptime!(col_major) {
                 at = off + k * stride + row;
             }
             v[k] = f32::cast_from(s[at]);
         }
-        Block::<F>::new_Emulated(v)
+        Block::<S>::new_Emulated(v)
     } else {
         let layout = comptime!(if col_major {
             cmma::MatrixLayout::ColMajor
         } else {
             cmma::MatrixLayout::RowMajor
         });
-        Block::<F>::new_Matrix(cmma::Matrix::<F>::from_slice(
+        Block::<S>::new_Matrix(cmma::Matrix::<S>::from_slice(
             cmma::MatrixIdent::A,
             16usize,
             16usize,
-            16usize,
+            depth,
             layout,
             &s.slice(off, len),
             stride as u32,
@@ -163,24 +165,30 @@ pub(super) fn load_a<F: Float>(
     }
 }
 
-/// `acc += a · B` with `B` the `16 × 16` block at column `off` of the row-major
-/// `[TILE_K, TILE]` stage `b`.
+/// `acc += a · B` with `B` the `depth × 16` block at `off` of the row-major `[TILE_K, TILE]`
+/// stage `b`.
 #[cube]
-fn multiply_block<F: Float>(a: &Block<F>, b: &SharedMemory<F>, off: usize, acc: &mut Block<f32>) {
+fn multiply_block<S: Float>(
+    a: &Block<S>,
+    b: &SharedMemory<S>,
+    off: usize,
+    acc: &mut Block<f32>,
+    #[comptime] depth: usize,
+) {
     let t = TILE as usize;
     match a {
         Block::Matrix(am) => match acc {
             Block::Matrix(m) => {
-                let bm = cmma::Matrix::<F>::from_slice(
+                let bm = cmma::Matrix::<S>::from_slice(
                     cmma::MatrixIdent::B,
                     16usize,
                     16usize,
-                    16usize,
+                    depth,
                     cmma::MatrixLayout::RowMajor,
                     &b.slice(off, t * TILE_K as usize),
                     t as u32,
                 );
-                cmma::execute::<F, F, f32, f32>(am, &bm, m, m);
+                cmma::execute::<S, S, f32, f32>(am, &bm, m, m);
             }
             Block::Emulated(_) => panic!("a matrix-unit operand with an emulated accumulator"),
         },
@@ -191,7 +199,7 @@ fn multiply_block<F: Float>(a: &Block<F>, b: &SharedMemory<F>, off: usize, acc: 
                 for j in 0..8usize {
                     let mut sum = c[j];
                     #[unroll]
-                    for k in 0..16usize {
+                    for k in 0..depth {
                         sum += av[k] * f32::cast_from(b[off + k * t + col + j]);
                     }
                     c[j] = sum;
@@ -202,18 +210,19 @@ fn multiply_block<F: Float>(a: &Block<F>, b: &SharedMemory<F>, off: usize, acc: 
     }
 }
 
-/// `acc0 += a · B₀` and `acc1 += a · B₁`, with `B₀`, `B₁` the `16 × 16` blocks at columns
-/// `off..` and `off + 16..` of the row-major `[TILE_K, TILE]` stage `b`.
+/// `acc0 += a · B₀` and `acc1 += a · B₁`, with `B₀`, `B₁` the `depth × 16` blocks at `off` and
+/// `off + 16` of the row-major `[TILE_K, TILE]` stage `b`.
 #[cube]
-pub(super) fn multiply_pair<F: Float>(
-    a: &Block<F>,
-    b: &SharedMemory<F>,
+pub(super) fn multiply_pair<S: Float>(
+    a: &Block<S>,
+    b: &SharedMemory<S>,
     off: usize,
     acc0: &mut Block<f32>,
     acc1: &mut Block<f32>,
+    #[comptime] depth: usize,
 ) {
-    multiply_block::<F>(a, b, off, acc0);
-    multiply_block::<F>(a, b, off + 16, acc1);
+    multiply_block::<S>(a, b, off, acc0, depth);
+    multiply_block::<S>(a, b, off + 16, acc1, depth);
 }
 
 /// Stores an accumulator block at `off` of the shared row-major `[TILE, TILE]` f32 tile.

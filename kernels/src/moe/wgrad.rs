@@ -2,6 +2,7 @@
 //! shared-memory tiles (and matrix units) as the forward.
 
 use cubecl::prelude::*;
+use cubecl::tf32;
 
 use super::grouped::micro_rows;
 use super::tiles::{
@@ -60,23 +61,18 @@ pub fn grouped_matmul_wgrad<F: Float>(
     if comptime!(products.blocks()) {
         let a_lanes = lanes_below(r0 + 4 * tx, adim);
         let b_lanes = lanes_below(c0 + 4 * tx, bdim);
-        wgrad_mma::<F>(
-            a,
-            b,
-            rows,
-            start,
-            end,
-            r0,
-            c0,
-            adim,
-            bdim,
-            a_lanes,
-            b_lanes,
-            &mut acc,
-            gather_a,
-            gather_b,
-            products.emulated(),
-        );
+        // The stage's type: TF32 on the matrix units' f32 path, else the storage type.
+        if comptime!(products == Products::MatrixUnitsTf32) {
+            wgrad_mma::<F, tf32>(
+                a, b, rows, start, end, r0, c0, adim, bdim, a_lanes, b_lanes, &mut acc, gather_a,
+                gather_b, products,
+            );
+        } else {
+            wgrad_mma::<F, F>(
+                a, b, rows, start, end, r0, c0, adim, bdim, a_lanes, b_lanes, &mut acc, gather_a,
+                gather_b, products,
+            );
+        }
     } else {
         // Both slices hold `tk` pairs × `TILE` features as V4s; entry `unit + s · units` of
         // each (`s < stage`) is loaded by `unit`: features `4 · (unit % q)..` of the pair
@@ -153,15 +149,15 @@ pub fn grouped_matmul_wgrad<F: Float>(
 }
 
 /// The main loop of [`grouped_matmul_wgrad`](fn@grouped_matmul_wgrad) on the matrix units (or
-/// their emulation, when `emulated`):
-/// `acc` gets the unit's 4×4 micro-tile of `Σ_pos a[arow(pos)]ᵀ · b[brow(pos)]`, accumulated
-/// in f32. Per `TILE_K` pairs the cube stages `a`'s and `b`'s features as `[TILE_K, TILE]`
-/// row-major in `F` (zeros past the segment and the widths); `a`'s slice is the `A` operand
-/// read column-major. Plane `p` of the eight owns rows `16·(p / 2)..` and the column blocks
+/// their emulation, as `products` says): `acc` gets the unit's 4×4 micro-tile of
+/// `Σ_pos a[arow(pos)]ᵀ · b[brow(pos)]`, accumulated in f32. Per `TILE_K` pairs the cube stages
+/// `a`'s and `b`'s features as `[TILE_K, TILE]` row-major in `S` (the storage type, or TF32;
+/// zeros past the segment and the widths), multiplied in `TILE_K / depth` block products of
+/// [`Products::depth`]; `a`'s slice is the `A` operand read column-major. Plane `p` of the eight owns rows `16·(p / 2)..` and the column blocks
 /// `32·(p % 2)..`, as in the grouped matmul's tensor-core loop.
 #[allow(clippy::too_many_arguments)]
 #[cube]
-fn wgrad_mma<F: Float>(
+fn wgrad_mma<F: Float, S: Float>(
     a: &Array<F>,
     b: &Array<F>,
     rows: &Array<u32>,
@@ -176,21 +172,23 @@ fn wgrad_mma<F: Float>(
     acc: &mut Array<V4>,
     #[comptime] gather_a: bool,
     #[comptime] gather_b: bool,
-    #[comptime] emulated: bool,
+    #[comptime] products: Products,
 ) {
     let t = TILE as usize;
     let tk = TILE_K as usize;
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
-    let mut ha = SharedMemory::<F>::new_aligned(t * tk, 32usize);
-    let mut hb = SharedMemory::<F>::new_aligned(t * tk, 32usize);
+    let emulated = comptime!(products.emulated());
+    let depth = comptime!(products.depth());
+    let mut ha = SharedMemory::<S>::new_aligned(t * tk, 32usize);
+    let mut hb = SharedMemory::<S>::new_aligned(t * tk, 32usize);
     let plane = (UNIT_POS / MMA_PLANE) as usize;
     let a_off = (plane / 2) * 16;
     let b_off = (plane % 2) * 32;
     let c_off = (plane / 2) * 16 * t + b_off;
-    let mut m0 = zero_block(emulated);
-    let mut m1 = zero_block(emulated);
-    let zero = F::cast_from(0.0f32);
+    let mut m0 = zero_block(depth, emulated);
+    let mut m1 = zero_block(depth, emulated);
+    let zero = S::cast_from(0.0f32);
     let mut p0 = start;
     while p0 < end {
         // Unit (tx, ty) stages features 4·tx.. of pair p0 + ty.
@@ -210,18 +208,23 @@ fn wgrad_mma<F: Float>(
         for j in 0..4usize {
             let mut va = zero;
             if inside && j < a_lanes {
-                va = a[arow * adim + r0 + 4 * tx + j];
+                va = S::cast_from(a[arow * adim + r0 + 4 * tx + j]);
             }
             ha[ty * t + 4 * tx + j] = va;
             let mut vb = zero;
             if inside && j < b_lanes {
-                vb = b[brow * bdim + c0 + 4 * tx + j];
+                vb = S::cast_from(b[brow * bdim + c0 + 4 * tx + j]);
             }
             hb[ty * t + 4 * tx + j] = vb;
         }
         sync_cube();
-        let am = load_a::<F>(&ha, a_off, t * tk, t, true, emulated);
-        multiply_pair::<F>(&am, &hb, b_off, &mut m0, &mut m1);
+        #[unroll]
+        for ks in 0..comptime!(TILE_K as usize / products.depth()) {
+            // Pairs `ks · depth..` of the slice.
+            let at = ks * depth * t;
+            let am = load_a::<S>(&ha, a_off + at, t * tk, t, true, depth, emulated);
+            multiply_pair::<S>(&am, &hb, b_off + at, &mut m0, &mut m1, depth);
+        }
         sync_cube();
         p0 += tk;
     }

@@ -512,19 +512,25 @@ fn moe_kernels(cs: &mut Cases) {
     let launches = grouped_launches();
     for f in FLOATS {
         let (t, n) = (float(f), name(f));
-        // The matrix units take half storage; their emulation (a testing mode) is compiled for
-        // f16 only, to check that it has no matrix instructions.
+        // The matrix units in TF32 on f32 storage, in f16/bf16 on half storage. Their emulation
+        // (a testing mode) is compiled for f32 and f16 too, to check that it has no matrix
+        // instructions.
         let all: &[Products] = match f {
-            FloatKind::F32 => &[Products::Scalar],
+            FloatKind::F32 => &[
+                Products::Scalar,
+                Products::MatrixUnitsTf32,
+                Products::EmulatedTf32,
+            ],
             FloatKind::F16 => &[Products::Scalar, Products::MatrixUnits, Products::Emulated],
             _ => &[Products::Scalar, Products::MatrixUnits],
         };
         for &products in all {
-            let mma = products == Products::MatrixUnits;
+            let mma = products.blocks() && !products.emulated();
             let path = match products {
                 Products::Scalar => "scalar",
                 Products::MatrixUnits => "tensor cores",
-                Products::Emulated => "emulated tensor cores",
+                Products::MatrixUnitsTf32 => "tensor cores tf32",
+                Products::Emulated | Products::EmulatedTf32 => "emulated tensor cores",
             };
             let (x, y) = moe::grouped_matmul_cube(products);
             let dim = CubeDim::new_2d(x, y);

@@ -221,12 +221,16 @@ impl PathState {
 
 /// Runs `f` with the kernels' tensor-core (cooperative matrix) paths switched on or off on this
 /// thread, whatever `KIMI_BURN_TENSOR_CORES` says. Where they are on, they run wherever the
-/// device has them for the storage type (f16 and bf16 storage on CUDA); off, the same kernels
-/// take their scalar f32 loops, the path every device runs.
+/// device has them for the storage type: on CUDA (compute capability 8.0 and later) f16 and
+/// bf16 products for half storage and TF32 products for f32 storage, accumulated in f32 (TF32
+/// keeps f32's range with a 10-bit significand, as Burn's own f32 matmuls on CUDA do). Off, the
+/// same kernels take their scalar f32 loops, the path every device runs.
 ///
 /// They are **off by default** for now: the matrix-unit paths have tests against the scalar path
 /// and the reference (`scripts/cuda-check.sh`) that have not yet run on a GPU with matrix units
-/// (on an H200 the bf16 path has run in the benches, 1.32× as fast as the scalar loop).
+/// (on an H200 the bf16 path has run in the benches, 1.32× as fast as the scalar loop). Their
+/// tiles, staging and epilogues are tested on every device through
+/// [`with_tensor_core_emulation`].
 /// `KIMI_BURN_TENSOR_CORES=1` switches them on for a whole process.
 ///
 /// The choice is made when a kernel is launched: on a `Fusion` backend that is when the fused

@@ -369,19 +369,25 @@ fn launch_grouped<R: CubeRuntime>(
 }
 
 /// How the grouped matmuls compute their products for `a`'s storage type
-/// ([`kmoe::Products`]): emulating the tensor-core path under
-/// [`crate::ops::with_tensor_core_emulation`]; on the matrix units for f16 or bf16 storage with
-/// tensor cores switched on ([`crate::ops::with_tensor_cores`]), a device with `16×16×16`
-/// cooperative matrices for that type with f32 accumulation, and planes of exactly
-/// [`kmoe::MMA_PLANE`] units (the kernel's layout); else the scalar loop. Every launch off the
-/// scalar loop is counted ([`crate::ops::tensor_core_launches`]).
+/// ([`kmoe::Products`]):
+///
+/// - under [`crate::ops::with_tensor_core_emulation`], the tensor-core path with its block
+///   products emulated (in its TF32 shape for f32 storage);
+/// - with tensor cores switched on ([`crate::ops::with_tensor_cores`]), on a device with planes
+///   of exactly [`kmoe::MMA_PLANE`] units (the kernel's layout) and cooperative matrices with
+///   f32 accumulation for the type: `16×16×16` of f16 or bf16 for half storage, `16×16×8` of
+///   TF32 for f32 storage (tensor cores on CUDA, compute capability 8.0 and later);
+/// - else the scalar loop.
+///
+/// Every launch off the scalar loop is counted ([`crate::ops::tensor_core_launches`]).
 fn products<R: CubeRuntime>(a: &T<R>) -> kmoe::Products {
     let products = if crate::ops::tensor_core_emulation() {
-        kmoe::Products::Emulated
-    } else if matrix_units(a) {
-        kmoe::Products::MatrixUnits
+        match a.dtype {
+            DType::F32 => kmoe::Products::EmulatedTf32,
+            _ => kmoe::Products::Emulated,
+        }
     } else {
-        kmoe::Products::Scalar
+        matrix_units(a).unwrap_or(kmoe::Products::Scalar)
     };
     if products.blocks() {
         crate::ops::backend::record_tensor_core_launch();
@@ -389,31 +395,38 @@ fn products<R: CubeRuntime>(a: &T<R>) -> kmoe::Products {
     products
 }
 
-/// Whether the device runs `a`'s storage type on its matrix units (see [`products`]).
-fn matrix_units<R: CubeRuntime>(a: &T<R>) -> bool {
+/// The matrix-unit path for `a`'s storage type, where the device has one and tensor cores are
+/// switched on (see [`products`]).
+fn matrix_units<R: CubeRuntime>(a: &T<R>) -> Option<kmoe::Products> {
     use cubecl::ir::features::MmaConfig;
     use cubecl::ir::{ElemType, FloatKind, StorageType};
-    let kind = match a.dtype {
-        DType::F16 => FloatKind::F16,
-        DType::BF16 => FloatKind::BF16,
-        _ => return false,
+    let (kind, depth, products) = match a.dtype {
+        DType::F16 => (FloatKind::F16, 16, kmoe::Products::MatrixUnits),
+        DType::BF16 => (FloatKind::BF16, 16, kmoe::Products::MatrixUnits),
+        DType::F32 => (FloatKind::TF32, 8, kmoe::Products::MatrixUnitsTf32),
+        _ => return None,
     };
     if !crate::ops::tensor_cores_enabled() {
-        return false;
+        return None;
     }
     let hardware = &a.client.properties().hardware;
     if hardware.plane_size_min != kmoe::MMA_PLANE || hardware.plane_size_max != kmoe::MMA_PLANE {
-        return false;
+        return None;
     }
-    let half: StorageType = ElemType::Float(kind).into();
-    a.client.features().matmul.cmma.contains(&MmaConfig {
-        a_type: half,
-        b_type: half,
-        cd_type: ElemType::Float(FloatKind::F32).into(),
-        m: 16,
-        k: 16,
-        n: 16,
-    })
+    let operand: StorageType = ElemType::Float(kind).into();
+    a.client
+        .features()
+        .matmul
+        .cmma
+        .contains(&MmaConfig {
+            a_type: operand,
+            b_type: operand,
+            cd_type: ElemType::Float(FloatKind::F32).into(),
+            m: 16,
+            k: depth,
+            n: 16,
+        })
+        .then_some(products)
 }
 
 /// `out[e] = Σ_{pos ∈ segment e} a[arow(pos)]ᵀ · b[brow(pos)]`: `[n, adim, bdim]`.
