@@ -18,7 +18,8 @@
 #
 # What runs, all on `Cuda` (a build with `cuda` and without `wgpu` runs the suite's GPU tests on
 # CUDA: `tests/common` makes `Gpu` the CUDA backend there):
-# - first the tensor-core checks of the grouped matmuls (`kernels_moe::dispatch::half_storage_*`),
+# - first the tensor-core checks of the grouped matmuls (`kernels_moe::dispatch::half_storage_*`
+#   for f16/bf16, `kernels_moe::dispatch::tensor_core_paths_match_reference` for TF32),
 #   then the suite's kernel tests: `kernels_moe::` and `kernels_kda::` (every MoE and KDA kernel
 #   against the reference path on the same device, f32 ≤ 1e-5 — design §0's f16 tolerance where
 #   Burn's own matmul, TF32 on CUDA, ran on one side — f16 and bf16 storage, bit-for-bit
@@ -188,12 +189,13 @@ run() {
         # a gradient for that alone (seen on lavapipe: `kernels_kda::layer::training_gradients_…`
         # failed in two of four runs of this list at 12 threads, never at one). Processes in
         # parallel instead.
-        local first=kernels_moe::dispatch::half_storage
+        local first=(kernels_moe::dispatch::half_storage kernels_moe::dispatch::tensor_core_paths)
         : >"$out/kernels.log"
-        split_run 2 150 "$out/kernels.log" "$first" || status=$?
+        split_run 3 150 "$out/kernels.log" "${first[@]}" || status=$?
         split_run 8 420 "$out/kernels.log" kernels_moe:: kernels_kda:: ::kernel:: ::wgpu \
             on_wgpu_matches half_inputs_on_wgpu the_kernel_matches_the_host_loop adamw_kernel \
-            scaled_sum_kernel the_optimiser_on_the_gpu gpu_sigmoid_kernels --skip "$first" ||
+            scaled_sum_kernel the_optimiser_on_the_gpu gpu_sigmoid_kernels \
+            --skip "${first[0]}" --skip "${first[1]}" ||
             status=$?
         echo "kernel tests exit status: $status" >>"$out/summary.txt"
         grep -E "^test .*(FAILED|ignored)|panicked|exceeds|^assertion|test result" "$out/kernels.log" >>"$out/summary.txt" || true
