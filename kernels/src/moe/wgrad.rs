@@ -98,16 +98,7 @@ pub fn grouped_matmul_wgrad<F: Float>(
                 let kk = unit / q + s * (units / q);
                 let pos = p0 + kk;
                 let inside = pos < end;
-                let mut arow = pos;
-                let mut brow = pos;
-                if inside {
-                    if comptime!(gather_a) {
-                        arow = rows[pos] as usize;
-                    }
-                    if comptime!(gather_b) {
-                        brow = rows[pos] as usize;
-                    }
-                }
+                let (arow, brow) = pair_rows(rows, pos, inside, gather_a, gather_b);
                 let mut na = 0usize;
                 let mut nb = 0usize;
                 if inside {
@@ -146,6 +137,29 @@ pub fn grouped_matmul_wgrad<F: Float>(
             }
         }
     }
+}
+
+/// The rows of `a` and of `b` that the sorted pair at `pos` reads: `rows[pos]` for a gathered
+/// operand, else `pos` (also for a pair past the segment, `!inside`, whose loads are masked).
+#[cube]
+fn pair_rows(
+    rows: &Array<u32>,
+    pos: usize,
+    inside: bool,
+    #[comptime] gather_a: bool,
+    #[comptime] gather_b: bool,
+) -> (usize, usize) {
+    let mut arow = pos;
+    let mut brow = pos;
+    if inside {
+        if comptime!(gather_a) {
+            arow = rows[pos] as usize;
+        }
+        if comptime!(gather_b) {
+            brow = rows[pos] as usize;
+        }
+    }
+    (arow, brow)
 }
 
 /// The main loop of [`grouped_matmul_wgrad`](fn@grouped_matmul_wgrad) on the matrix units (or
@@ -194,16 +208,7 @@ fn wgrad_mma<F: Float, S: Float>(
         // Unit (tx, ty) stages features 4·tx.. of pair p0 + ty.
         let pos = p0 + ty;
         let inside = pos < end;
-        let mut arow = pos;
-        let mut brow = pos;
-        if inside {
-            if comptime!(gather_a) {
-                arow = rows[pos] as usize;
-            }
-            if comptime!(gather_b) {
-                brow = rows[pos] as usize;
-            }
-        }
+        let (arow, brow) = pair_rows(rows, pos, inside, gather_a, gather_b);
         #[unroll]
         for j in 0..4usize {
             let mut va = zero;
