@@ -3,7 +3,7 @@
 
 use super::forward::step;
 use super::{
-    column_blocks, piece, unprepare_gradient, Geometry, Inputs, Job, KdaRecurrence, Prepared,
+    column_blocks, piece, unprepare_gradient, Geometry, Inputs, Job, KdaRecurrence, Pass, Prepared,
     Saved, CHECKPOINT, PREFETCH_AHEAD,
 };
 use crate::ops::backend::host::{
@@ -446,14 +446,10 @@ impl KdaRecurrence {
         state_grad: &[f32],
         dv: DisjointWrites<'_>,
     ) -> [HostArray; 5] {
-        let [q, k, v, _, beta, h0] = inputs;
-        let &[b, t, h, kd] = q.shape.as_slice() else {
-            unreachable!("q is [B, T, H, K]")
-        };
-        let vd = v.shape[3];
-        let x = self.inputs(inputs, Geometry { t, h, kd, vd });
+        let [q, k, _, _, beta, h0] = inputs;
+        let Pass { x, b, jobs, groups } = self.pass(inputs);
         let geo = x.geo;
-        let jobs = self.jobs(b, t, h);
+        let Geometry { t, h, kd, vd } = geo;
         let kv = kd * vd;
         // Every token's rows of the input gradients are written once, by the job that owns them.
         let [mut dq, mut dk, mut dg, mut db] = [&q.shape, &k.shape, &q.shape, &beta.shape]
@@ -467,7 +463,6 @@ impl KdaRecurrence {
             dbeta: DisjointWrites::fresh(&mut db),
         };
         let dh0_writes = DisjointWrites::new(&mut dh0.data);
-        let groups = self.groups(&jobs, h, kv);
         parallel_map_sized(groups.len(), 3 * b * t * h * kv, |gi| {
             let range = groups[gi].clone();
             let mut ds: Vec<Vec<f32>> = jobs[range.clone()]

@@ -2,7 +2,7 @@
 //! registers, and a group of jobs run [`INTERLEAVE`] tokens at a time.
 
 use super::{
-    column_blocks, piece, Geometry, Inputs, Job, KdaRecurrence, Prepared, Saved, CHECKPOINT,
+    column_blocks, piece, Geometry, Inputs, Job, KdaRecurrence, Pass, Prepared, Saved, CHECKPOINT,
     INTERLEAVE, PREFETCH_AHEAD,
 };
 use crate::ops::backend::host::{parallel_map_sized, scratch, DisjointWrites, HostArray};
@@ -20,14 +20,10 @@ impl KdaRecurrence {
         o_writes: &DisjointWrites<'_>,
         s_out: &mut [f32],
     ) -> Option<Saved> {
-        let [q, _, v, _, _, h0] = inputs;
-        let &[b, t, h, kd] = q.shape.as_slice() else {
-            unreachable!("q is [B, T, H, K]")
-        };
-        let vd = v.shape[3];
-        let x = self.inputs(inputs, Geometry { t, h, kd, vd });
+        let h0 = &inputs[5];
+        let Pass { x, b, jobs, groups } = self.pass(inputs);
         let geo = x.geo;
-        let jobs = self.jobs(b, t, h);
+        let Geometry { t, h, kd, vd } = geo;
         let kv = kd * vd;
         let s_writes = DisjointWrites::new(s_out);
         // Job j's checkpoints from starts[j] on, one state per CHECKPOINT tokens.
@@ -43,7 +39,6 @@ impl KdaRecurrence {
         }
         let mut states = scratch(total);
         let state_writes = DisjointWrites::new(&mut states);
-        let groups = self.groups(&jobs, h, kv);
         parallel_map_sized(groups.len(), b * t * h * kv, |gi| {
             let range = groups[gi].clone();
             // Without final states to write, each job runs on a state of its own.

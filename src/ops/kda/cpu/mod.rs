@@ -146,6 +146,15 @@ struct Inputs<'a> {
     geo: Geometry,
 }
 
+/// What [`KdaRecurrence::pass`] sets up for a pass: the inputs, the batch size `B`, the jobs
+/// and the groups of jobs the pool threads take.
+struct Pass<'a> {
+    x: Inputs<'a>,
+    b: usize,
+    jobs: Vec<Job>,
+    groups: Vec<Range<usize>>,
+}
+
 /// One token of a job as the recurrence uses it: `q` scaled (normalised first with `l2norm`),
 /// `k` (normalised), `e^g`, and the norms `|q|`, `|k|` (1 without `l2norm`).
 struct Prepared {
@@ -342,10 +351,18 @@ impl KdaRecurrence {
         })
     }
 
-    /// The inputs as the jobs read them.
-    fn inputs<'a>(&self, inputs: &'a [HostArray; 6], geo: Geometry) -> Inputs<'a> {
+    /// One pass's (forward's or backward's) view of `inputs`: their rows as the jobs read them
+    /// (with the shapes from `q: [B, T, H, K]` and `v: [B, T, H, V]`), the jobs and their
+    /// groups.
+    fn pass<'a>(&self, inputs: &'a [HostArray; 6]) -> Pass<'a> {
         let [q, k, v, g, beta, _] = inputs;
-        Inputs {
+        let &[b, t, h, kd] = q.shape.as_slice() else {
+            unreachable!("q is [B, T, H, K]")
+        };
+        let vd = v.shape[3];
+        let jobs = self.jobs(b, t, h);
+        let groups = self.groups(&jobs, h, kd * vd);
+        let x = Inputs {
             q: &q.data,
             k: &k.data,
             v: &v.data,
@@ -353,8 +370,9 @@ impl KdaRecurrence {
             beta: &beta.data,
             scale: self.scale,
             l2norm: self.l2norm,
-            geo,
-        }
+            geo: Geometry { t, h, kd, vd },
+        };
+        Pass { x, b, jobs, groups }
     }
 
     /// The number of sequences `N` of the states.
