@@ -7,7 +7,7 @@ use cubecl::tf32;
 
 use super::tiles::{
     fma_micro, lanes_below, load_a, load_f32, load_v4, multiply_pair, read_micro_tile, store_pair,
-    zero_block, zero_micro_tile,
+    zero_block, zero_micro_tile, TILE_LEN, TILE_STRIDE,
 };
 use super::{Products, EPILOGUE_GLU, EPILOGUE_GLU_BACKWARD, GMM_MICRO, MMA_PLANE, TILE, TILE_K};
 use crate::situ::{glu_a, glu_b, glu_backward};
@@ -417,14 +417,20 @@ fn grouped_mma<F: Float, S: Float>(
     let ty = UNIT_POS_Y as usize;
     let emulated = comptime!(products.emulated());
     let depth = comptime!(products.depth());
-    let mut ha = SharedMemory::<S>::new_aligned(t * tk, 32usize);
-    let mut hb = SharedMemory::<S>::new_aligned(t * tk, 32usize);
-    let mut hb3 =
-        SharedMemory::<S>::new_aligned(comptime!(if glu { t * tk } else { 1usize }), 32usize);
+    // Row strides of the `a` stage `[TILE, TILE_K]` and of the `w` stages `[TILE_K, TILE]`,
+    // padded against bank conflicts (`Products::stage_pad`).
+    let sa = comptime!(TILE_K as usize + products.stage_pad());
+    let sb = comptime!(TILE as usize + products.stage_pad());
+    let mut ha = SharedMemory::<S>::new_aligned(comptime!(TILE as usize * sa), 32usize);
+    let mut hb = SharedMemory::<S>::new_aligned(comptime!(TILE_K as usize * sb), 32usize);
+    let mut hb3 = SharedMemory::<S>::new_aligned(
+        comptime!(if glu { TILE_K as usize * sb } else { 1usize }),
+        32usize,
+    );
     let plane = (UNIT_POS / MMA_PLANE) as usize;
-    let a_off = (plane / 2) * 16 * tk;
+    let a_off = (plane / 2) * 16 * sa;
     let b_off = (plane % 2) * 32;
-    let c_off = (plane / 2) * 16 * t + b_off;
+    let c_off = (plane / 2) * 16 * TILE_STRIDE + b_off;
     let mut m0 = zero_block(depth, emulated);
     let mut m1 = zero_block(depth, emulated);
     let mut u0 = zero_block(depth, emulated);
@@ -439,7 +445,7 @@ fn grouped_mma<F: Float, S: Float>(
             if j < a_lanes && ka < kdim {
                 v = S::cast_from(a[arows[j] * kdim + ka]);
             }
-            ha[(4 * ty + j) * tk + tx] = v;
+            ha[(4 * ty + j) * sa + tx] = v;
         }
         let kb = k0 + ty;
         #[unroll]
@@ -454,30 +460,30 @@ fn grouped_mma<F: Float, S: Float>(
             if inside {
                 v = S::cast_from(w[index]);
             }
-            hb[ty * t + 4 * tx + j] = v;
+            hb[ty * sb + 4 * tx + j] = v;
             if comptime!(glu) {
                 let mut v3 = zero;
                 if inside {
                     v3 = S::cast_from(w3[index]);
                 }
-                hb3[ty * t + 4 * tx + j] = v3;
+                hb3[ty * sb + 4 * tx + j] = v3;
             }
         }
         sync_cube();
         #[unroll]
         for ks in 0..comptime!(TILE_K as usize / products.depth()) {
             // Depths `ks · depth..` of the slice: columns of `a`'s rows, rows of `w`'s.
-            let am = load_a::<S>(&ha, a_off + ks * depth, t * tk, tk, false, depth, emulated);
-            let b_at = b_off + ks * depth * t;
-            multiply_pair::<S>(&am, &hb, b_at, &mut m0, &mut m1, depth);
+            let am = load_a::<S>(&ha, a_off + ks * depth, t * sa, sa, false, depth, emulated);
+            let b_at = b_off + ks * depth * sb;
+            multiply_pair::<S>(&am, &hb, b_at, sb, &mut m0, &mut m1, depth);
             if comptime!(glu) {
-                multiply_pair::<S>(&am, &hb3, b_at, &mut u0, &mut u1, depth);
+                multiply_pair::<S>(&am, &hb3, b_at, sb, &mut u0, &mut u1, depth);
             }
         }
         sync_cube();
         k0 += tk;
     }
-    let mut tile = SharedMemory::<f32>::new_aligned(t * t, 32usize);
+    let mut tile = SharedMemory::<f32>::new_aligned(TILE_LEN, 32usize);
     store_pair(&mut tile, c_off, &m0, &m1);
     sync_cube();
     read_micro_tile(&tile, acc);

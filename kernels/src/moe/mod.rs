@@ -93,6 +93,20 @@ impl Products {
             _ => 16,
         }
     }
+
+    /// Elements of padding after each row of the tensor-core path's shared stages: 16 bytes
+    /// (8 halves, or 4 f32 in the TF32 shape), so that the eight rows of an `8 × 8` piece of a
+    /// fragment load start 16 bytes apart modulo 128 (one bank group each) instead of on the
+    /// same banks: unpadded, the `[TILE_K, TILE]` stages' rows are a multiple of 128 bytes
+    /// long. Fragment starts stay 32-byte aligned and strides a multiple of 16 bytes, as the
+    /// matrix loads require.
+    pub const fn stage_pad(self) -> usize {
+        if self.depth() == 8 {
+            4
+        } else {
+            8
+        }
+    }
 }
 
 /// Marks a pair that is not dispatched (its token is masked) in `inv`.

@@ -75,6 +75,15 @@ pub(super) fn lanes_below(start: usize, end: usize) -> usize {
     n
 }
 
+/// The row stride of the tensor-core path's shared f32 `[TILE, TILE]` accumulator tile: 16
+/// bytes of padding per row, as in the stages ([`Products::stage_pad`]).
+///
+/// [`Products::stage_pad`]: super::Products::stage_pad
+pub(super) const TILE_STRIDE: usize = TILE as usize + 4;
+
+/// The elements of the tensor-core path's shared f32 accumulator tile.
+pub(super) const TILE_LEN: usize = TILE as usize * TILE_STRIDE;
+
 /// A `16 × 16` operand or accumulator block of the tensor-core layout: a cooperative matrix on
 /// the matrix units, or, where their products are emulated ([`Products::Emulated`]), the part
 /// of the block this unit holds in registers: unit `lane` of the plane ([`MMA_PLANE`] units)
@@ -166,16 +175,16 @@ pub(super) fn load_a<S: Float>(
 }
 
 /// `acc += a · B` with `B` the `depth × 16` block at `off` of the row-major `[TILE_K, TILE]`
-/// stage `b`.
+/// stage `b` (row stride `stride`).
 #[cube]
 fn multiply_block<S: Float>(
     a: &Block<S>,
     b: &SharedMemory<S>,
     off: usize,
+    stride: usize,
     acc: &mut Block<f32>,
     #[comptime] depth: usize,
 ) {
-    let t = TILE as usize;
     match a {
         Block::Matrix(am) => match acc {
             Block::Matrix(m) => {
@@ -185,8 +194,8 @@ fn multiply_block<S: Float>(
                     16usize,
                     depth,
                     cmma::MatrixLayout::RowMajor,
-                    &b.slice(off, t * TILE_K as usize),
-                    t as u32,
+                    &b.slice(off, stride * TILE_K as usize),
+                    stride as u32,
                 );
                 cmma::execute::<S, S, f32, f32>(am, &bm, m, m);
             }
@@ -200,7 +209,7 @@ fn multiply_block<S: Float>(
                     let mut sum = c[j];
                     #[unroll]
                     for k in 0..depth {
-                        sum += av[k] * f32::cast_from(b[off + k * t + col + j]);
+                        sum += av[k] * f32::cast_from(b[off + k * stride + col + j]);
                     }
                     c[j] = sum;
                 }
@@ -211,30 +220,32 @@ fn multiply_block<S: Float>(
 }
 
 /// `acc0 += a · B₀` and `acc1 += a · B₁`, with `B₀`, `B₁` the `depth × 16` blocks at `off` and
-/// `off + 16` of the row-major `[TILE_K, TILE]` stage `b`.
+/// `off + 16` of the row-major `[TILE_K, TILE]` stage `b` (row stride `stride`).
 #[cube]
 pub(super) fn multiply_pair<S: Float>(
     a: &Block<S>,
     b: &SharedMemory<S>,
     off: usize,
+    stride: usize,
     acc0: &mut Block<f32>,
     acc1: &mut Block<f32>,
     #[comptime] depth: usize,
 ) {
-    multiply_block::<S>(a, b, off, acc0, depth);
-    multiply_block::<S>(a, b, off + 16, acc1, depth);
+    multiply_block::<S>(a, b, off, stride, acc0, depth);
+    multiply_block::<S>(a, b, off + 16, stride, acc1, depth);
 }
 
-/// Stores an accumulator block at `off` of the shared row-major `[TILE, TILE]` f32 tile.
+/// Stores an accumulator block at `off` of the shared row-major `[TILE, TILE]` f32 tile (row
+/// stride [`TILE_STRIDE`]).
 #[cube]
 fn store_block(tile: &mut SharedMemory<f32>, off: usize, acc: &Block<f32>) {
-    let t = TILE as usize;
+    let stride = TILE_STRIDE;
     match acc {
         Block::Matrix(m) => {
             cmma::store(
-                &mut tile.slice_mut(off, t * t),
+                &mut tile.slice_mut(off, TILE as usize * stride),
                 m,
-                t as u32,
+                stride as u32,
                 cmma::MatrixLayout::RowMajor,
             );
         }
@@ -242,14 +253,14 @@ fn store_block(tile: &mut SharedMemory<f32>, off: usize, acc: &Block<f32>) {
             let (row, col) = emulated_lane();
             #[unroll]
             for j in 0..8usize {
-                tile[off + row * t + col + j] = c[j];
+                tile[off + row * stride + col + j] = c[j];
             }
         }
     }
 }
 
 /// Stores two accumulator blocks side by side at `off` and `off + 16` of the shared row-major
-/// `[TILE, TILE]` f32 tile.
+/// `[TILE, TILE]` f32 tile (row stride [`TILE_STRIDE`]).
 #[cube]
 pub(super) fn store_pair(
     tile: &mut SharedMemory<f32>,
@@ -262,10 +273,10 @@ pub(super) fn store_pair(
 }
 
 /// The unit's 4×4 micro-tile (rows `4·ty..`, columns `4·tx..`) of a shared `[TILE, TILE]` f32
-/// tile.
+/// tile (row stride [`TILE_STRIDE`]).
 #[cube]
 pub(super) fn read_micro_tile(tile: &SharedMemory<f32>, acc: &mut Array<V4>) {
-    let t = TILE as usize;
+    let t = TILE_STRIDE;
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
     #[unroll]

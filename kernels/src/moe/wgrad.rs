@@ -7,7 +7,7 @@ use cubecl::tf32;
 use super::grouped::micro_rows;
 use super::tiles::{
     fma_micro, lanes_below, load_a, load_v4, multiply_pair, read_micro_tile, store_pair,
-    zero_block, zero_micro_tile,
+    zero_block, zero_micro_tile, TILE_LEN, TILE_STRIDE,
 };
 use super::{Products, MMA_PLANE, TILE, TILE_K};
 use crate::V4;
@@ -188,18 +188,19 @@ fn wgrad_mma<F: Float, S: Float>(
     #[comptime] gather_b: bool,
     #[comptime] products: Products,
 ) {
-    let t = TILE as usize;
     let tk = TILE_K as usize;
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
     let emulated = comptime!(products.emulated());
     let depth = comptime!(products.depth());
-    let mut ha = SharedMemory::<S>::new_aligned(t * tk, 32usize);
-    let mut hb = SharedMemory::<S>::new_aligned(t * tk, 32usize);
+    // The stages' row stride, padded against bank conflicts (`Products::stage_pad`).
+    let st = comptime!(TILE as usize + products.stage_pad());
+    let mut ha = SharedMemory::<S>::new_aligned(comptime!(TILE_K as usize * st), 32usize);
+    let mut hb = SharedMemory::<S>::new_aligned(comptime!(TILE_K as usize * st), 32usize);
     let plane = (UNIT_POS / MMA_PLANE) as usize;
     let a_off = (plane / 2) * 16;
     let b_off = (plane % 2) * 32;
-    let c_off = (plane / 2) * 16 * t + b_off;
+    let c_off = (plane / 2) * 16 * TILE_STRIDE + b_off;
     let mut m0 = zero_block(depth, emulated);
     let mut m1 = zero_block(depth, emulated);
     let zero = S::cast_from(0.0f32);
@@ -215,25 +216,25 @@ fn wgrad_mma<F: Float, S: Float>(
             if inside && j < a_lanes {
                 va = S::cast_from(a[arow * adim + r0 + 4 * tx + j]);
             }
-            ha[ty * t + 4 * tx + j] = va;
+            ha[ty * st + 4 * tx + j] = va;
             let mut vb = zero;
             if inside && j < b_lanes {
                 vb = S::cast_from(b[brow * bdim + c0 + 4 * tx + j]);
             }
-            hb[ty * t + 4 * tx + j] = vb;
+            hb[ty * st + 4 * tx + j] = vb;
         }
         sync_cube();
         #[unroll]
         for ks in 0..comptime!(TILE_K as usize / products.depth()) {
             // Pairs `ks · depth..` of the slice.
-            let at = ks * depth * t;
-            let am = load_a::<S>(&ha, a_off + at, t * tk, t, true, depth, emulated);
-            multiply_pair::<S>(&am, &hb, b_off + at, &mut m0, &mut m1, depth);
+            let at = ks * depth * st;
+            let am = load_a::<S>(&ha, a_off + at, tk * st, st, true, depth, emulated);
+            multiply_pair::<S>(&am, &hb, b_off + at, st, &mut m0, &mut m1, depth);
         }
         sync_cube();
         p0 += tk;
     }
-    let mut tile = SharedMemory::<f32>::new_aligned(t * t, 32usize);
+    let mut tile = SharedMemory::<f32>::new_aligned(TILE_LEN, 32usize);
     store_pair(&mut tile, c_off, &m0, &m1);
     sync_cube();
     read_micro_tile(&tile, acc);
