@@ -66,8 +66,10 @@ pub const fn grouped_matmul_cube(products: Products) -> (u32, u32) {
 /// for `F × F → f32` and planes of [`MMA_PLANE`] units, i.e. tensor cores on CUDA) the products
 /// run on the matrix units: the slices are staged in `F` in shared memory, each plane multiplies
 /// its two `16 × 16` blocks with f32 accumulation, and the blocks go through shared memory into
-/// the same 4×4 micro-tiles, so the epilogues are unchanged. [`Products::Emulated`] is that path
-/// with the block products computed by the units; [`Products::Scalar`] is the f32 loop above.
+/// the same 4×4 micro-tiles, so the epilogues are unchanged. [`Products::MatrixUnitsTf32`] is
+/// that path on f32 storage (stages in TF32, `16×16×8` blocks), [`Products::Emulated`] and
+/// [`Products::EmulatedTf32`] are the two with the block products computed by the units, and
+/// [`Products::Scalar`] is the f32 loop above.
 ///
 /// Products are rounded to `F` before the activation math, as the unfused path stores them, so
 /// the forward gives the same bits as separate launches in every storage type. No

@@ -84,11 +84,11 @@ pub(super) const TILE_STRIDE: usize = TILE as usize + 4;
 /// The elements of the tensor-core path's shared f32 accumulator tile.
 pub(super) const TILE_LEN: usize = TILE as usize * TILE_STRIDE;
 
-/// A `16 × 16` operand or accumulator block of the tensor-core layout: a cooperative matrix on
-/// the matrix units, or, where their products are emulated ([`Products::Emulated`]), the part
-/// of the block this unit holds in registers: unit `lane` of the plane ([`MMA_PLANE`] units)
-/// holds row `lane / 2` (an `A` operand: its 16 depths; an accumulator: its columns
-/// `8 · (lane % 2)..` + 8).
+/// An `A` operand (`16 × depth`) or a `16 × 16` accumulator block of the tensor-core layout: a
+/// cooperative matrix on the matrix units, or, where their products are emulated
+/// ([`Products::Emulated`]), the part of the block this unit holds in registers: unit `lane` of
+/// the plane ([`MMA_PLANE`] units) holds row `lane / 2` (of an `A` operand all `depth` entries,
+/// of an accumulator the 8 columns from `8 · (lane % 2)`).
 ///
 /// [`Products::Emulated`]: super::Products::Emulated
 // The variants are built by the `#[cube]` expansion (`Block::new_Matrix`, …), which rustc's
