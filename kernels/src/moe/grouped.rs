@@ -383,13 +383,74 @@ pub fn grouped_matmul<F: Float>(
     }
 }
 
+/// Unit `(tx, ty)`'s share of the `TILE_K` slice at depth `k0` in [`grouped_mma`], as `S`:
+/// `ra[j]` = `a` at depth `k0 + tx` of its row `j` (`arows[j]`, `a_lanes` of them in the
+/// segment), `rb[j]` (and `rb3[j]` with `glu`) = `w` (`w3`) at depth `k0 + ty` of column
+/// `col0 + 4·tx + j` (`c_lanes` of them in the matrix); zeros elsewhere and past `kdim`.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn fetch_slice<F: Float, S: Float>(
+    a: &Array<F>,
+    w: &Array<F>,
+    w3: &Array<F>,
+    arows: &Array<usize>,
+    a_lanes: usize,
+    c_lanes: usize,
+    w_base: usize,
+    col0: usize,
+    kdim: usize,
+    cols: usize,
+    k0: usize,
+    ra: &mut Array<S>,
+    rb: &mut Array<S>,
+    rb3: &mut Array<S>,
+    #[comptime] transposed: bool,
+    #[comptime] glu: bool,
+) {
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    let zero = S::cast_from(0.0f32);
+    let ka = k0 + tx;
+    #[unroll]
+    for j in 0..4usize {
+        let mut v = zero;
+        if j < a_lanes && ka < kdim {
+            v = S::cast_from(a[arows[j] * kdim + ka]);
+        }
+        ra[j] = v;
+    }
+    let kb = k0 + ty;
+    #[unroll]
+    for j in 0..4usize {
+        let c = col0 + 4 * tx + j;
+        let mut index = w_base + kb * cols + c;
+        if comptime!(transposed) {
+            index = w_base + c * kdim + kb;
+        }
+        let inside = j < c_lanes && kb < kdim;
+        let mut v = zero;
+        if inside {
+            v = S::cast_from(w[index]);
+        }
+        rb[j] = v;
+        if comptime!(glu) {
+            let mut v3 = zero;
+            if inside {
+                v3 = S::cast_from(w3[index]);
+            }
+            rb3[j] = v3;
+        }
+    }
+}
+
 /// The main loop of [`grouped_matmul`](fn@grouped_matmul) on the matrix units (or their
 /// emulation, as `products` says): fills the unit's 4×4 micro-tiles `acc` (and `acc3` with
 /// `glu`) with the same products as the scalar loop, accumulated in f32.
 ///
 /// Per `TILE_K` step the cube stages the `a` rows as `[TILE, TILE_K]` and the `w` (and `w3`)
 /// columns as `[TILE_K, TILE]`, row-major in `S` (the storage type, or TF32), with the scalar
-/// loop's load pattern (zeros outside the segment and the matrix); plane `p` of the eight
+/// loop's load pattern (zeros outside the segment and the matrix), each unit's share fetched
+/// into registers during the step before ([`fetch_slice`]); plane `p` of the eight
 /// multiplies rows `16·(p / 2)..` by the two column blocks `32·(p % 2)..`, in
 /// `TILE_K / depth` block products of [`Products::depth`]. After the loop each accumulator
 /// block goes to a shared f32 `[TILE, TILE]` tile, which the units read back as their
@@ -437,40 +498,44 @@ fn grouped_mma<F: Float, S: Float>(
     let mut m1 = zero_block(depth, emulated);
     let mut u0 = zero_block(depth, emulated);
     let mut u1 = zero_block(depth, emulated);
-    let zero = S::cast_from(0.0f32);
+    // Registers holding this unit's share of the next slice: fetched from global memory while
+    // the matrix units multiply the current one, stored to the stages at the next step.
+    let mut ra = Array::<S>::new(4usize);
+    let mut rb = Array::<S>::new(4usize);
+    let mut rb3 = Array::<S>::new(comptime!(if glu { 4usize } else { 1usize }));
+    fetch_slice::<F, S>(
+        a, w, w3, arows, a_lanes, c_lanes, w_base, col0, kdim, cols, 0, &mut ra, &mut rb, &mut rb3,
+        transposed, glu,
+    );
     let mut k0 = 0usize;
     while k0 < kdim {
-        let ka = k0 + tx;
         #[unroll]
         for j in 0..4usize {
-            let mut v = zero;
-            if j < a_lanes && ka < kdim {
-                v = S::cast_from(a[arows[j] * kdim + ka]);
-            }
-            ha[(4 * ty + j) * sa + tx] = v;
-        }
-        let kb = k0 + ty;
-        #[unroll]
-        for j in 0..4usize {
-            let c = col0 + 4 * tx + j;
-            let mut index = w_base + kb * cols + c;
-            if comptime!(transposed) {
-                index = w_base + c * kdim + kb;
-            }
-            let inside = j < c_lanes && kb < kdim;
-            let mut v = zero;
-            if inside {
-                v = S::cast_from(w[index]);
-            }
-            hb[ty * sb + 4 * tx + j] = v;
+            ha[(4 * ty + j) * sa + tx] = ra[j];
+            hb[ty * sb + 4 * tx + j] = rb[j];
             if comptime!(glu) {
-                let mut v3 = zero;
-                if inside {
-                    v3 = S::cast_from(w3[index]);
-                }
-                hb3[ty * sb + 4 * tx + j] = v3;
+                hb3[ty * sb + 4 * tx + j] = rb3[j];
             }
         }
+        sync_cube();
+        fetch_slice::<F, S>(
+            a,
+            w,
+            w3,
+            arows,
+            a_lanes,
+            c_lanes,
+            w_base,
+            col0,
+            kdim,
+            cols,
+            k0 + tk,
+            &mut ra,
+            &mut rb,
+            &mut rb3,
+            transposed,
+            glu,
+        );
         sync_cube();
         #[unroll]
         for ks in 0..comptime!(TILE_K as usize / products.depth()) {

@@ -162,11 +162,54 @@ fn pair_rows(
     (arow, brow)
 }
 
+/// Unit `(tx, ty)`'s share of the `TILE_K` pairs from `p0` in [`wgrad_mma`], as `S`: features
+/// `r0 + 4·tx..` (`a_lanes` of them) of `a`'s row and `c0 + 4·tx..` (`b_lanes`) of `b`'s row of
+/// the pair `p0 + ty`; zeros for lanes past the widths and for a pair at or past `end`.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn fetch_pairs<F: Float, S: Float>(
+    a: &Array<F>,
+    b: &Array<F>,
+    rows: &Array<u32>,
+    p0: usize,
+    end: usize,
+    r0: usize,
+    c0: usize,
+    adim: usize,
+    bdim: usize,
+    a_lanes: usize,
+    b_lanes: usize,
+    ra: &mut Array<S>,
+    rb: &mut Array<S>,
+    #[comptime] gather_a: bool,
+    #[comptime] gather_b: bool,
+) {
+    let tx = UNIT_POS_X as usize;
+    let pos = p0 + UNIT_POS_Y as usize;
+    let inside = pos < end;
+    let (arow, brow) = pair_rows(rows, pos, inside, gather_a, gather_b);
+    let zero = S::cast_from(0.0f32);
+    #[unroll]
+    for j in 0..4usize {
+        let mut va = zero;
+        if inside && j < a_lanes {
+            va = S::cast_from(a[arow * adim + r0 + 4 * tx + j]);
+        }
+        ra[j] = va;
+        let mut vb = zero;
+        if inside && j < b_lanes {
+            vb = S::cast_from(b[brow * bdim + c0 + 4 * tx + j]);
+        }
+        rb[j] = vb;
+    }
+}
+
 /// The main loop of [`grouped_matmul_wgrad`](fn@grouped_matmul_wgrad) on the matrix units (or
 /// their emulation, as `products` says): `acc` gets the unit's 4×4 micro-tile of
 /// `Σ_pos a[arow(pos)]ᵀ · b[brow(pos)]`, accumulated in f32. Per `TILE_K` pairs the cube stages
 /// `a`'s and `b`'s features as `[TILE_K, TILE]` row-major in `S` (the storage type, or TF32;
-/// zeros past the segment and the widths), multiplied in `TILE_K / depth` block products of
+/// zeros past the segment and the widths), each unit's share fetched into registers during the
+/// step before ([`fetch_pairs`]), multiplied in `TILE_K / depth` block products of
 /// [`Products::depth`]; `a`'s slice is the `A` operand read column-major. Plane `p` of the eight owns rows `16·(p / 2)..` and the column blocks
 /// `32·(p % 2)..`, as in the grouped matmul's tensor-core loop.
 #[allow(clippy::too_many_arguments)]
@@ -203,27 +246,39 @@ fn wgrad_mma<F: Float, S: Float>(
     let c_off = (plane / 2) * 16 * TILE_STRIDE + b_off;
     let mut m0 = zero_block(depth, emulated);
     let mut m1 = zero_block(depth, emulated);
-    let zero = S::cast_from(0.0f32);
+    // Registers holding this unit's share of the next pairs: fetched from global memory while
+    // the matrix units multiply the current ones, stored to the stages at the next step.
+    let mut ra = Array::<S>::new(4usize);
+    let mut rb = Array::<S>::new(4usize);
+    fetch_pairs::<F, S>(
+        a, b, rows, start, end, r0, c0, adim, bdim, a_lanes, b_lanes, &mut ra, &mut rb, gather_a,
+        gather_b,
+    );
     let mut p0 = start;
     while p0 < end {
-        // Unit (tx, ty) stages features 4·tx.. of pair p0 + ty.
-        let pos = p0 + ty;
-        let inside = pos < end;
-        let (arow, brow) = pair_rows(rows, pos, inside, gather_a, gather_b);
         #[unroll]
         for j in 0..4usize {
-            let mut va = zero;
-            if inside && j < a_lanes {
-                va = S::cast_from(a[arow * adim + r0 + 4 * tx + j]);
-            }
-            ha[ty * st + 4 * tx + j] = va;
-            let mut vb = zero;
-            if inside && j < b_lanes {
-                vb = S::cast_from(b[brow * bdim + c0 + 4 * tx + j]);
-            }
-            hb[ty * st + 4 * tx + j] = vb;
+            ha[ty * st + 4 * tx + j] = ra[j];
+            hb[ty * st + 4 * tx + j] = rb[j];
         }
         sync_cube();
+        fetch_pairs::<F, S>(
+            a,
+            b,
+            rows,
+            p0 + tk,
+            end,
+            r0,
+            c0,
+            adim,
+            bdim,
+            a_lanes,
+            b_lanes,
+            &mut ra,
+            &mut rb,
+            gather_a,
+            gather_b,
+        );
         #[unroll]
         for ks in 0..comptime!(TILE_K as usize / products.depth()) {
             // Pairs `ks · depth..` of the slice.
