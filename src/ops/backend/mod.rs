@@ -254,11 +254,13 @@ pub fn with_tensor_core_emulation<T>(f: impl FnOnce() -> T) -> T {
 }
 
 /// Whether the kernels emulate their tensor-core paths on this thread now: inside a
-/// [`with_tensor_core_emulation`] scope, or with `KIMI_BURN_TENSOR_CORES=emulate`.
+/// [`with_tensor_core_emulation`] scope, or with `KIMI_BURN_TENSOR_CORES=emulate` outside any
+/// [`with_tensor_cores`] scope (which, on or off, overrides the variable as it says).
 pub fn tensor_core_emulation() -> bool {
-    EMULATION
-        .with(Cell::get)
-        .unwrap_or_else(|| tensor_cores_from_env() == Some(TensorCoresEnv::Emulate))
+    EMULATION.with(Cell::get).unwrap_or_else(|| {
+        TENSOR_CORES.with(Cell::get).is_none()
+            && tensor_cores_from_env() == Some(TensorCoresEnv::Emulate)
+    })
 }
 
 /// What `KIMI_BURN_TENSOR_CORES` asks for.
@@ -511,4 +513,61 @@ pub(crate) fn kernels_available<B: Backend>() -> bool {
         fn run<K: FusedKernels>(self) {}
     }
     on_kernels::<B, _>(Probe).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Marks the child process of [`emulate_in_the_environment_yields_to_scopes`].
+    const CHILD: &str = "KIMI_BURN_SWITCH_TEST_CHILD";
+
+    /// In a process started with `KIMI_BURN_TENSOR_CORES=emulate`: the emulation is on and the
+    /// tensor cores off; a [`with_tensor_cores`] scope, on or off, sets both as it says; a
+    /// [`with_tensor_core_emulation`] scope inside it emulates again.
+    #[test]
+    #[ignore = "the child process of emulate_in_the_environment_yields_to_scopes"]
+    fn emulation_from_the_environment() {
+        if std::env::var_os(CHILD).is_none() {
+            return;
+        }
+        assert!(tensor_core_emulation());
+        assert!(!tensor_cores_enabled());
+        for on in [false, true] {
+            with_tensor_cores(on, || {
+                assert!(
+                    !tensor_core_emulation(),
+                    "with_tensor_cores({on}) leaves the emulation on"
+                );
+                assert_eq!(tensor_cores_enabled(), on);
+                with_tensor_core_emulation(|| assert!(tensor_core_emulation()));
+            });
+        }
+        assert!(tensor_core_emulation());
+        println!("emulation switches as documented");
+    }
+
+    /// The environment's `emulate` is a default that the thread's scopes override, checked in a
+    /// child process of this test binary (the variable is read once per process).
+    #[test]
+    fn emulate_in_the_environment_yields_to_scopes() {
+        let out = std::process::Command::new(std::env::current_exe().expect("the test binary"))
+            .args([
+                "--exact",
+                "ops::backend::tests::emulation_from_the_environment",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .env("KIMI_BURN_TENSOR_CORES", "emulate")
+            .output()
+            .expect("the child process runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("emulation switches as documented"),
+            "the child failed or did not run: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
