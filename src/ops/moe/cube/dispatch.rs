@@ -324,11 +324,12 @@ fn launch_grouped<R: CubeRuntime>(
         None if mode.glu.is_some() => (kmoe::EPILOGUE_GLU, out.clone(), out.clone(), dummy_f32(a)),
         None => (kmoe::EPILOGUE_PLAIN, out.clone(), out.clone(), dummy_f32(a)),
     };
+    let products = products(a);
+    let cube = kmoe::grouped_matmul_cube(products);
     let mut base = 0u32;
     while base < tiles {
         let x = (tiles - base).min(max_x);
-        let products = products(a);
-        let cube = kmoe::grouped_matmul_cube(products);
+        record_launch(products);
         // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
         unsafe {
             kmoe::grouped_matmul::launch_unchecked::<R>(
@@ -378,21 +379,22 @@ fn launch_grouped<R: CubeRuntime>(
 ///   f32 accumulation for the type: `16×16×16` of f16 or bf16 for half storage, `16×16×8` of
 ///   TF32 for f32 storage (tensor cores on CUDA, compute capability 8.0 and later);
 /// - else the scalar loop.
-///
-/// Every launch off the scalar loop is counted ([`crate::ops::tensor_core_launches`]).
 fn products<R: CubeRuntime>(a: &T<R>) -> kmoe::Products {
-    let products = if crate::ops::tensor_core_emulation() {
+    if crate::ops::tensor_core_emulation() {
         match a.dtype {
             DType::F32 => kmoe::Products::EmulatedTf32,
             _ => kmoe::Products::Emulated,
         }
     } else {
         matrix_units(a).unwrap_or(kmoe::Products::Scalar)
-    };
+    }
+}
+
+/// Counts one launch off the scalar loop ([`crate::ops::tensor_core_launches`]).
+fn record_launch(products: kmoe::Products) {
     if products.blocks() {
         crate::ops::backend::record_tensor_core_launch();
     }
-    products
 }
 
 /// The matrix-unit path for `a`'s storage type, where the device has one and tensor cores are
@@ -400,10 +402,10 @@ fn products<R: CubeRuntime>(a: &T<R>) -> kmoe::Products {
 fn matrix_units<R: CubeRuntime>(a: &T<R>) -> Option<kmoe::Products> {
     use cubecl::ir::features::MmaConfig;
     use cubecl::ir::{ElemType, FloatKind, StorageType};
-    let (kind, depth, products) = match a.dtype {
-        DType::F16 => (FloatKind::F16, 16, kmoe::Products::MatrixUnits),
-        DType::BF16 => (FloatKind::BF16, 16, kmoe::Products::MatrixUnits),
-        DType::F32 => (FloatKind::TF32, 8, kmoe::Products::MatrixUnitsTf32),
+    let (kind, products) = match a.dtype {
+        DType::F16 => (FloatKind::F16, kmoe::Products::MatrixUnits),
+        DType::BF16 => (FloatKind::BF16, kmoe::Products::MatrixUnits),
+        DType::F32 => (FloatKind::TF32, kmoe::Products::MatrixUnitsTf32),
         _ => return None,
     };
     if !crate::ops::tensor_cores_enabled() {
@@ -423,7 +425,7 @@ fn matrix_units<R: CubeRuntime>(a: &T<R>) -> Option<kmoe::Products> {
             b_type: operand,
             cd_type: ElemType::Float(FloatKind::F32).into(),
             m: 16,
-            k: depth,
+            k: products.depth() as u32,
             n: 16,
         })
         .then_some(products)
@@ -444,6 +446,7 @@ pub(super) fn grouped_wgrad<R: CubeRuntime>(
     if plan.n * adim * bdim > 0 {
         let tile = kmoe::TILE as usize;
         let products = products(a);
+        record_launch(products);
         let cube = kmoe::grouped_matmul_cube(products);
         // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
         unsafe {
