@@ -536,7 +536,6 @@ fn grouped_mma<F: Float, S: Float>(
             transposed,
             glu,
         );
-        sync_cube();
         #[unroll]
         for ks in 0..comptime!(TILE_K as usize / products.depth()) {
             // Depths `ks · depth..` of the slice: columns of `a`'s rows, rows of `w`'s.
