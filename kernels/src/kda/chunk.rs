@@ -5,6 +5,7 @@
 
 use cubecl::prelude::*;
 
+use super::tile::{multiply_slice, stage_columns, stage_rows, store_block, zero_block, SLICE};
 use super::LOOP_BUDGET;
 pub(super) use crate::V4;
 
@@ -513,13 +514,19 @@ pub(super) fn store_state_tile(
 }
 
 /// Chunked KDA, step 5 (design §4.3): the output of every chunk at once from the states stored by
-/// [`kda_chunk_state`](fn@kda_chunk_state), one unit per (chunk·head, row `i`, value column):
+/// [`kda_chunk_state`](fn@kda_chunk_state),
 ///
 /// ```text
-/// O = (q ⊙ exp(G)) S + A_qk Vn
+/// O = (q ⊙ exp(G)) S + A_qk Vn  =  [qe | A_qk] · [S ; Vn]
 /// ```
 ///
-/// `out: [tokens, heads, vdim]`; rows past a chunk's length exit.
+/// as one tiled product (see [`SLICE`](super::SLICE)) of depth `kdim + len`, one cube per
+/// (chunk·head, tile of `cols` value columns, [`tile_columns`](super::tile_columns)) of
+/// [`tile_units`](super::tile_units)`(chunk, cols)` units. `Vn`'s rows past the chunk's length
+/// (never written) are read as zeros.
+///
+/// `tiles = ceil(vdim / cols)` cubes per chunk·head; `out: [tokens, heads, vdim]`, rows past a
+/// chunk's length are not written.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn kda_chunk_output(
@@ -533,29 +540,82 @@ pub fn kda_chunk_output(
     chunks: usize,
     heads: usize,
     vdim: usize,
+    tiles: usize,
     #[comptime] kdim: usize,
     #[comptime] chunk: usize,
+    #[comptime] cols: usize,
 ) {
-    let pos = ABSOLUTE_POS;
-    if pos >= chunks * heads * chunk * vdim {
+    // Cubes spread over the hardware grid (`CUBE_POS` linear): `tiles` per chunk·head.
+    let id = CUBE_POS;
+    if id >= chunks * heads * tiles {
         terminate!();
     }
-    let col = pos % vdim;
-    let i = (pos / vdim) % chunk;
-    let ch_h = pos / (vdim * chunk);
+    let ch_h = id / tiles;
+    let col0 = (id % tiles) * cols;
     let h = ch_h % heads;
     let ch = ch_h / heads;
-    if i >= chunk_len[ch] as usize {
-        terminate!();
+    let tok0 = chunk_tok[ch] as usize;
+    let len = chunk_len[ch] as usize;
+    let rq_n = comptime!(chunk / 4);
+    let cq_n = comptime!(cols / 4);
+    let units = comptime!(chunk / 4 * (cols / 4));
+    let rq = UNIT_POS as usize / cq_n;
+    let cq = UNIT_POS as usize % cq_n;
+    let mut left = SharedMemory::<V4>::new(SLICE * rq_n);
+    let mut right = SharedMemory::<V4>::new(SLICE * cq_n);
+    let mut acc = zero_block();
+    let rows = (tok0 * heads + h) * kdim;
+    for s in 0..comptime!(kdim.div_ceil(SLICE)) {
+        let d0 = s * SLICE;
+        stage_rows(
+            qe,
+            &mut left,
+            rows,
+            heads * kdim,
+            len,
+            d0,
+            kdim,
+            rq_n,
+            units,
+        );
+        let s_base = ch_h * kdim * vdim;
+        stage_columns(
+            states, &mut right, s_base, vdim, d0, kdim, col0, vdim, cq_n, units,
+        );
+        sync_cube();
+        multiply_slice(&mut acc, &left, &right, rq, cq, rq_n, cq_n);
+        sync_cube();
     }
-    let row = (chunk_tok[ch] as usize + i) * heads + h;
-    let mut o = 0.0f32;
-    for d in 0..kdim {
-        o += qe[row * kdim + d] * states[(ch_h * kdim + d) * vdim + col];
+    for s in 0..(len + SLICE - 1) / SLICE {
+        let j0 = s * SLICE;
+        stage_rows(
+            a_qk,
+            &mut left,
+            ch_h * chunk * chunk,
+            chunk,
+            len,
+            j0,
+            chunk,
+            rq_n,
+            units,
+        );
+        let v_base = ch_h * chunk * vdim;
+        stage_columns(
+            vn, &mut right, v_base, vdim, j0, len, col0, vdim, cq_n, units,
+        );
+        sync_cube();
+        multiply_slice(&mut acc, &left, &right, rq, cq, rq_n, cq_n);
+        sync_cube();
     }
-    let a_row = (ch_h * chunk + i) * chunk;
-    for j in 0..i + 1 {
-        o += a_qk[a_row + j] * vn[(ch_h * chunk + j) * vdim + col];
-    }
-    out[row * vdim + col] = o;
+    let o_base = (tok0 * heads + h) * vdim;
+    store_block(
+        out,
+        &acc,
+        o_base,
+        heads * vdim,
+        4 * rq,
+        len,
+        col0 + 4 * cq,
+        vdim,
+    );
 }

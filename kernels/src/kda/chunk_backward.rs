@@ -21,6 +21,7 @@ use cubecl::prelude::*;
 use super::chunk::{
     load_cols, load_state_tile, store_cols, store_state_tile, SOLVE_CUBE, STATE_CUBE, SUB, V4,
 };
+use super::tile::{multiply_slice, stage_rows, store_block, zero_block, SLICE};
 
 /// The reverse sequential pass, one cube of [`STATE_CUBE`] units per (value tile,
 /// sequence·head), `dS` tile `[kdim, vt]` and the tile of `dVn` in shared memory. It stores `dVn`
@@ -148,14 +149,17 @@ pub fn kda_chunk_state_backward(
     store_state_tile(&ds, d_state, s_base, col0, vdim, kdim, vt);
 }
 
-/// The per-chunk products with the states, one unit per (chunk·head, row `i`, key channel `d`):
+/// The per-chunk products with the states, one tiled product (see [`SLICE`](super::SLICE)) per
+/// (chunk·head, tile of `cols` key channels, [`tile_columns`](super::tile_columns)`(kdim)`) of
+/// [`tile_units`](super::tile_units)`(chunk, cols)` units, over the value channels:
 ///
 /// ```text
 /// dqe[i,d] = Σ_v dO[i,v] S[d,v]     dw[i,d] = −Σ_v dVn[i,v] S[d,v]     dke[i,d] = Σ_v Vn[i,v] dS'[d,v]
-/// ddecay[d] = Σ_v S[d,v] dS'[d,v]   (units of row 0)
+/// ddecay[d] = Σ_v S[d,v] dS'[d,v]   (from the staged slices of S and dS')
 /// ```
 ///
-/// `dqe`, `dke: [tokens, heads, kdim]`, `dw: [chunks, heads, chunk, kdim]`, `ddecay: [chunks,
+/// `tiles = ceil(kdim / cols)` cubes per chunk·head. `dqe`, `dke: [tokens, heads, kdim]`, `dw:
+/// [chunks, heads, chunk, kdim]` (rows past a chunk's length not written), `ddecay: [chunks,
 /// heads, kdim]`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
@@ -174,47 +178,93 @@ pub fn kda_chunk_state_products(
     chunks: usize,
     heads: usize,
     vdim: usize,
+    tiles: usize,
     #[comptime] kdim: usize,
     #[comptime] chunk: usize,
+    #[comptime] cols: usize,
 ) {
-    let pos = ABSOLUTE_POS;
-    if pos >= chunks * heads * chunk * kdim {
+    // Cubes spread over the hardware grid (`CUBE_POS` linear): `tiles` per chunk·head.
+    let id = CUBE_POS;
+    if id >= chunks * heads * tiles {
         terminate!();
     }
-    let d = pos % kdim;
-    let i = (pos / kdim) % chunk;
-    let ch_h = pos / (kdim * chunk);
+    let ch_h = id / tiles;
+    let col0 = (id % tiles) * cols;
     let h = ch_h % heads;
     let ch = ch_h / heads;
-    if i >= chunk_len[ch] as usize {
-        terminate!();
-    }
-    let row = (chunk_tok[ch] as usize + i) * heads + h;
-    let s_row = (ch_h * kdim + d) * vdim;
-    let c_row = (ch_h * chunk + i) * vdim;
-    let mut a = 0.0f32;
-    let mut b = 0.0f32;
-    let mut c = 0.0f32;
-    for v in 0..vdim {
-        let s = states[s_row + v];
-        a += d_out[row * vdim + v] * s;
-        b -= d_vn[c_row + v] * s;
-        c += vn[c_row + v] * d_after[s_row + v];
-    }
-    dqe[row * kdim + d] = a;
-    dw[(ch_h * chunk + i) * kdim + d] = b;
-    dke[row * kdim + d] = c;
-    if i == 0 {
-        let mut x = 0.0f32;
-        for v in 0..vdim {
-            x += states[s_row + v] * d_after[s_row + v];
+    let tok0 = chunk_tok[ch] as usize;
+    let len = chunk_len[ch] as usize;
+    let rq_n = comptime!(chunk / 4);
+    let cq_n = comptime!(cols / 4);
+    let units = comptime!(chunk / 4 * (cols / 4));
+    let rq = UNIT_POS as usize / cq_n;
+    let cq = UNIT_POS as usize % cq_n;
+    let mut l_out = SharedMemory::<V4>::new(SLICE * rq_n);
+    let mut l_dvn = SharedMemory::<V4>::new(SLICE * rq_n);
+    let mut l_vn = SharedMemory::<V4>::new(SLICE * rq_n);
+    let mut r_s = SharedMemory::<V4>::new(SLICE * cq_n);
+    let mut r_ds = SharedMemory::<V4>::new(SLICE * cq_n);
+    let mut a_q = zero_block();
+    let mut a_w = zero_block();
+    let mut a_k = zero_block();
+    let mut dec = V4::new(0.0f32);
+    let tok_rows = (tok0 * heads + h) * vdim;
+    let chunk_rows = ch_h * chunk * vdim;
+    let s_rows = (ch_h * kdim + col0) * vdim;
+    let channels = kdim - usize::min(col0, kdim);
+    for s in 0..(vdim + SLICE - 1) / SLICE {
+        let v0 = s * SLICE;
+        stage_rows(
+            d_out,
+            &mut l_out,
+            tok_rows,
+            heads * vdim,
+            len,
+            v0,
+            vdim,
+            rq_n,
+            units,
+        );
+        stage_rows(
+            d_vn, &mut l_dvn, chunk_rows, vdim, len, v0, vdim, rq_n, units,
+        );
+        stage_rows(vn, &mut l_vn, chunk_rows, vdim, len, v0, vdim, rq_n, units);
+        stage_rows(
+            states, &mut r_s, s_rows, vdim, channels, v0, vdim, cq_n, units,
+        );
+        stage_rows(
+            d_after, &mut r_ds, s_rows, vdim, channels, v0, vdim, cq_n, units,
+        );
+        sync_cube();
+        multiply_slice(&mut a_q, &l_out, &r_s, rq, cq, rq_n, cq_n);
+        multiply_slice(&mut a_w, &l_dvn, &r_s, rq, cq, rq_n, cq_n);
+        multiply_slice(&mut a_k, &l_vn, &r_ds, rq, cq, rq_n, cq_n);
+        if rq == 0 {
+            #[unroll]
+            for k in 0..SLICE {
+                dec += r_s[k * cq_n + cq] * r_ds[k * cq_n + cq];
+            }
         }
-        ddecay[ch_h * kdim + d] = x;
+        sync_cube();
+    }
+    #[unroll]
+    for l in 0..4usize {
+        a_w[l] = V4::new(0.0f32) - a_w[l];
+    }
+    let col = col0 + 4 * cq;
+    let i0 = 4 * rq;
+    let tok_keys = (tok0 * heads + h) * kdim;
+    store_block(dqe, &a_q, tok_keys, heads * kdim, i0, len, col, kdim);
+    store_block(dw, &a_w, ch_h * chunk * kdim, kdim, i0, len, col, kdim);
+    store_block(dke, &a_k, tok_keys, heads * kdim, i0, len, col, kdim);
+    if rq == 0 {
+        store_cols(ddecay, ch_h * kdim, col, kdim, dec);
     }
 }
 
-/// `dA_qk[i,j] = Σ_v dO[i,v] Vn[j,v]` for `j ≤ i` (zero elsewhere), one unit per (chunk·head,
-/// `i`, `j`); `d_aqk: [chunks, heads, chunk, chunk]`.
+/// `dA_qk[i,j] = Σ_v dO[i,v] Vn[j,v]` for `j ≤ i < len` (zero elsewhere), one tiled product (see
+/// [`SLICE`](super::SLICE)) per chunk·head of [`tile_units`](super::tile_units)`(chunk, chunk)`
+/// units over the value channels; `d_aqk: [chunks, heads, chunk, chunk]`, every entry written.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn kda_chunk_aqk_backward(
@@ -228,24 +278,85 @@ pub fn kda_chunk_aqk_backward(
     vdim: usize,
     #[comptime] chunk: usize,
 ) {
-    let pos = ABSOLUTE_POS;
-    if pos >= chunks * heads * chunk * chunk {
+    // Cubes spread over the hardware grid (`CUBE_POS` linear): one per chunk·head.
+    let ch_h = CUBE_POS;
+    if ch_h >= chunks * heads {
         terminate!();
     }
-    let j = pos % chunk;
-    let i = (pos / chunk) % chunk;
-    let ch_h = pos / (chunk * chunk);
     let h = ch_h % heads;
     let ch = ch_h / heads;
-    let mut x = 0.0f32;
-    if j <= i && i < chunk_len[ch] as usize {
-        let row = (chunk_tok[ch] as usize + i) * heads + h;
-        let vn_row = (ch_h * chunk + j) * vdim;
-        for v in 0..vdim {
-            x += d_out[row * vdim + v] * vn[vn_row + v];
-        }
+    let tok0 = chunk_tok[ch] as usize;
+    let len = chunk_len[ch] as usize;
+    let q_n = comptime!(chunk / 4);
+    let units = comptime!(chunk / 4 * (chunk / 4));
+    let rq = UNIT_POS as usize / q_n;
+    let cq = UNIT_POS as usize % q_n;
+    let mut left = SharedMemory::<V4>::new(SLICE * q_n);
+    let mut right = SharedMemory::<V4>::new(SLICE * q_n);
+    let mut acc = zero_block();
+    let tok_rows = (tok0 * heads + h) * vdim;
+    for s in 0..(vdim + SLICE - 1) / SLICE {
+        let v0 = s * SLICE;
+        stage_rows(
+            d_out,
+            &mut left,
+            tok_rows,
+            heads * vdim,
+            len,
+            v0,
+            vdim,
+            q_n,
+            units,
+        );
+        stage_rows(
+            vn,
+            &mut right,
+            ch_h * chunk * vdim,
+            vdim,
+            len,
+            v0,
+            vdim,
+            q_n,
+            units,
+        );
+        sync_cube();
+        multiply_slice(&mut acc, &left, &right, rq, cq, q_n, q_n);
+        sync_cube();
     }
-    d_aqk[pos] = x;
+    store_lower(d_aqk, &acc, ch_h * chunk * chunk, len, rq, cq, false, chunk);
+}
+
+/// Writes a unit's 4 × 4 block (row quad `rq`, column quad `cq`) of a `[chunk, chunk]` matrix at
+/// `base`, its entries `(i, j)` kept for `j ≤ i < len` (`j < i` when `strict`) and zero elsewhere.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_lower(
+    dst: &mut Array<f32>,
+    acc: &Array<V4>,
+    base: usize,
+    len: usize,
+    rq: usize,
+    cq: usize,
+    #[comptime] strict: bool,
+    #[comptime] chunk: usize,
+) {
+    #[unroll]
+    for l in 0..4usize {
+        let i = 4 * rq + l;
+        let mut x = acc[l];
+        #[unroll]
+        for c in 0..4usize {
+            let j = 4 * cq + c;
+            let mut above = j > i;
+            if strict {
+                above = j >= i;
+            }
+            if above || i >= len {
+                x[c] = 0.0f32;
+            }
+        }
+        store_cols(dst, base + i * chunk, 4 * cq, chunk, x);
+    }
 }
 
 /// The transposed triangular solve `(I + A_kk)ᵀ Z = [dW | dVn]` by back substitution, one unit
@@ -299,8 +410,10 @@ pub fn kda_chunk_solve_backward(
     }
 }
 
-/// `dA_kk[i,j] = −(Σ_d Z_w[i,d] W[j,d] + Σ_v Z_u[i,v] U[j,v])` for `j < i` (zero elsewhere),
-/// one unit per (chunk·head, `i`, `j`); `d_akk: [chunks, heads, chunk, chunk]`.
+/// `dA_kk[i,j] = −(Σ_d Z_w[i,d] W[j,d] + Σ_v Z_u[i,v] U[j,v])` for `j < i < len` (zero
+/// elsewhere), one tiled product (see [`SLICE`](super::SLICE)) per chunk·head of
+/// [`tile_units`](super::tile_units)`(chunk, chunk)` units over the key then the value channels;
+/// `d_akk: [chunks, heads, chunk, chunk]`, every entry written.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn kda_chunk_akk_backward(
@@ -316,26 +429,41 @@ pub fn kda_chunk_akk_backward(
     vdim: usize,
     #[comptime] chunk: usize,
 ) {
-    let pos = ABSOLUTE_POS;
-    if pos >= chunks * heads * chunk * chunk {
+    // Cubes spread over the hardware grid (`CUBE_POS` linear): one per chunk·head.
+    let ch_h = CUBE_POS;
+    if ch_h >= chunks * heads {
         terminate!();
     }
-    let j = pos % chunk;
-    let i = (pos / chunk) % chunk;
-    let ch_h = pos / (chunk * chunk);
-    let ch = ch_h / heads;
-    let mut x = 0.0f32;
-    if j < i && i < chunk_len[ch] as usize {
-        let ri = ch_h * chunk + i;
-        let rj = ch_h * chunk + j;
-        for d in 0..kdim {
-            x -= zw[ri * kdim + d] * w[rj * kdim + d];
+    let len = chunk_len[ch_h / heads] as usize;
+    let q_n = comptime!(chunk / 4);
+    let units = comptime!(chunk / 4 * (chunk / 4));
+    let rq = UNIT_POS as usize / q_n;
+    let cq = UNIT_POS as usize % q_n;
+    let mut left = SharedMemory::<V4>::new(SLICE * q_n);
+    let mut right = SharedMemory::<V4>::new(SLICE * q_n);
+    let mut acc = zero_block();
+    let k_slices = (kdim + SLICE - 1) / SLICE;
+    for s in 0..k_slices + (vdim + SLICE - 1) / SLICE {
+        if s < k_slices {
+            let base = ch_h * chunk * kdim;
+            let d0 = s * SLICE;
+            stage_rows(zw, &mut left, base, kdim, len, d0, kdim, q_n, units);
+            stage_rows(w, &mut right, base, kdim, len, d0, kdim, q_n, units);
+        } else {
+            let base = ch_h * chunk * vdim;
+            let v0 = (s - k_slices) * SLICE;
+            stage_rows(zu, &mut left, base, vdim, len, v0, vdim, q_n, units);
+            stage_rows(u, &mut right, base, vdim, len, v0, vdim, q_n, units);
         }
-        for v in 0..vdim {
-            x -= zu[ri * vdim + v] * u[rj * vdim + v];
-        }
+        sync_cube();
+        multiply_slice(&mut acc, &left, &right, rq, cq, q_n, q_n);
+        sync_cube();
     }
-    d_akk[pos] = x;
+    #[unroll]
+    for l in 0..4usize {
+        acc[l] = V4::new(0.0f32) - acc[l];
+    }
+    store_lower(d_akk, &acc, ch_h * chunk * chunk, len, rq, cq, true, chunk);
 }
 
 /// The within-chunk matrices differentiated through their factors `E_ij = exp(G_i − G_j)` (per

@@ -1,6 +1,6 @@
 //! Kimi Delta Attention kernels (design §4): the token-by-token recurrence for decode
 //! (`recurrent`), the chunked form for training and prefill (forward in `chunk`, backward in
-//! `chunk_backward`), the short convolution for prefill and decode (`conv`) and the gated output
+//! `chunk_backward`, their tiled products in `tile`), the short convolution for prefill and decode (`conv`) and the gated output
 //! norm (`norm`), all re-exported here. This file holds the helpers they share.
 //!
 //! Layout: tokens of every sequence are contiguous along one axis (`[B·T, H, X]` for `B` rows of
@@ -17,12 +17,14 @@ mod chunk_backward;
 mod conv;
 mod norm;
 mod recurrent;
+mod tile;
 
 pub use chunk::*;
 pub use chunk_backward::*;
 pub use conv::*;
 pub use norm::*;
 pub use recurrent::*;
+pub use tile::{tile_columns, tile_units, SLICE};
 
 /// `σ(x)` in the reference path's cancellation-free form
 /// ([`sigmoid_pair`](fn@crate::situ::sigmoid_pair)).

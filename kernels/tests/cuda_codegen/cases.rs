@@ -387,14 +387,15 @@ fn kda_kernels(cs: &mut Cases) {
             kd, vt, chunk,
         );
         cs.push(format!("kda_chunk_state {label} vt={vt}"), k);
+        let cols = kda::tile_columns(kd);
         let k = kda::kda_chunk_output::KdaChunkOutput::new(
-            settings(ELEMWISE),
+            settings(CubeDim::new_1d(kda::tile_units(chunk, cols))),
             cs.c(),
             A, A, A, A, A, A, A,
-            S, S, S,
-            kd, chunk,
+            S, S, S, S,
+            kd, chunk, cols,
         );
-        cs.push(format!("kda_chunk_output {label}"), k);
+        cs.push(format!("kda_chunk_output {label} cols={cols}"), k);
         let k = kda::kda_chunk_state_backward::KdaChunkStateBackward::new(
             settings(state),
             cs.c(),
@@ -404,15 +405,15 @@ fn kda_kernels(cs: &mut Cases) {
         );
         cs.push(format!("kda_chunk_state_backward {label} vt={vt}"), k);
         let k = kda::kda_chunk_state_products::KdaChunkStateProducts::new(
-            settings(ELEMWISE),
+            settings(CubeDim::new_1d(kda::tile_units(chunk, cols))),
             cs.c(),
             A, A, A, A, A, A, A, A, A, A, A,
-            S, S, S,
-            kd, chunk,
+            S, S, S, S,
+            kd, chunk, cols,
         );
-        cs.push(format!("kda_chunk_state_products {label}"), k);
+        cs.push(format!("kda_chunk_state_products {label} cols={cols}"), k);
         let k = kda::kda_chunk_aqk_backward::KdaChunkAqkBackward::new(
-            settings(ELEMWISE),
+            settings(CubeDim::new_1d(kda::tile_units(chunk, chunk))),
             cs.c(),
             A, A, A, A, A,
             S, S, S,
@@ -428,7 +429,7 @@ fn kda_kernels(cs: &mut Cases) {
         );
         cs.push(format!("kda_chunk_solve_backward {label}"), k);
         let k = kda::kda_chunk_akk_backward::KdaChunkAkkBackward::new(
-            settings(ELEMWISE),
+            settings(CubeDim::new_1d(kda::tile_units(chunk, chunk))),
             cs.c(),
             A, A, A, A, A, A,
             S, S, S, S,

@@ -372,13 +372,14 @@ pub(super) fn forward<R: CubeRuntime>(
             )
         };
     }
-    let (count, dim) = work.elemwise(chunks * h * chunk * vd);
+    let cols = kkda::tile_columns(vd);
+    let tiles = vd.div_ceil(cols);
     // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
     unsafe {
         kkda::kda_chunk_output::launch_unchecked::<R>(
             &client,
-            count,
-            dim,
+            per_row(&work.q, chunks * h * tiles),
+            CubeDim::new_1d(kkda::tile_units(chunk, cols)),
             work.qe.clone().into_array_arg(),
             work.a_qk.clone().into_array_arg(),
             states.clone().into_array_arg(),
@@ -389,8 +390,10 @@ pub(super) fn forward<R: CubeRuntime>(
             chunks,
             h,
             vd,
+            tiles,
             kd,
             chunk,
+            cols,
         )
     };
     let within = keep_within.then_some([work.a_qk, work.a_kk, work.w, work.u]);
@@ -479,13 +482,14 @@ pub(super) fn backward<R: CubeRuntime>(
     let dke = work.scratch(vec![tokens, h, kd]);
     let dw = work.scratch(vec![chunks, h, chunk, kd]);
     let ddecay = work.scratch(vec![chunks, h, kd]);
-    let (count, dim) = work.elemwise(chunks * h * chunk * kd);
+    let cols = kkda::tile_columns(kd);
+    let tiles = kd.div_ceil(cols);
     // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
     unsafe {
         kkda::kda_chunk_state_products::launch_unchecked::<R>(
             &client,
-            count,
-            dim,
+            per_row(&work.q, chunks * h * tiles),
+            CubeDim::new_1d(kkda::tile_units(chunk, cols)),
             grad_o.clone().into_array_arg(),
             states.into_array_arg(),
             d_after.into_array_arg(),
@@ -500,18 +504,19 @@ pub(super) fn backward<R: CubeRuntime>(
             chunks,
             h,
             vd,
+            tiles,
             kd,
             chunk,
+            cols,
         )
     };
     let d_aqk = work.scratch(vec![chunks, h, chunk, chunk]);
-    let (count, dim) = work.elemwise(chunks * h * chunk * chunk);
     // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
     unsafe {
         kkda::kda_chunk_aqk_backward::launch_unchecked::<R>(
             &client,
-            count,
-            dim,
+            per_row(&work.q, chunks * h),
+            CubeDim::new_1d(kkda::tile_units(chunk, chunk)),
             grad_o.into_array_arg(),
             vn.into_array_arg(),
             work.tok.clone().into_array_arg(),
@@ -548,13 +553,12 @@ pub(super) fn backward<R: CubeRuntime>(
         )
     };
     let d_akk = work.scratch(vec![chunks, h, chunk, chunk]);
-    let (count, dim) = work.elemwise(chunks * h * chunk * chunk);
     // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
     unsafe {
         kkda::kda_chunk_akk_backward::launch_unchecked::<R>(
             &client,
-            count,
-            dim,
+            per_row(&work.q, chunks * h),
+            CubeDim::new_1d(kkda::tile_units(chunk, chunk)),
             zw.clone().into_array_arg(),
             zu.clone().into_array_arg(),
             work.w.clone().into_array_arg(),

@@ -1,0 +1,157 @@
+//! The tiled products of the chunked kernels ([`kda_chunk_output`](fn@super::kda_chunk_output),
+//! [`kda_chunk_state_products`](fn@super::kda_chunk_state_products),
+//! [`kda_chunk_aqk_backward`](fn@super::kda_chunk_aqk_backward)): a cube holds an output tile of
+//! a chunk as 4 × 4 blocks in its units' registers and walks the product's depth
+//! [`SLICE`] at a time, each factor's slice staged in shared memory as [`V4`]s by loads on which
+//! consecutive units read consecutive addresses (coalesced on a GPU). Each shared read then
+//! feeds sixteen multiply-adds.
+
+use cubecl::prelude::*;
+
+use super::chunk::{load_cols, store_cols};
+use super::V4;
+
+/// Depth of one staged slice of the chunked kernels' tiled products: a cube holds an output tile
+/// of a chunk as 4 × 4 blocks in its units' registers ([`tile_units`] units) and walks the
+/// product's depth this many at a time, each factor's slice staged in shared memory by loads on
+/// which consecutive units read consecutive addresses.
+pub const SLICE: usize = 16;
+
+/// Columns of an output tile for `cols` output columns: 64, or `cols` rounded up to a multiple
+/// of 4 below that.
+pub fn tile_columns(cols: usize) -> usize {
+    cols.next_multiple_of(4).clamp(4, 64)
+}
+
+/// Units per cube of a tiled product whose output tile is `[rows, cols]` (both multiples of 4):
+/// one per 4 × 4 block.
+pub fn tile_units(rows: usize, cols: usize) -> u32 {
+    ((rows / 4) * (cols / 4)) as u32
+}
+
+/// Stages a slice of a factor whose *rows* are the output's rows or columns (`A` of `A · B`, or
+/// `B` of `A · Bᵀ`): `tile[k · quads + q][l] = src[base + (4q + l) · stride + depth0 + k]` for
+/// `k < SLICE`, zero where the row `4q + l` is at or past `rows` or the depth at or past `depth`.
+/// Consecutive units take consecutive depths of the same four rows. `units`: the cube's.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn stage_rows(
+    src: &Array<f32>,
+    tile: &mut SharedMemory<V4>,
+    base: usize,
+    stride: usize,
+    rows: usize,
+    depth0: usize,
+    depth: usize,
+    #[comptime] quads: usize,
+    #[comptime] units: usize,
+) {
+    let rounds = comptime!((SLICE * quads).div_ceil(units));
+    for r in 0..rounds {
+        let e = r * units + UNIT_POS as usize;
+        if e < SLICE * quads {
+            let k = e % SLICE;
+            let q = e / SLICE;
+            let d = depth0 + k;
+            let mut x = V4::new(0.0f32);
+            if d < depth {
+                #[unroll]
+                for l in 0..4usize {
+                    let i = 4 * q + l;
+                    if i < rows {
+                        x[l] = src[base + i * stride + d];
+                    }
+                }
+            }
+            tile[k * quads + q] = x;
+        }
+    }
+}
+
+/// Stages a slice of a factor whose *columns* are the output's columns (`B` of `A · B`):
+/// `tile[k · quads + c][j] = src[base + (depth0 + k) · stride + col0 + 4c + j]`, zero where the
+/// depth row is at or past `depth` or the column at or past `cols`. Consecutive units take
+/// consecutive columns of the same depth row.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn stage_columns(
+    src: &Array<f32>,
+    tile: &mut SharedMemory<V4>,
+    base: usize,
+    stride: usize,
+    depth0: usize,
+    depth: usize,
+    col0: usize,
+    cols: usize,
+    #[comptime] quads: usize,
+    #[comptime] units: usize,
+) {
+    let rounds = comptime!((SLICE * quads).div_ceil(units));
+    for r in 0..rounds {
+        let e = r * units + UNIT_POS as usize;
+        if e < SLICE * quads {
+            let k = e / quads;
+            let c = e % quads;
+            let mut x = V4::new(0.0f32);
+            if depth0 + k < depth {
+                x = load_cols(src, base + (depth0 + k) * stride, col0 + 4 * c, cols);
+            }
+            tile[k * quads + c] = x;
+        }
+    }
+}
+
+/// Four zero [`V4`]s: a unit's 4 × 4 block.
+#[cube]
+pub(super) fn zero_block() -> Array<V4> {
+    let mut acc = Array::<V4>::new(4usize);
+    #[unroll]
+    for l in 0..4usize {
+        acc[l] = V4::new(0.0f32);
+    }
+    acc
+}
+
+/// `acc[l] += left[k][rq][l] · right[k][cq]` over the staged slice: the unit's 4 × 4 block at
+/// row quad `rq` and column quad `cq`.
+#[cube]
+pub(super) fn multiply_slice(
+    acc: &mut Array<V4>,
+    left: &SharedMemory<V4>,
+    right: &SharedMemory<V4>,
+    rq: usize,
+    cq: usize,
+    #[comptime] left_quads: usize,
+    #[comptime] right_quads: usize,
+) {
+    for k in 0..SLICE {
+        let a = left[k * left_quads + rq];
+        let b = right[k * right_quads + cq];
+        #[unroll]
+        for l in 0..4usize {
+            acc[l] += V4::new(a[l]) * b;
+        }
+    }
+}
+
+/// Writes row `l` of the unit's block (rows `i0 + l` below `rows`) to `dst[base + (i0 + l) ·
+/// stride + col ..]`, the columns below `cols` (see [`store_cols`](fn@super::chunk::store_cols)).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn store_block(
+    dst: &mut Array<f32>,
+    acc: &Array<V4>,
+    base: usize,
+    stride: usize,
+    i0: usize,
+    rows: usize,
+    col: usize,
+    cols: usize,
+) {
+    #[unroll]
+    for l in 0..4usize {
+        if i0 + l < rows {
+            store_cols(dst, base + (i0 + l) * stride, col, cols, acc[l]);
+        }
+    }
+}
