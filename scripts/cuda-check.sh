@@ -8,8 +8,9 @@
 #   scripts/cuda-check.sh run [DIR] [PART]
 #                                       on the GPU machine: run them from DIR; logs and a summary
 #                                       go to $OUT (default: ./cuda-out). PART: `tests` (about 5
-#                                       minutes on an H200), `bench` (the benches, train_tiny and
-#                                       its profile, about 5 minutes), or `all` (default; over 10
+#                                       minutes on an H200), `bench` (the benches, the kernels'
+#                                       shares of KDA and of the MoE layer, train_tiny and its
+#                                       profile, about 7 minutes), or `all` (default; over 10
 #                                       minutes, so two calls where one command is limited to 10)
 #   scripts/cuda-check.sh               both, on a machine that has the GPU and the toolchain
 #
@@ -32,6 +33,8 @@
 #   of its matmuls at a data-centre shape) and of the `kda` bench (also H = 64, K = V = 128,
 #   T = 16384), built in the dev profile (dependencies at opt-level 3, the crate at 1: the time
 #   is the device's);
+# - each kernel's share of the KDA forward and forward + backward at the target shape and of the
+#   MoE layer forward with the tensor cores on and off (CubeCL's profiler on short bench runs);
 # - `train_tiny --backend cuda`: tokens/s of the tiny model's training step, and a CubeCL profile
 #   of 2 and of 6 steps (the difference over 4 is one step's kernels).
 # Exit status: non-zero if any test failed.
@@ -116,6 +119,42 @@ print(f"one step: {sum(time.values()) / 4 * 1e3:.1f} ms of kernels in {sum(count
 for name in sorted(time, key=time.get, reverse=True)[:25]:
     print(f"{time[name] / 4 * 1e3:9.2f} ms {count[name] / 4:6.0f}  {name}")
 PY
+}
+
+# Every kernel's share of a CubeCL profile log (`CUBECL_DEBUG_OPTION=profile`): time, launches
+# and share per kernel name over all launches but each name's first (its time includes NVRTC's
+# compilation).
+kernel_shares() {
+    python3 - "$1" <<'PY'
+import collections, re, sys
+unit = {"ms": 1e-3, "µs": 1e-6, "ns": 1e-9, "s": 1.0}
+time, count, seen = collections.defaultdict(float), collections.Counter(), set()
+for line in open(sys.argv[1], errors="replace"):
+    m = re.match(r"\| ([0-9.]+)(ms|µs|ns|s)\s*\| (\S+)", line)
+    if not m:
+        continue
+    name = m.group(3)
+    if name not in seen:
+        seen.add(name)
+        continue
+    time[name] += float(m.group(1)) * unit[m.group(2)]
+    count[name] += 1
+total = sum(time.values()) or 1.0
+print(f"{total * 1e3:.1f} ms of kernels in {sum(count.values())} launches (first launches left out)")
+for name in sorted(time, key=time.get, reverse=True)[:20]:
+    print(f"{100 * time[name] / total:6.1f}% {time[name] * 1e3:10.2f} ms {count[name]:6d}  {name}")
+PY
+}
+
+# profile_bench LABEL BENCH FILTER: a short criterion run of the benches of `bench_BENCH` that
+# FILTER selects, profiled; the kernels' shares go to the summary.
+profile_bench() {
+    local log="$out/profile_$1.log"
+    CUBECL_DEBUG_LOG="$log" CUBECL_DEBUG_OPTION=profile timeout 45 \
+        "$bin/bench_$2" --bench --profile-time 2 "$3" >/dev/null 2>&1 ||
+        echo "profile $1 exit status: $?" >>"$out/summary.txt"
+    echo "kernel shares, $1 ($3):" >>"$out/summary.txt"
+    kernel_shares "$log" >>"$out/summary.txt" 2>&1 || true
 }
 
 # split_run JOBS SECONDS LOG ARGS…: the suite's tests that ARGS select (filters, `--skip`), shared
@@ -208,6 +247,13 @@ run() {
                 >"$out/bench_$bench.log" 2>&1 || echo "bench $bench exit status: $?" >>"$out/summary.txt"
             grep -E "^Benchmarking .*: Analyzing|time:" "$out/bench_$bench.log" | sed 's/^Benchmarking \(.*\): Analyzing/\1/' >>"$out/summary.txt" || true
         done
+        # Where the time goes at the data-centre shapes: each kernel's share of the KDA forward and
+        # forward + backward at H = 64, K = V = 128, T = 16384 and of the MoE layer forward, from
+        # CubeCL's profile (every launch synced and timed) of a short criterion run.
+        profile_bench kda_fwd kda chunk_kda_fwd_h64_k128_state/cuda-kernel
+        profile_bench kda_fwd_bwd kda chunk_kda_fwd_bwd_h64_k128_state/cuda-kernel
+        profile_bench moe_tensor_cores moe layer_forward_tensor_cores
+        profile_bench moe_scalar moe 'layer_forward$'
         # The tiny model's training step; then one step's kernels from the profile (6 minus 2 steps).
         local tt=(--backend cuda --checkpoint-every 0 --short-fraction 0 --test-sequences 16)
         timeout 60 "$bin/train_tiny" "${tt[@]}" --steps 40 --out "$out/tt40" >"$out/train_tiny.log" 2>&1 ||
