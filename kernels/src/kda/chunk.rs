@@ -5,7 +5,9 @@
 
 use cubecl::prelude::*;
 
-use super::tile::{multiply_slice, stage_columns, stage_rows, store_block, zero_block, SLICE};
+use super::tile::{
+    multiply_slice, place, stage_columns, stage_rows, store_block, zero_block, Place, SLICE,
+};
 use super::LOOP_BUDGET;
 pub(super) use crate::V4;
 
@@ -550,17 +552,18 @@ pub fn kda_chunk_output(
     if id >= chunks * heads * tiles {
         terminate!();
     }
-    let ch_h = id / tiles;
-    let col0 = (id % tiles) * cols;
-    let h = ch_h % heads;
-    let ch = ch_h / heads;
-    let tok0 = chunk_tok[ch] as usize;
-    let len = chunk_len[ch] as usize;
+    let Place {
+        ch_h,
+        col0,
+        h,
+        tok0,
+        len,
+        rq,
+        cq,
+    } = place(id, chunk_tok, chunk_len, heads, tiles, cols);
     let rq_n = comptime!(chunk / 4);
     let cq_n = comptime!(cols / 4);
     let units = comptime!(chunk / 4 * (cols / 4));
-    let rq = UNIT_POS as usize / cq_n;
-    let cq = UNIT_POS as usize % cq_n;
     let mut left = SharedMemory::<V4>::new(SLICE * rq_n);
     let mut right = SharedMemory::<V4>::new(SLICE * cq_n);
     let mut acc = zero_block();

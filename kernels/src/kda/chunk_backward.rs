@@ -21,7 +21,7 @@ use cubecl::prelude::*;
 use super::chunk::{
     load_cols, load_state_tile, store_cols, store_state_tile, SOLVE_CUBE, STATE_CUBE, SUB, V4,
 };
-use super::tile::{multiply_slice, stage_rows, store_block, zero_block, SLICE};
+use super::tile::{multiply_slice, place, stage_rows, store_block, zero_block, Place, SLICE};
 
 /// The reverse sequential pass, one cube of [`STATE_CUBE`] units per (value tile,
 /// sequence·head), `dS` tile `[kdim, vt]` and the tile of `dVn` in shared memory. It stores `dVn`
@@ -188,17 +188,18 @@ pub fn kda_chunk_state_products(
     if id >= chunks * heads * tiles {
         terminate!();
     }
-    let ch_h = id / tiles;
-    let col0 = (id % tiles) * cols;
-    let h = ch_h % heads;
-    let ch = ch_h / heads;
-    let tok0 = chunk_tok[ch] as usize;
-    let len = chunk_len[ch] as usize;
+    let Place {
+        ch_h,
+        col0,
+        h,
+        tok0,
+        len,
+        rq,
+        cq,
+    } = place(id, chunk_tok, chunk_len, heads, tiles, cols);
     let rq_n = comptime!(chunk / 4);
     let cq_n = comptime!(cols / 4);
     let units = comptime!(chunk / 4 * (cols / 4));
-    let rq = UNIT_POS as usize / cq_n;
-    let cq = UNIT_POS as usize % cq_n;
     let mut l_out = SharedMemory::<V4>::new(SLICE * rq_n);
     let mut l_dvn = SharedMemory::<V4>::new(SLICE * rq_n);
     let mut l_vn = SharedMemory::<V4>::new(SLICE * rq_n);
@@ -279,18 +280,20 @@ pub fn kda_chunk_aqk_backward(
     #[comptime] chunk: usize,
 ) {
     // Cubes spread over the hardware grid (`CUBE_POS` linear): one per chunk·head.
-    let ch_h = CUBE_POS;
-    if ch_h >= chunks * heads {
+    if CUBE_POS >= chunks * heads {
         terminate!();
     }
-    let h = ch_h % heads;
-    let ch = ch_h / heads;
-    let tok0 = chunk_tok[ch] as usize;
-    let len = chunk_len[ch] as usize;
+    let Place {
+        ch_h,
+        h,
+        tok0,
+        len,
+        rq,
+        cq,
+        ..
+    } = place(CUBE_POS, chunk_tok, chunk_len, heads, 1, chunk);
     let q_n = comptime!(chunk / 4);
     let units = comptime!(chunk / 4 * (chunk / 4));
-    let rq = UNIT_POS as usize / q_n;
-    let cq = UNIT_POS as usize % q_n;
     let mut left = SharedMemory::<V4>::new(SLICE * q_n);
     let mut right = SharedMemory::<V4>::new(SLICE * q_n);
     let mut acc = zero_block();

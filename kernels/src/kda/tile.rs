@@ -29,6 +29,44 @@ pub fn tile_units(rows: usize, cols: usize) -> u32 {
     ((rows / 4) * (cols / 4)) as u32
 }
 
+/// Where a cube of a tiled product works and what this unit holds: the chunk·head, the tile's
+/// first output column, the head, the chunk's first token and length, and the unit's row and
+/// column quads of the output tile.
+#[derive(CubeType)]
+pub(super) struct Place {
+    pub ch_h: usize,
+    pub col0: usize,
+    pub h: usize,
+    pub tok0: usize,
+    pub len: usize,
+    pub rq: usize,
+    pub cq: usize,
+}
+
+/// The [`Place`] of cube `id = chunk·head · tiles + tile`, for tiles of `cols` output columns.
+#[cube]
+pub(super) fn place(
+    id: usize,
+    chunk_tok: &Array<u32>,
+    chunk_len: &Array<u32>,
+    heads: usize,
+    tiles: usize,
+    #[comptime] cols: usize,
+) -> Place {
+    let ch_h = id / tiles;
+    let ch = ch_h / heads;
+    let cq_n = comptime!(cols / 4);
+    Place {
+        ch_h,
+        col0: (id % tiles) * cols,
+        h: ch_h % heads,
+        tok0: chunk_tok[ch] as usize,
+        len: chunk_len[ch] as usize,
+        rq: UNIT_POS as usize / cq_n,
+        cq: UNIT_POS as usize % cq_n,
+    }
+}
+
 /// Stages a slice of a factor whose *rows* are the output's rows or columns (`A` of `A · B`, or
 /// `B` of `A · Bᵀ`): `tile[k · quads + q][l] = src[base + (4q + l) · stride + depth0 + k]` for
 /// `k < SLICE`, zero where the row `4q + l` is at or past `rows` or the depth at or past `depth`.
