@@ -21,8 +21,9 @@ pub fn chunk_state_window(kdim: usize, vt: usize, chunk: usize) -> usize {
     // this often (the windows, and the tests that cross them, stay as they were).
     let v_rounds = (chunk * vt).div_ceil(cube);
     let s_rounds = (kdim * vt).div_ceil(cube);
-    // The backward's pass has the larger loops: `kdim + chunk` per `Vn` entry and `2·chunk` per
-    // state entry.
+    // Counted with the backward pass's loops as they were before its state-free terms moved to
+    // `kda_chunk_dvn_intra` and `kda_chunk_state_do` (`kdim + chunk` per `Vn` entry, `2·chunk`
+    // per state entry; now `kdim` and `chunk`): still an upper bound for both passes.
     let per_chunk = v_rounds * (kdim + chunk + 2) + s_rounds * (2 * chunk + 2) + 2;
     (LOOP_BUDGET / per_chunk).max(1)
 }

@@ -21,24 +21,26 @@ use cubecl::prelude::*;
 use super::chunk::{
     load_cols, load_state_tile, store_cols, store_state_tile, SOLVE_CUBE, STATE_CUBE, SUB, V4,
 };
-use super::tile::{multiply_slice, place, stage_rows, store_block, zero_block, Place, SLICE};
+use super::tile::{
+    multiply_slice, place, stage_columns, stage_rows, store_block, zero_block, Place, SLICE,
+};
 
 /// The reverse sequential pass, one cube of [`STATE_CUBE`] units per (value tile,
-/// sequence·head), `dS` tile `[kdim, vt]` and the tile of `dVn` in shared memory. It stores `dVn`
-/// (`d_vn: [chunks, heads, chunk, vdim]`) and the gradient of the state after every chunk
-/// (`d_after: [chunks, heads, kdim, vdim]`). One launch covers the chunks of each sequence whose
+/// sequence·head), `dS` tile `[kdim, vt]` and the tile of `dVn` in shared memory. The terms that
+/// do not depend on the state come in computed for every chunk at once: `d_vn` holds `A_qkᵀ dO`
+/// ([`kda_chunk_dvn_intra`](fn@kda_chunk_dvn_intra)) and `d_after` holds `(q ⊙ exp(G))ᵀ dO`
+/// ([`kda_chunk_state_do`](fn@kda_chunk_state_do)); the pass adds the state's terms and stores
+/// `dVn` (`d_vn: [chunks, heads, chunk, vdim]`) and the gradient of the state after every chunk
+/// (`d_after: [chunks, heads, kdim, vdim]`) over them. One launch covers the chunks of each sequence whose
 /// index counted from its end lies in `[window_lo, window_lo + window_len)` (see
 /// [`chunk_state_window`](super::chunk_state_window)); `d_state: [N, heads, kdim, vdim]` holds
 /// `dS_T` on entry to the first window and `dS_0` on exit from the last.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn kda_chunk_state_backward(
-    qe: &Array<f32>,
     ke: &Array<f32>,
     decay: &Array<f32>,
     w: &Array<f32>,
-    a_qk: &Array<f32>,
-    d_out: &Array<f32>,
     chunk_tok: &Array<u32>,
     chunk_len: &Array<u32>,
     seq_chunk: &Array<u32>,
@@ -97,24 +99,17 @@ pub fn kda_chunk_state_backward(
                 if two {
                     k1 = k0 + heads * kdim;
                 }
-                let mut x0 = V4::new(0.0f32);
+                // `d_vn` holds `A_qkᵀ dO` ([`kda_chunk_dvn_intra`](fn@kda_chunk_dvn_intra)).
+                let at = (ch_h * chunk + i0) * vdim;
+                let mut x0 = load_cols(d_vn, at, col, vdim);
                 let mut x1 = V4::new(0.0f32);
+                if two {
+                    x1 = load_cols(d_vn, at + vdim, col, vdim);
+                }
                 for d in 0..kdim {
                     let sv = ds[d * q + cq];
                     x0 += V4::new(ke[k0 + d]) * sv;
                     x1 += V4::new(ke[k1 + d]) * sv;
-                }
-                // A_qk is lower triangular: row i0 + 1 starts at j = i0 + 1.
-                let a = ch_h * chunk * chunk;
-                let row_i0 = (tok0 + i0) * heads + h;
-                x0 +=
-                    V4::new(a_qk[a + i0 * chunk + i0]) * load_cols(d_out, row_i0 * vdim, col, vdim);
-                for j in i0 + 1..len {
-                    let dov = load_cols(d_out, ((tok0 + j) * heads + h) * vdim, col, vdim);
-                    x0 += V4::new(a_qk[a + j * chunk + i0]) * dov;
-                    if two {
-                        x1 += V4::new(a_qk[a + j * chunk + i0 + 1]) * dov;
-                    }
                 }
                 dvn[i0 * q + cq] = x0;
                 store_cols(d_vn, (ch_h * chunk + i0) * vdim, col, vdim, x0);
@@ -132,12 +127,12 @@ pub fn kda_chunk_state_backward(
                 let cq = e % q;
                 let col = col0 + 4 * cq;
                 let old = ds[e];
-                let mut x = V4::new(decay[ch_h * kdim + d]) * old;
-                store_cols(d_after, (ch_h * kdim + d) * vdim, col, vdim, old);
-                for i in 0..len {
-                    let row = (tok0 + i) * heads + h;
-                    x += V4::new(qe[row * kdim + d]) * load_cols(d_out, row * vdim, col, vdim);
-                }
+                // `d_after` holds `(q ⊙ exp(G))ᵀ dO` until this unit writes `dS'` over it
+                // ([`kda_chunk_state_do`](fn@kda_chunk_state_do)).
+                let at = (ch_h * kdim + d) * vdim;
+                let mut x =
+                    V4::new(decay[ch_h * kdim + d]) * old + load_cols(d_after, at, col, vdim);
+                store_cols(d_after, at, col, vdim, old);
                 for i in 0..len {
                     x -= V4::new(w[(ch_h * chunk + i) * kdim + d]) * dvn[i * q + cq];
                 }
@@ -147,6 +142,134 @@ pub fn kda_chunk_state_backward(
         sync_cube();
     }
     store_state_tile(&ds, d_state, s_base, col0, vdim, kdim, vt);
+}
+
+/// The part of the reverse pass's `dVn` that does not depend on the state, `d_vn[i, c] = Σ_{j ≥ i}
+/// A_qk[j, i] dO[j, c]`, for every chunk at once: one tiled product (see [`SLICE`](super::SLICE))
+/// per (chunk·head, tile of `cols` value columns, [`tile_columns`](super::tile_columns)`(vdim)`)
+/// of [`tile_units`](super::tile_units)`(chunk, cols)` units over the chunk's rows.
+/// `d_vn: [chunks, heads, chunk, vdim]`, rows past a chunk's length not written.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch_unchecked)]
+pub fn kda_chunk_dvn_intra(
+    a_qk: &Array<f32>,
+    d_out: &Array<f32>,
+    chunk_tok: &Array<u32>,
+    chunk_len: &Array<u32>,
+    d_vn: &mut Array<f32>,
+    chunks: usize,
+    heads: usize,
+    vdim: usize,
+    tiles: usize,
+    #[comptime] chunk: usize,
+    #[comptime] cols: usize,
+) {
+    // Cubes spread over the hardware grid (`CUBE_POS` linear): `tiles` per chunk·head.
+    let id = CUBE_POS;
+    if id >= chunks * heads * tiles {
+        terminate!();
+    }
+    let at = place(id, chunk_tok, chunk_len, heads, tiles, cols);
+    let rq_n = comptime!(chunk / 4);
+    let cq_n = comptime!(cols / 4);
+    let units = comptime!(chunk / 4 * (cols / 4));
+    let mut left = SharedMemory::<V4>::new(SLICE * rq_n);
+    let mut right = SharedMemory::<V4>::new(SLICE * cq_n);
+    let mut acc = zero_block();
+    let a_rows = at.ch_h * chunk * chunk;
+    let o_rows = (at.tok0 * heads + at.h) * vdim;
+    for s in 0..(at.len + SLICE - 1) / SLICE {
+        let j0 = s * SLICE;
+        // A_qkᵀ: row j of A_qk holds the output rows' entries side by side.
+        stage_columns(
+            a_qk, &mut left, a_rows, chunk, j0, at.len, 0, chunk, rq_n, units,
+        );
+        let stride = heads * vdim;
+        stage_columns(
+            d_out, &mut right, o_rows, stride, j0, at.len, at.col0, vdim, cq_n, units,
+        );
+        sync_cube();
+        multiply_slice(&mut acc, &left, &right, at.rq, at.cq, rq_n, cq_n);
+        sync_cube();
+    }
+    let base = at.ch_h * chunk * vdim;
+    store_block(
+        d_vn,
+        &acc,
+        base,
+        vdim,
+        4 * at.rq,
+        at.len,
+        at.col0 + 4 * at.cq,
+        vdim,
+    );
+}
+
+/// The part of the reverse pass's `dS` that does not depend on the state, `p[d, c] = Σ_i (q ⊙
+/// exp(G))[i, d] dO[i, c]` over each chunk's rows, for every chunk at once: one tiled product
+/// (see [`SLICE`](super::SLICE)) per (chunk·head, tile of `rows` key channels, tile of `cols`
+/// value columns) of [`tile_units`](super::tile_units)`(rows, cols)` units; `row_tiles =
+/// ceil(kdim / rows)`, `col_tiles = ceil(vdim / cols)`. `p: [chunks, heads, kdim, vdim]`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch_unchecked)]
+pub fn kda_chunk_state_do(
+    qe: &Array<f32>,
+    d_out: &Array<f32>,
+    chunk_tok: &Array<u32>,
+    chunk_len: &Array<u32>,
+    p: &mut Array<f32>,
+    chunks: usize,
+    heads: usize,
+    kdim: usize,
+    vdim: usize,
+    row_tiles: usize,
+    col_tiles: usize,
+    #[comptime] rows: usize,
+    #[comptime] cols: usize,
+) {
+    // Cubes spread over the hardware grid (`CUBE_POS` linear): `row_tiles · col_tiles` per
+    // chunk·head.
+    let id = CUBE_POS;
+    let tiles = row_tiles * col_tiles;
+    if id >= chunks * heads * tiles {
+        terminate!();
+    }
+    let at = place(id, chunk_tok, chunk_len, heads, tiles, cols);
+    let row0 = (id % tiles) / col_tiles * rows;
+    let col0 = (id % col_tiles) * cols;
+    let rq_n = comptime!(rows / 4);
+    let cq_n = comptime!(cols / 4);
+    let units = comptime!(rows / 4 * (cols / 4));
+    let mut left = SharedMemory::<V4>::new(SLICE * rq_n);
+    let mut right = SharedMemory::<V4>::new(SLICE * cq_n);
+    let mut acc = zero_block();
+    let q_rows = (at.tok0 * heads + at.h) * kdim;
+    let o_rows = (at.tok0 * heads + at.h) * vdim;
+    for s in 0..(at.len + SLICE - 1) / SLICE {
+        let i0 = s * SLICE;
+        let q_stride = heads * kdim;
+        stage_columns(
+            qe, &mut left, q_rows, q_stride, i0, at.len, row0, kdim, rq_n, units,
+        );
+        let o_stride = heads * vdim;
+        stage_columns(
+            d_out, &mut right, o_rows, o_stride, i0, at.len, col0, vdim, cq_n, units,
+        );
+        sync_cube();
+        multiply_slice(&mut acc, &left, &right, at.rq, at.cq, rq_n, cq_n);
+        sync_cube();
+    }
+    let base = (at.ch_h * kdim + row0) * vdim;
+    store_block(
+        p,
+        &acc,
+        base,
+        vdim,
+        4 * at.rq,
+        kdim - row0,
+        col0 + 4 * at.cq,
+        vdim,
+    );
 }
 
 /// The per-chunk products with the states, one tiled product (see [`SLICE`](super::SLICE)) per

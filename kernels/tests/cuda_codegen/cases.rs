@@ -396,10 +396,26 @@ fn kda_kernels(cs: &mut Cases) {
             kd, chunk, cols,
         );
         cs.push(format!("kda_chunk_output {label} cols={cols}"), k);
+        let k = kda::kda_chunk_dvn_intra::KdaChunkDvnIntra::new(
+            settings(CubeDim::new_1d(kda::tile_units(chunk, cols))),
+            cs.c(),
+            A, A, A, A, A,
+            S, S, S, S,
+            chunk, cols,
+        );
+        cs.push(format!("kda_chunk_dvn_intra {label} cols={cols}"), k);
+        let k = kda::kda_chunk_state_do::KdaChunkStateDo::new(
+            settings(CubeDim::new_1d(kda::tile_units(cols, cols))),
+            cs.c(),
+            A, A, A, A, A,
+            S, S, S, S, S, S,
+            cols, cols,
+        );
+        cs.push(format!("kda_chunk_state_do {label} rows=cols={cols}"), k);
         let k = kda::kda_chunk_state_backward::KdaChunkStateBackward::new(
             settings(state),
             cs.c(),
-            A, A, A, A, A, A, A, A, A, A, A, A,
+            A, A, A, A, A, A, A, A, A,
             S, S, S, S, S, S,
             kd, vt, chunk,
         );

@@ -440,9 +440,56 @@ pub(super) fn backward<R: CubeRuntime>(
     let states = f32_contiguous(states);
     let vn = f32_contiguous(vn);
 
-    // The reverse sequential pass.
+    // The reverse pass's terms that do not depend on the state, for every chunk at once: `A_qkᵀ
+    // dO` into `d_vn`, `(q ⊙ exp(G))ᵀ dO` into `d_after`; the pass adds the rest over them.
     let d_after = work.scratch(vec![chunks, h, kd, vd]);
     let d_vn = work.scratch(vec![chunks, h, chunk, vd]);
+    let cols = kkda::tile_columns(vd);
+    let col_tiles = vd.div_ceil(cols);
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kkda::kda_chunk_dvn_intra::launch_unchecked::<R>(
+            &client,
+            per_row(&work.q, chunks * h * col_tiles),
+            CubeDim::new_1d(kkda::tile_units(chunk, cols)),
+            work.a_qk.clone().into_array_arg(),
+            grad_o.clone().into_array_arg(),
+            work.tok.clone().into_array_arg(),
+            work.len.clone().into_array_arg(),
+            d_vn.clone().into_array_arg(),
+            chunks,
+            h,
+            vd,
+            col_tiles,
+            chunk,
+            cols,
+        )
+    };
+    let rows = kkda::tile_columns(kd);
+    let row_tiles = kd.div_ceil(rows);
+    // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs).
+    unsafe {
+        kkda::kda_chunk_state_do::launch_unchecked::<R>(
+            &client,
+            per_row(&work.q, chunks * h * row_tiles * col_tiles),
+            CubeDim::new_1d(kkda::tile_units(rows, cols)),
+            work.qe.clone().into_array_arg(),
+            grad_o.clone().into_array_arg(),
+            work.tok.clone().into_array_arg(),
+            work.len.clone().into_array_arg(),
+            d_after.clone().into_array_arg(),
+            chunks,
+            h,
+            kd,
+            vd,
+            row_tiles,
+            col_tiles,
+            rows,
+            cols,
+        )
+    };
+
+    // The reverse sequential pass.
     let vt = work.vt();
     let window = kkda::chunk_state_window(kd, vt, chunk);
     for lo in (0..work.longest).step_by(window) {
@@ -452,12 +499,9 @@ pub(super) fn backward<R: CubeRuntime>(
                 &client,
                 per_row(&work.q, vd.div_ceil(vt) * n * h),
                 CubeDim::new_1d(kkda::STATE_CUBE),
-                work.qe.clone().into_array_arg(),
                 work.ke.clone().into_array_arg(),
                 work.decay.clone().into_array_arg(),
                 work.w.clone().into_array_arg(),
-                work.a_qk.clone().into_array_arg(),
-                grad_o.clone().into_array_arg(),
                 work.tok.clone().into_array_arg(),
                 work.len.clone().into_array_arg(),
                 work.seq_chunk.clone().into_array_arg(),
