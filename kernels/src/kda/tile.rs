@@ -1,6 +1,9 @@
-//! The tiled products of the chunked kernels ([`kda_chunk_output`](fn@super::kda_chunk_output),
+//! The tiled products of the chunked kernels ([`kda_chunk_output`](fn@super::kda_chunk_output)
+//! forward; [`kda_chunk_dvn_intra`](fn@super::kda_chunk_dvn_intra),
+//! [`kda_chunk_state_do`](fn@super::kda_chunk_state_do),
 //! [`kda_chunk_state_products`](fn@super::kda_chunk_state_products),
-//! [`kda_chunk_aqk_backward`](fn@super::kda_chunk_aqk_backward)): a cube holds an output tile of
+//! [`kda_chunk_aqk_backward`](fn@super::kda_chunk_aqk_backward) and
+//! [`kda_chunk_akk_backward`](fn@super::kda_chunk_akk_backward) backward): a cube holds an output tile of
 //! a chunk as 4 × 4 blocks in its units' registers and walks the product's depth
 //! [`SLICE`] at a time, each factor's slice staged in shared memory as [`V4`]s by loads on which
 //! consecutive units read consecutive addresses (coalesced on a GPU). Each shared read then
@@ -17,8 +20,8 @@ use super::V4;
 /// which consecutive units read consecutive addresses.
 pub const SLICE: usize = 16;
 
-/// Columns of an output tile for `cols` output columns: 64, or `cols` rounded up to a multiple
-/// of 4 below that.
+/// Columns (or rows) of an output tile for `cols` output columns (rows): 64, or `cols` rounded
+/// up to a multiple of 4 below that.
 pub fn tile_columns(cols: usize) -> usize {
     cols.next_multiple_of(4).clamp(4, 64)
 }
