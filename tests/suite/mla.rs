@@ -581,6 +581,7 @@ mod kernel {
     use burn::tensor::{DType, FloatDType, Int};
     use kimi_burn::ops::mla::causal_attention;
     use kimi_burn::ops::{kernel_calls, with_kernels, FusedOp};
+    use kimi_burn_kernels::attention::uses_row_kernels;
 
     /// `[o, dq, dk, dv]` of one path (`kernel`: the fused kernels; otherwise the plain form) for
     /// `[batch, heads, t, dqk, dv]`, with a fixed random output gradient.
@@ -645,11 +646,28 @@ mod kernel {
         let pad: Vec<bool> = (0..2 * t)
             .map(|i| i < 2 || (t + 30..2 * t).contains(&i))
             .collect();
-        for (shape, pad, seed) in [
-            ([2, 3, t, 24, 16], None, 70),
-            ([2, 3, t, 24, 16], Some(&pad[..]), 71),
-            ([1, 2, 70, 40, 33], None, 72),
+        // Nine tiles of 64 rows (the tiled kernels: too long for the per-row kernels' loops):
+        // padding that crosses a tile boundary in row 0, a padded first tile in row 1.
+        let long = 520;
+        let long_pad: Vec<bool> = (0..2 * long)
+            .map(|i| (60..70).contains(&i) || (long..long + 64).contains(&i))
+            .collect();
+        for (shape, pad, seed, rows) in [
+            ([2, 3, t, 24, 16], None, 70, true),
+            ([2, 3, t, 24, 16], Some(&pad[..]), 71, true),
+            ([1, 2, 70, 33, 21], None, 72, true),
+            ([2, 1, long, 24, 16], Some(&long_pad[..]), 77, false),
+            // Heads wider than the per-row kernels take, not multiples of 4, two query tiles.
+            ([1, 2, 70, 66, 33], None, 79, false),
+            // MLA's head sizes (`d_qk` = 192, `d_v` = 128): several column passes per tile.
+            ([1, 1, 130, 192, 128], None, 78, false),
         ] {
+            let [_, _, t, dqk, dv] = shape;
+            assert_eq!(
+                uses_row_kernels(t, dqk, dv),
+                rows,
+                "{shape:?}: the kernel set"
+            );
             let kernel = run(shape, pad, seed, true, FloatDType::F32);
             let reference = run(shape, pad, seed, false, FloatDType::F32);
             for (name, (r, k)) in NAMES.iter().zip(reference.iter().zip(&kernel)) {
@@ -668,7 +686,14 @@ mod kernel {
     /// gradients, on the kernel path (the plain form agrees, above; this pins the values).
     #[test]
     fn queries_that_see_nothing_and_padding_keys_are_zero() {
-        let [b, h, t, dqk, dv] = [1, 2, 9, 8, 8];
+        // Both kernel sets: heads of 8 run the per-row kernels, a key head of 72 the tiled ones.
+        for dqk in [8, 72] {
+            queries_that_see_nothing_at(dqk);
+        }
+    }
+
+    fn queries_that_see_nothing_at(dqk: usize) {
+        let [b, h, t, dv] = [1, 2, 9, 8];
         let pad: Vec<bool> = (0..t).map(|i| i < 3).collect();
         let out = run([b, h, t, dqk, dv], Some(&pad), 73, true, FloatDType::F32);
         for head in 0..h {
@@ -694,19 +719,69 @@ mod kernel {
 
     #[test]
     fn repeatable_bit_for_bit() {
-        let a = run([2, 2, 45, 24, 16], None, 74, true, FloatDType::F32);
-        let b = run([2, 2, 45, 24, 16], None, 74, true, FloatDType::F32);
-        assert_eq!(a, b);
+        // The per-row kernels, then the tiled ones.
+        for shape in [[2, 2, 45, 24, 16], [1, 2, 100, 72, 40]] {
+            let a = run(shape, None, 74, true, FloatDType::F32);
+            let b = run(shape, None, 74, true, FloatDType::F32);
+            assert_eq!(a, b, "{shape:?}");
+        }
     }
 
     /// f16 storage: f32 arithmetic inside, the output and gradients rounded to f16.
     #[test]
     fn half_storage() {
-        let kernel = run([2, 2, 33, 24, 16], None, 75, true, FloatDType::F16);
-        let reference = run([2, 2, 33, 24, 16], None, 75, false, FloatDType::F16);
-        for (name, (r, k)) in NAMES.iter().zip(reference.iter().zip(&kernel)) {
-            assert_close(&format!("f16: {name}"), r, k, 5e-3);
+        // The per-row kernels, then the tiled ones.
+        for shape in [[2, 2, 33, 24, 16], [1, 2, 70, 80, 72]] {
+            let kernel = run(shape, None, 75, true, FloatDType::F16);
+            let reference = run(shape, None, 75, false, FloatDType::F16);
+            for (name, (r, k)) in NAMES.iter().zip(reference.iter().zip(&kernel)) {
+                assert_close(&format!("f16 {shape:?}: {name}"), r, k, 5e-3);
+            }
         }
+    }
+
+    /// At the longest sequence the wgpu runtime gives the kernels at MLA's heads (lavapipe stops
+    /// a unit's loops silently after 65 535 iterations; the bound keeps them within half of
+    /// that), the tiled kernels still match the plain form: the loop count they are sized by is
+    /// no underestimate. One token more takes the other fused path on wgpu; CUDA has no limit.
+    #[test]
+    fn the_longest_sequence_of_the_kernels() {
+        use kimi_burn::ops::mla::AttentionKernels;
+        use kimi_burn_kernels::attention::{max_len_within, tiled_loops};
+        use kimi_burn_kernels::kda::LOOP_BUDGET;
+        type Inner = <GpuAd as burn::tensor::backend::AutodiffBackend>::InnerBackend;
+        let (dqk, dv) = (192, 128);
+        let longest = max_len_within(LOOP_BUDGET, dqk, dv);
+        assert!(tiled_loops(longest, dqk, dv) <= LOOP_BUDGET);
+        assert!(tiled_loops(longest + 1, dqk, dv) > LOOP_BUDGET);
+        let device = Default::default();
+        let cuda = crate::common::is_cuda::<GpuAd>(&device);
+        let limit = <Inner as AttentionKernels>::attention_max_len(dqk, dv);
+        assert_eq!(limit, if cuda { usize::MAX } else { longest });
+        let shape = [1, 1, longest, dqk, dv];
+        let kernel = run(shape, None, 80, true, FloatDType::F32);
+        let reference = run(shape, None, 80, false, FloatDType::F32);
+        for (name, (r, k)) in NAMES.iter().zip(reference.iter().zip(&kernel)) {
+            assert_close(
+                &format!("{shape:?}: {name}"),
+                r,
+                k,
+                matmul_tol::<GpuAd>(&device, 1e-5),
+            );
+        }
+        let mut rng = rng(81);
+        let x = randn::<GpuAd, 4>(&mut rng, [1, 1, longest + 1, dqk], 1.0, &device);
+        let v = randn::<GpuAd, 4>(&mut rng, [1, 1, longest + 1, dv], 1.0, &device);
+        let before = kernel_calls(FusedOp::Attention);
+        let o = with_kernels(true, || {
+            causal_attention(x.clone(), x, v, None, AttentionKind::Fused)
+        });
+        assert_eq!(o.dims(), [1, 1, longest + 1, dv]);
+        assert_eq!(
+            kernel_calls(FusedOp::Attention) - before,
+            u64::from(cuda),
+            "one token past the wgpu limit: the kernels on CUDA only"
+        );
     }
 
     /// The padding may come as any Bool tensor of the batch; a wrong shape is refused before a

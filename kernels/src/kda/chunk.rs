@@ -443,12 +443,12 @@ pub fn kda_chunk_state(
 
 /// `src[base + col + j]` for the four columns `col + j` below `vdim` (zeros past it).
 #[cube]
-pub(super) fn load_cols(src: &Array<f32>, base: usize, col: usize, vdim: usize) -> V4 {
+pub(super) fn load_cols<F: Float>(src: &Array<F>, base: usize, col: usize, vdim: usize) -> V4 {
     let mut v = V4::new(0.0f32);
     #[unroll]
     for j in 0..4usize {
         if col + j < vdim {
-            v[j] = src[base + col + j];
+            v[j] = f32::cast_from(src[base + col + j]);
         }
     }
     v

@@ -17,7 +17,7 @@ mod chunk_backward;
 mod conv;
 mod norm;
 mod recurrent;
-mod tile;
+pub(crate) mod tile;
 
 pub use chunk::*;
 pub use chunk_backward::*;

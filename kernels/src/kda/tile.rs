@@ -76,8 +76,8 @@ pub(super) fn place(
 /// Consecutive units take consecutive depths of the same four rows. `units`: the cube's.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn stage_rows(
-    src: &Array<f32>,
+pub(crate) fn stage_rows<F: Float>(
+    src: &Array<F>,
     tile: &mut SharedMemory<V4>,
     base: usize,
     stride: usize,
@@ -100,7 +100,7 @@ pub(super) fn stage_rows(
                 for l in 0..4usize {
                     let i = 4 * q + l;
                     if i < rows {
-                        x[l] = src[base + i * stride + d];
+                        x[l] = f32::cast_from(src[base + i * stride + d]);
                     }
                 }
             }
@@ -115,8 +115,8 @@ pub(super) fn stage_rows(
 /// consecutive columns of the same depth row.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn stage_columns(
-    src: &Array<f32>,
+pub(crate) fn stage_columns<F: Float>(
+    src: &Array<F>,
     tile: &mut SharedMemory<V4>,
     base: usize,
     stride: usize,
@@ -144,7 +144,7 @@ pub(super) fn stage_columns(
 
 /// Four zero [`V4`]s: a unit's 4 × 4 block.
 #[cube]
-pub(super) fn zero_block() -> Array<V4> {
+pub(crate) fn zero_block() -> Array<V4> {
     let mut acc = Array::<V4>::new(4usize);
     #[unroll]
     for l in 0..4usize {
@@ -156,7 +156,7 @@ pub(super) fn zero_block() -> Array<V4> {
 /// `acc[l] += left[k][rq][l] · right[k][cq]` over the staged slice: the unit's 4 × 4 block at
 /// row quad `rq` and column quad `cq`.
 #[cube]
-pub(super) fn multiply_slice(
+pub(crate) fn multiply_slice(
     acc: &mut Array<V4>,
     left: &SharedMemory<V4>,
     right: &SharedMemory<V4>,

@@ -296,16 +296,19 @@ fn rows(cs: &mut Cases) {
     cs.push("column_sum".into(), k);
 }
 
-/// MLA's expanded attention, forward and both backward passes, with and without padding.
+/// MLA's expanded attention, forward and both backward passes, with and without padding: the
+/// per-row kernels at the heads they take (`dqk + dv ≤ 64`: the tiny model's and the widest), the tiled
+/// kernels at MLA's heads and at the widest the op takes (256).
 fn attention(cs: &mut Cases) {
-    let dim = CubeDim::new_1d(att::ATTENTION_CUBE);
+    let rows = CubeDim::new_1d(att::ATTENTION_CUBE);
+    let tiled = CubeDim::new_1d(att::TILED_CUBE);
     for f in FLOATS {
         let (t, n) = (float(f), name(f));
-        for (dqk, dv) in MLA {
-            for pad in [false, true] {
+        for pad in [false, true] {
+            for (dqk, dv) in [(24, 16), (32, 32)] {
                 let label = format!("{n} dqk={dqk} dv={dv} pad={pad}");
                 let k = att::attention_forward::AttentionForward::new(
-                    settings(dim),
+                    settings(rows),
                     cs.c(),
                     A, A, A, A, A, A,
                     S, S, S, S,
@@ -313,7 +316,7 @@ fn attention(cs: &mut Cases) {
                 );
                 cs.push(format!("attention_forward {label}"), k);
                 let k = att::attention_backward_query::AttentionBackwardQuery::new(
-                    settings(dim),
+                    settings(rows),
                     cs.c(),
                     A, A, A, A, A, A, A, A, A,
                     S, S, S, S,
@@ -321,13 +324,40 @@ fn attention(cs: &mut Cases) {
                 );
                 cs.push(format!("attention_backward_query {label}"), k);
                 let k = att::attention_backward_key::AttentionBackwardKey::new(
-                    settings(dim),
+                    settings(rows),
                     cs.c(),
                     A, A, A, A, A, A, A, A, A,
                     S, S, S, S,
                     dqk, dv, pad, [t, int()],
                 );
                 cs.push(format!("attention_backward_key {label}"), k);
+            }
+            for (dqk, dv) in MLA.into_iter().chain([(256, 256)]) {
+                let label = format!("{n} dqk={dqk} dv={dv} pad={pad}");
+                let k = att::attention_tiled_forward::AttentionTiledForward::new(
+                    settings(tiled),
+                    cs.c(),
+                    A, A, A, A, A, A,
+                    S, S, S, S,
+                    dqk, dv, pad, [t, int()],
+                );
+                cs.push(format!("attention_tiled_forward {label}"), k);
+                let k = att::attention_tiled_backward_query::AttentionTiledBackwardQuery::new(
+                    settings(tiled),
+                    cs.c(),
+                    A, A, A, A, A, A, A, A, A,
+                    S, S, S, S,
+                    dqk, dv, pad, [t, int()],
+                );
+                cs.push(format!("attention_tiled_backward_query {label}"), k);
+                let k = att::attention_tiled_backward_key::AttentionTiledBackwardKey::new(
+                    settings(tiled),
+                    cs.c(),
+                    A, A, A, A, A, A, A, A, A,
+                    S, S, S, S,
+                    dqk, dv, pad, [t, int()],
+                );
+                cs.push(format!("attention_tiled_backward_key {label}"), k);
             }
         }
     }

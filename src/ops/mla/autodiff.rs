@@ -112,4 +112,8 @@ impl<B: AttentionKernels, C: CheckpointStrategy> AttentionKernels for Autodiff<B
             Self::from_inner(dv),
         )
     }
+
+    fn attention_max_len(dqk: usize, dv: usize) -> usize {
+        B::attention_max_len(dqk, dv)
+    }
 }

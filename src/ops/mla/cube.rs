@@ -6,11 +6,11 @@ use burn_cubecl::element::BoolElement;
 use burn_cubecl::kernel::{cast, into_contiguous};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
-use cubecl::{calculate_cube_count_elemwise, CubeDim};
+use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
 use kimi_burn_kernels::attention as katt;
 
 use super::AttentionKernels;
-use crate::ops::backend::cube::{contiguous_as, dims, empty, zeros_u32};
+use crate::ops::backend::cube::{contiguous_as, dims, empty, per_row, zeros_u32};
 
 type T<R> = CubeTensor<R>;
 
@@ -57,10 +57,48 @@ impl Sizes {
     }
 }
 
-/// One unit per row, cubes of `ATTENTION_CUBE` units.
-fn per_unit<R: CubeRuntime>(x: &T<R>, rows: usize) -> (cubecl::CubeCount, CubeDim) {
-    let dim = CubeDim::new_1d(katt::ATTENTION_CUBE);
-    (calculate_cube_count_elemwise(&x.client, rows, dim), dim)
+/// How a call launches: which kernel set ([`katt::uses_row_kernels`]), the cubes, and the first
+/// scalar argument (`rows` of the per-row kernels, the (batch row, head) pairs of the tiled ones).
+struct Launch {
+    rows: bool,
+    count: CubeCount,
+    dim: CubeDim,
+    first: usize,
+}
+
+impl Launch {
+    fn of<R: CubeRuntime>(x: &T<R>, s: &Sizes) -> Self {
+        if katt::uses_row_kernels(s.t, s.dqk, s.dv) {
+            let dim = CubeDim::new_1d(katt::ATTENTION_CUBE);
+            Self {
+                rows: true,
+                count: calculate_cube_count_elemwise(&x.client, s.rows(), dim),
+                dim,
+                first: s.rows(),
+            }
+        } else {
+            let pairs = s.batch * s.heads;
+            Self {
+                rows: false,
+                count: per_row(x, pairs * katt::attention_tiles(s.t)),
+                dim: CubeDim::new_1d(katt::TILED_CUBE),
+                first: pairs,
+            }
+        }
+    }
+}
+
+/// Launches the per-row kernel `$rows` or the tiled kernel `$tiled` (same arguments) as `$launch`
+/// says, with `$launch.first` before the trailing arguments.
+macro_rules! launch {
+    ($launch:expr, $client:expr, $rows:ident | $tiled:ident, [$($arg:expr),* $(,)?], [$($tail:expr),* $(,)?]) => {{
+        let l = $launch;
+        if l.rows {
+            katt::$rows::launch_unchecked::<R>($client, l.count, l.dim, $($arg,)* l.first, $($tail,)*)
+        } else {
+            katt::$tiled::launch_unchecked::<R>($client, l.count, l.dim, $($arg,)* l.first, $($tail,)*)
+        }
+    }};
 }
 
 /// The padding as given (contiguous) and its dtype, or a one-element u32 stand-in.
@@ -90,30 +128,32 @@ fn forward<R: CubeRuntime>(
     let (pad, pad_dtype, has_pad) = padding(&q, pad);
     let o = empty(&q, [s.batch, s.heads, s.t, s.dv], dtype);
     let lse = empty(&q, [s.batch, s.heads, s.t], DType::F32);
-    let rows = s.rows();
-    if rows > 0 {
-        let (count, dim) = per_unit(&q, rows);
-        // SAFETY: the kernel bounds every index itself ("Unchecked launches", ops/backend/cube.rs);
-        // the shapes were checked above.
+    if s.rows() > 0 {
+        let client = q.client.clone();
+        // SAFETY: the kernels bound every index themselves ("Unchecked launches",
+        // ops/backend/cube.rs); the shapes were checked above.
         unsafe {
-            katt::attention_forward::launch_unchecked::<R>(
-                &q.client.clone(),
-                count,
-                dim,
-                q.into_array_arg(),
-                k.into_array_arg(),
-                v.into_array_arg(),
-                pad.into_array_arg(),
-                o.clone().into_array_arg(),
-                lse.clone().into_array_arg(),
-                rows,
-                s.t,
-                s.heads,
-                scale as f32,
-                s.dqk,
-                s.dv,
-                has_pad,
-                [dtype.into(), pad_dtype.into()],
+            launch!(
+                Launch::of(&q, &s),
+                &client,
+                attention_forward | attention_tiled_forward,
+                [
+                    q.into_array_arg(),
+                    k.into_array_arg(),
+                    v.into_array_arg(),
+                    pad.into_array_arg(),
+                    o.clone().into_array_arg(),
+                    lse.clone().into_array_arg(),
+                ],
+                [
+                    s.t,
+                    s.heads,
+                    scale as f32,
+                    s.dqk,
+                    s.dv,
+                    has_pad,
+                    [dtype.into(), pad_dtype.into()],
+                ]
             )
         };
     }
@@ -147,53 +187,44 @@ fn backward<R: CubeRuntime>(
     if rows > 0 {
         let delta = empty(&q, [rows], DType::F32);
         let client = q.client.clone();
-        let (count, dim) = per_unit(&q, rows);
+        let types: [cubecl::ir::StorageType; 2] = [dtype.into(), pad_dtype.into()];
+        let sc = scale as f32;
         // SAFETY: as in the forward; `delta` is written by the first launch before the second
         // reads it (one stream).
         unsafe {
-            katt::attention_backward_query::launch_unchecked::<R>(
+            launch!(
+                Launch::of(&q, &s),
                 &client,
-                count.clone(),
-                dim,
-                q.clone().into_array_arg(),
-                k.clone().into_array_arg(),
-                v.clone().into_array_arg(),
-                pad.clone().into_array_arg(),
-                o.into_array_arg(),
-                lse.clone().into_array_arg(),
-                grad.clone().into_array_arg(),
-                dq.clone().into_array_arg(),
-                delta.clone().into_array_arg(),
-                rows,
-                s.t,
-                s.heads,
-                scale as f32,
-                s.dqk,
-                s.dv,
-                has_pad,
-                [dtype.into(), pad_dtype.into()],
+                attention_backward_query | attention_tiled_backward_query,
+                [
+                    q.clone().into_array_arg(),
+                    k.clone().into_array_arg(),
+                    v.clone().into_array_arg(),
+                    pad.clone().into_array_arg(),
+                    o.into_array_arg(),
+                    lse.clone().into_array_arg(),
+                    grad.clone().into_array_arg(),
+                    dq.clone().into_array_arg(),
+                    delta.clone().into_array_arg(),
+                ],
+                [s.t, s.heads, sc, s.dqk, s.dv, has_pad, types]
             );
-            katt::attention_backward_key::launch_unchecked::<R>(
+            launch!(
+                Launch::of(&q, &s),
                 &client,
-                count,
-                dim,
-                q.into_array_arg(),
-                k.into_array_arg(),
-                v.into_array_arg(),
-                pad.into_array_arg(),
-                lse.into_array_arg(),
-                delta.into_array_arg(),
-                grad.into_array_arg(),
-                dk.clone().into_array_arg(),
-                dv.clone().into_array_arg(),
-                rows,
-                s.t,
-                s.heads,
-                scale as f32,
-                s.dqk,
-                s.dv,
-                has_pad,
-                [dtype.into(), pad_dtype.into()],
+                attention_backward_key | attention_tiled_backward_key,
+                [
+                    q.into_array_arg(),
+                    k.into_array_arg(),
+                    v.into_array_arg(),
+                    pad.into_array_arg(),
+                    lse.into_array_arg(),
+                    delta.into_array_arg(),
+                    grad.into_array_arg(),
+                    dk.clone().into_array_arg(),
+                    dv.clone().into_array_arg(),
+                ],
+                [s.t, s.heads, sc, s.dqk, s.dv, has_pad, types]
             );
         }
     }
@@ -224,5 +255,15 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionK
         scale: f64,
     ) -> (T<R>, T<R>, T<R>) {
         backward(q, k, v, key_padding, o, lse, grad, scale)
+    }
+
+    fn attention_max_len(dqk: usize, dv: usize) -> usize {
+        #[cfg(feature = "wgpu")]
+        if std::any::TypeId::of::<R>() == std::any::TypeId::of::<burn::backend::wgpu::WgpuRuntime>()
+        {
+            return katt::max_len_within(kimi_burn_kernels::kda::LOOP_BUDGET, dqk, dv);
+        }
+        let _ = (dqk, dv);
+        usize::MAX
     }
 }

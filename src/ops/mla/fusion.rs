@@ -75,4 +75,8 @@ impl<B: FusionBackend + AttentionKernels> AttentionKernels for Fusion<B> {
         ));
         (dq, dk, dv)
     }
+
+    fn attention_max_len(dqk: usize, dv: usize) -> usize {
+        B::attention_max_len(dqk, dv)
+    }
 }

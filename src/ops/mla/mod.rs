@@ -296,8 +296,9 @@ fn host_mla_attention<B: Backend>(
     ))
 }
 
-/// The widest head the attention kernels take (`dqk` and `dv`): each unit keeps a few head
-/// vectors in registers. Wider heads run the other paths.
+/// The widest head the attention kernels take (`dqk` and `dv`): the tiled kernels keep four rows
+/// of `⌈d / 64⌉` column quads per unit for each accumulated gradient, about 200 registers at
+/// 256. Wider heads run the other paths.
 pub const KERNEL_MAX_HEAD_DIM: usize = 256;
 
 /// [`causal_attention`] on the fused kernels when the backend has them and the inputs suit them;
@@ -332,11 +333,11 @@ fn kernel_attention<B: Backend>(
         return Err(op);
     }
     match backend::on_kernels::<B, _>(op) {
-        Ok(o) => {
+        Ok(Ok(o)) => {
             backend::record(FusedOp::Attention, KernelPath::Kernel);
             Ok(o)
         }
-        Err(op) => {
+        Ok(Err(op)) | Err(op) => {
             backend::record(FusedOp::Attention, KernelPath::Reference);
             Err(op)
         }
@@ -375,6 +376,15 @@ pub trait AttentionKernels: Backend {
         grad: FloatTensor<Self>,
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// The longest sequence the kernels take on this backend at heads `(dqk, dv)`;
+    /// [`causal_attention`] runs the other fused path above it. Mesa's software Vulkan driver
+    /// (lavapipe, what wgpu runs on without a GPU) ends an invocation's loops silently after
+    /// 65 535 iterations, so the wgpu runtime takes the lengths whose loops stay within half of
+    /// that ([`kimi_burn_kernels::attention::max_len_within`]: about 2 700 tokens at MLA's
+    /// `d_qk = 192`, `d_v = 128`, about 8 500 at the tiny model's heads; a GPU adapter could take
+    /// more, but the runtime cannot tell them apart here); CUDA has no limit.
+    fn attention_max_len(dqk: usize, dv: usize) -> usize;
 }
 
 /// [`AttentionKernels::attention_forward`] on `Tensor`s.
@@ -388,9 +398,14 @@ struct AttentionOp<B: Backend> {
 }
 
 impl<B: Backend> KernelOp<B> for AttentionOp<B> {
-    type Output = Tensor<B, 4>;
+    /// The output, or the op back when the sequence is too long for the kernels.
+    type Output = Result<Tensor<B, 4>, Self>;
 
     fn run<K: FusedKernels>(self) -> Self::Output {
+        let [_, _, t, dqk] = self.q.dims();
+        if t > K::attention_max_len(dqk, self.v.dims()[3]) {
+            return Err(self);
+        }
         let float = |t: Tensor<B, 4>| {
             same::<Tensor<B, 4>, Tensor<K, 4>>(t)
                 .into_primitive()
@@ -401,7 +416,9 @@ impl<B: Backend> KernelOp<B> for AttentionOp<B> {
             .map(|p| same::<Tensor<B, 2, Int>, Tensor<K, 2, Int>>(p.int()).into_primitive());
         let (o, _lse) =
             K::attention_forward(float(self.q), float(self.k), float(self.v), pad, self.scale);
-        same(Tensor::<K, 4>::from_primitive(TensorPrimitive::Float(o)))
+        Ok(same(Tensor::<K, 4>::from_primitive(
+            TensorPrimitive::Float(o),
+        )))
     }
 }
 

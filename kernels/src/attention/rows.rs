@@ -1,50 +1,19 @@
-//! Causal softmax attention (design §5, the expanded form of MLA's training and prefill), forward
-//! and backward, one unit per row: the scores are never stored.
-//!
-//! Per (batch row, head), query `i` attends keys `j ≤ i` that are not padding:
-//!
-//! ```text
-//! s_ij = scale · q_i · k_j,   L_i = log Σ_j exp(s_ij),   p_ij = exp(s_ij − L_i),   o_i = Σ_j p_ij v_j
-//! D_i  = dO_i · o_i,          ds_ij = p_ij (dO_i · v_j − D_i)
-//! dq_i = scale · Σ_j ds_ij k_j,   dk_j = scale · Σ_i ds_ij q_i,   dv_j = Σ_i p_ij dO_i
-//! ```
-//!
-//! The forward keeps `L` (one f32 per query row) and takes the maximum online, rescaling its
-//! accumulators when it grows. A query with no visible key gets a zero output, `L` =
-//! [`EMPTY_ROW_LSE`] (so every `p_ij` of the backward is 0) and zero gradients. One unit owns one
-//! query row (forward, [`attention_backward_query`](fn@attention_backward_query)) or one key row
+//! The per-row kernels: one unit owns one query row (the forward,
+//! [`attention_backward_query`](fn@attention_backward_query)) or one key row
 //! ([`attention_backward_key`](fn@attention_backward_key)) with its vectors in registers: no
 //! shared memory, no barrier, no atomics, so reruns are bit-identical. Units of a plane hold
-//! neighbouring rows, which read the same key (query) row at the same step. This is the layout
-//! that runs fastest on lavapipe, where the tensor-op form launches about ten kernels over the
-//! `[B, H, T, T]` scores; it is not a tiled flash kernel, and a GPU at long `T` wants one.
-//!
-//! Layouts: `q, k: [BH, T, dqk]`, `v, o, dO: [BH, T, dv]` (row-major, `BH` = batch · heads, batch
-//! outer), `pad: [B, T]` (non-zero: the key is padding), `L, D: [BH · T]` f32.
+//! neighbouring rows, which read the same key (query) row at the same step. The forward takes the
+//! maximum online and rescales its accumulators only when it grows. For small heads (see
+//! [`uses_row_kernels`](super::uses_row_kernels)): on lavapipe they run about twice as fast as
+//! the tiled kernels at the tiny model's heads, and a unit's row vectors stay in registers on
+//! CUDA up to [`ROW_KERNEL_MAX_WIDTH`](super::ROW_KERNEL_MAX_WIDTH).
 
 use cubecl::prelude::*;
 
-/// Units per cube (one unit per row).
+use super::{key_visible, EMPTY_ROW_LSE};
+
+/// Units per cube of the per-row kernels (one unit per row).
 pub const ATTENTION_CUBE: u32 = 64;
-
-/// The log-sum-exp stored for a query with no visible key: `exp(s − L)` is 0 for every score.
-pub const EMPTY_ROW_LSE: f32 = 1.0e30;
-
-/// Whether key `j` of batch row `b` is visible (not padding); always when `has_pad` is off.
-#[cube]
-fn key_visible<I: Int>(
-    pad: &Array<I>,
-    b: usize,
-    j: usize,
-    t: usize,
-    #[comptime] has_pad: bool,
-) -> bool {
-    let mut visible = true;
-    if comptime!(has_pad) {
-        visible = u32::cast_from(pad[b * t + j]) == 0u32;
-    }
-    visible
-}
 
 /// Forward: `o: [BH, T, dv]` in `F` and `lse: [BH · T]` f32. One unit per query row (`rows` =
 /// `BH · T`), cubes of [`ATTENTION_CUBE`] units; extra units exit. `pad` is read only when
