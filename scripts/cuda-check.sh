@@ -31,10 +31,12 @@
 #   gradients against ndarray on both paths);
 # - the CUDA groups of the `moe` bench (kernel vs reference path; the layer forward against the sum
 #   of its matmuls at a data-centre shape) and of the `kda` bench (also H = 64, K = V = 128,
-#   T = 16384), built in the dev profile (dependencies at opt-level 3, the crate at 1: the time
+#   T = 16384) and of the `attention` bench (MLA's causal attention, kernels against the plain form
+#   at the tiny model's heads and at d_qk = 192, d_v = 128 up to 4096 tokens), built in the dev profile (dependencies at opt-level 3, the crate at 1: the time
 #   is the device's);
-# - each kernel's share of the KDA forward and forward + backward at the target shape and of the
-#   MoE layer forward with the tensor cores on and off (CubeCL's profiler on short bench runs);
+# - each kernel's share of the KDA forward and forward + backward at the target shape, of the
+#   MoE layer forward with the tensor cores on and off, and of MLA's attention forward + backward
+#   at 4096 tokens (CubeCL's profiler on short bench runs);
 # - `train_tiny --backend cuda`: tokens/s of the tiny model's training step, and a CubeCL profile
 #   of 2 and of 6 steps (the difference over 4 is one step's kernels).
 # Exit status: non-zero if any test failed.
@@ -63,14 +65,15 @@ build() {
     mkdir -p "$dir"
     # One feature set and one profile for everything, so the library compiles once.
     cp "$(cargo test --features "$features" --test suite --no-run --message-format=json | executable suite)" "$dir/suite"
-    for bench in moe kda; do
+    for bench in moe kda attention; do
         cp "$(cargo bench --profile dev --features "$features" --bench "$bench" --no-run --message-format=json \
             | executable "$bench")" "$dir/bench_$bench"
     done
     cp "$(cargo build --features "$features" --example train_tiny --message-format=json | executable train_tiny)" \
         "$dir/train_tiny"
-    strip "$dir/suite" "$dir/bench_moe" "$dir/bench_kda" "$dir/train_tiny"
-    xz -T0 -6 -f "$dir/suite" "$dir/bench_moe" "$dir/bench_kda" "$dir/train_tiny"
+    local bins=("$dir/suite" "$dir/bench_moe" "$dir/bench_kda" "$dir/bench_attention" "$dir/train_tiny")
+    strip "${bins[@]}"
+    xz -T0 -6 -f "${bins[@]}"
     ls -la "$dir"
 }
 
@@ -242,8 +245,8 @@ run() {
     fi
     if [ "$part" = all ] || [ "$part" = bench ]; then
         # Criterion: short measurements, only the CUDA groups.
-        for bench in moe kda; do
-            timeout "$([ "$bench" = moe ] && echo 90 || echo 150)" "$bin/bench_$bench" --bench cuda --warm-up-time 1 --measurement-time 2 \
+        for bench in moe kda attention; do
+            timeout "$(case $bench in moe) echo 90 ;; kda) echo 150 ;; *) echo 60 ;; esac)" "$bin/bench_$bench" --bench cuda --warm-up-time 1 --measurement-time 2 \
                 >"$out/bench_$bench.log" 2>&1 || echo "bench $bench exit status: $?" >>"$out/summary.txt"
             grep -E "^Benchmarking .*: Analyzing|time:" "$out/bench_$bench.log" | sed 's/^Benchmarking \(.*\): Analyzing/\1/' >>"$out/summary.txt" || true
         done
@@ -254,6 +257,7 @@ run() {
         profile_bench kda_fwd_bwd kda chunk_kda_fwd_bwd_h64_k128_state/cuda-kernel
         profile_bench moe_tensor_cores moe layer_forward_tensor_cores
         profile_bench moe_scalar moe 'layer_forward$'
+        profile_bench attention attention mla_1x16x4096_192x128/forward_backward/kernel
         # The tiny model's training step; then one step's kernels from the profile (6 minus 2 steps).
         local tt=(--backend cuda --checkpoint-every 0 --short-fraction 0 --test-sequences 16)
         timeout 60 "$bin/train_tiny" "${tt[@]}" --steps 40 --out "$out/tt40" >"$out/train_tiny.log" 2>&1 ||
