@@ -37,8 +37,9 @@
 # - each kernel's share of the KDA forward and forward + backward at the target shape, of the
 #   MoE layer forward with the tensor cores on and off, and of MLA's attention forward + backward
 #   at 4096 tokens (CubeCL's profiler on short bench runs);
-# - `train_tiny --backend cuda`: tokens/s of the tiny model's training step, and a CubeCL profile
-#   of 2 and of 6 steps (the difference over 4 is one step's kernels).
+# - `train_tiny --backend cuda`: tokens/s of the tiny model's training step (also under Burn's
+#   fusion backend, `--backend cuda-fusion`), and a CubeCL profile of 2 and of 6 steps (the
+#   difference over 4 is one step's kernels).
 # Exit status: non-zero if any test failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -263,6 +264,11 @@ run() {
         timeout 60 "$bin/train_tiny" "${tt[@]}" --steps 40 --out "$out/tt40" >"$out/train_tiny.log" 2>&1 ||
             echo "train_tiny exit status: $?" >>"$out/summary.txt"
         tail -n 5 "$out/train_tiny.log" >>"$out/summary.txt" || true
+        # The same under Burn's fusion backend (what `Cuda` is in a project with Burn's default
+        # features): the plain step was bound by its 2864 launches.
+        timeout 60 "$bin/train_tiny" --backend cuda-fusion "${tt[@]:2}" --steps 40 --out "$out/tt40f" \
+            >"$out/train_tiny_fusion.log" 2>&1 || echo "train_tiny fusion exit status: $?" >>"$out/summary.txt"
+        tail -n 5 "$out/train_tiny_fusion.log" >>"$out/summary.txt" || true
         for steps in 2 6; do
             CUBECL_DEBUG_LOG="$out/profile_$steps.log" CUBECL_DEBUG_OPTION=profile timeout 60 \
                 "$bin/train_tiny" "${tt[@]}" --steps "$steps" --out "$out/tt$steps" >/dev/null 2>&1 ||

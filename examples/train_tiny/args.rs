@@ -111,6 +111,12 @@ pub enum BackendKind {
     Wgpu,
     /// Burn's CUDA backend (build with `--features cuda`).
     Cuda,
+    /// Burn's wgpu backend under its fusion backend, as a Burn project with default features
+    /// gets it (`burn::backend::Wgpu` there): chains of elementwise ops run as one launch (build
+    /// with `--features wgpu`).
+    WgpuFusion,
+    /// Burn's CUDA backend under its fusion backend (build with `--features cuda`).
+    CudaFusion,
 }
 
 /// Train the tiny Kimi hybrid on a synthetic task.

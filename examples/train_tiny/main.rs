@@ -12,6 +12,9 @@
 //!     --out runs/accum4_trend                  # 64 sequences per step, QB with drift compensation
 //! cargo run --release --features collective --example train_tiny -- --devices 2 --batch 8
 //!                                                                 # data parallel, 2 replicas
+//! cargo run --release --features cuda --example train_tiny -- --backend cuda-fusion
+//!                                  # on a GPU, under Burn's fusion backend (what `burn::backend::Cuda`
+//!                                  # is in a project with Burn's default features)
 //! cargo run --release --example train_tiny -- --help
 //! ```
 //!
@@ -86,11 +89,45 @@ fn dispatch(args: &Args) -> Result<(), String> {
             args,
             (0..args.devices).map(burn::backend::cuda::CudaDevice::new).collect(),
         ),
+        #[cfg(feature = "wgpu")]
+        BackendKind::WgpuFusion => {
+            type WgpuFusion = burn_fusion::Fusion<
+                burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>,
+            >;
+            train::<burn::backend::Autodiff<WgpuFusion>>(
+                args,
+                match args.devices {
+                    1 => vec![Default::default()],
+                    n => (0..n).map(burn::backend::wgpu::WgpuDevice::DiscreteGpu).collect(),
+                },
+            )
+        }
+        #[cfg(feature = "cuda")]
+        BackendKind::CudaFusion => {
+            type CudaFusion = burn_fusion::Fusion<
+                burn_cubecl::CubeBackend<burn::backend::cuda::CudaRuntime, f32, i32, u8>,
+            >;
+            train::<burn::backend::Autodiff<CudaFusion>>(
+                args,
+                (0..args.devices).map(burn::backend::cuda::CudaDevice::new).collect(),
+            )
+        }
         #[allow(unreachable_patterns)]
         other => Err(format!(
-            "--backend {other:?} needs the crate feature of the same name: cargo run --release --features {} --example train_tiny",
-            format!("{other:?}").to_lowercase()
+            "--backend {other:?} needs the crate feature {}: cargo run --release --features {} --example train_tiny",
+            feature(other),
+            feature(other)
         )),
+    }
+}
+
+/// The crate feature a backend needs.
+#[allow(dead_code)]
+fn feature(backend: BackendKind) -> &'static str {
+    match backend {
+        BackendKind::Ndarray => "ndarray",
+        BackendKind::Wgpu | BackendKind::WgpuFusion => "wgpu",
+        BackendKind::Cuda | BackendKind::CudaFusion => "cuda",
     }
 }
 
