@@ -89,11 +89,11 @@ fn zero_rows(#[comptime] d: usize) -> Array<V4> {
     acc
 }
 
-/// `acc += Pᵀᵀ · X` over `depth` rows: `pt[r · QUADS + rq]` holds column `r` of the unit's four
-/// rows (the tile's probabilities or their gradients, transposed), `X` is `src`'s rows `base /
-/// stride ..` (`depth` of them, at most [`ATTENTION_TILE`]) of width `d`, staged [`SLICE`] rows by
-/// 64 columns at a time in `stage`. Ends without a barrier: the caller's next staging starts with
-/// one.
+/// `acc += P · X` for the unit's four rows of `P` (the tile's probabilities or their gradients,
+/// `depth` columns): `P` is stored transposed, `pt[r · QUADS + rq]` holding its column `r` for the
+/// four rows; `X` is the `depth` rows (at most [`ATTENTION_TILE`]) of `src` from `base` on, each
+/// `d` wide, staged [`SLICE`] rows by 64 columns at a time in `stage`. Starts each staging with a
+/// barrier and ends without one.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn accumulate_rows<F: Float>(
@@ -166,6 +166,59 @@ fn block_product<F: Float>(
         sync_cube();
         multiply_slice(acc, sa, sb, rq, cq, QUADS, QUADS);
     }
+}
+
+/// The unit's 4 × 4 blocks of the scores `S = A · Bᵀ` (into `s`, depth `dqk`) and of `dP = A_v ·
+/// B_vᵀ` (into `dp`, depth `dv`) of a tile pair of the backward: rows `own ..` (`own_rows` of them)
+/// of `a` and `a_v` against rows `other ..` (`other_rows`) of `b` and `b_v`, all zeroed first.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn score_blocks<F: Float>(
+    s: &mut Array<V4>,
+    dp: &mut Array<V4>,
+    sa: &mut SharedMemory<V4>,
+    sb: &mut SharedMemory<V4>,
+    a: &Array<F>,
+    a_v: &Array<F>,
+    own: usize,
+    own_rows: usize,
+    b: &Array<F>,
+    b_v: &Array<F>,
+    other: usize,
+    other_rows: usize,
+    rq: usize,
+    cq: usize,
+    #[comptime] dqk: usize,
+    #[comptime] dv: usize,
+) {
+    block_product(
+        s,
+        sa,
+        sb,
+        a,
+        own * dqk,
+        own_rows,
+        b,
+        other * dqk,
+        other_rows,
+        rq,
+        cq,
+        dqk,
+    );
+    block_product(
+        dp,
+        sa,
+        sb,
+        a_v,
+        own * dv,
+        own_rows,
+        b_v,
+        other * dv,
+        other_rows,
+        rq,
+        cq,
+        dv,
+    );
 }
 
 /// Writes the unit's rows `first + 4·rq + l` (those below `rows`) of `acc` times `factor[l]`,
@@ -412,33 +465,23 @@ pub fn attention_tiled_backward_query<F: Float, I: Int>(
         let j0 = kt * ATTENTION_TILE;
         let keys = usize::min(ATTENTION_TILE, t - j0);
         let mut s = zero_block();
-        block_product(
+        let mut dp = zero_block();
+        score_blocks(
             &mut s,
+            &mut dp,
             &mut sa,
             &mut sb,
             q,
-            (seq + first) * dqk,
+            d_o,
+            seq + first,
             rows,
             k,
-            (seq + j0) * dqk,
+            v,
+            seq + j0,
             keys,
             rq,
             cq,
             dqk,
-        );
-        let mut dp = zero_block();
-        block_product(
-            &mut dp,
-            &mut sa,
-            &mut sb,
-            d_o,
-            (seq + first) * dv,
-            rows,
-            v,
-            (seq + j0) * dv,
-            keys,
-            rq,
-            cq,
             dv,
         );
         // dS, transposed into `pt` (column j of the unit's rows at pt[j · QUADS + rq]).
@@ -525,33 +568,23 @@ pub fn attention_tiled_backward_key<F: Float, I: Int>(
         let queries = usize::min(ATTENTION_TILE, t - i0);
         // Sᵀ and dPᵀ: rows are the tile's keys, columns the queries.
         let mut s = zero_block();
-        block_product(
+        let mut dp = zero_block();
+        score_blocks(
             &mut s,
+            &mut dp,
             &mut sa,
             &mut sb,
             k,
-            (seq + first) * dqk,
+            v,
+            seq + first,
             rows,
             q,
-            (seq + i0) * dqk,
+            d_o,
+            seq + i0,
             queries,
             rq,
             cq,
             dqk,
-        );
-        let mut dp = zero_block();
-        block_product(
-            &mut dp,
-            &mut sa,
-            &mut sb,
-            v,
-            (seq + first) * dv,
-            rows,
-            d_o,
-            (seq + i0) * dv,
-            queries,
-            rq,
-            cq,
             dv,
         );
         // Pᵀ into `pt` (column i of the unit's keys at pt[i · QUADS + rq]); dSᵀ kept in the
