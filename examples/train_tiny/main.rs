@@ -105,7 +105,7 @@ fn dispatch(args: &Args) -> Result<(), String> {
         #[cfg(feature = "cuda")]
         BackendKind::CudaFusion => {
             type CudaFusion = burn_fusion::Fusion<
-                burn_cubecl::CubeBackend<burn::backend::cuda::CudaRuntime, f32, i32, u8>,
+                burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>,
             >;
             train::<burn::backend::Autodiff<CudaFusion>>(
                 args,
