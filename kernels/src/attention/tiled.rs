@@ -47,17 +47,21 @@ pub fn attention_tiles(t: usize) -> usize {
     t.div_ceil(ATTENTION_TILE)
 }
 
-/// Where a cube works: the (batch row, head) `bh`, its batch row, the first row of its own tile,
-/// and that tile's row count (0 for a cube past the last tile).
+/// Where a cube works and what this unit holds: the batch row `b`, the first token `seq` of the
+/// (batch row, head)'s sequence, the first row of the cube's own tile and that tile's row count
+/// (0 for a cube past the last tile), and the unit's row and column quads `rq`, `cq` of a tile
+/// pair's scores.
 #[derive(CubeType)]
 struct Tile {
-    bh: usize,
     b: usize,
+    seq: usize,
     first: usize,
     rows: usize,
+    rq: usize,
+    cq: usize,
 }
 
-/// The [`Tile`] of this cube.
+/// The [`Tile`] of this cube and unit.
 #[cube]
 fn tile_of(bh_count: usize, t: usize, heads: usize) -> Tile {
     let tiles = (t + ATTENTION_TILE - 1) / ATTENTION_TILE;
@@ -68,11 +72,14 @@ fn tile_of(bh_count: usize, t: usize, heads: usize) -> Tile {
     if id < bh_count * tiles {
         rows = usize::min(ATTENTION_TILE, t - first);
     }
+    let unit = UNIT_POS as usize;
     Tile {
-        bh,
         b: bh / heads,
+        seq: bh * t,
         first,
         rows,
+        rq: unit / QUADS,
+        cq: unit % QUADS,
     }
 }
 
@@ -277,14 +284,18 @@ pub fn attention_tiled_forward<F: Float, I: Int>(
     #[comptime] has_pad: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let Tile { bh, b, first, rows } = tile_of(bh_count, t, heads);
+    let Tile {
+        b,
+        seq,
+        first,
+        rows,
+        rq,
+        cq,
+    } = tile_of(bh_count, t, heads);
     if rows == 0 {
         terminate!();
     }
     let unit = UNIT_POS as usize;
-    let rq = unit / QUADS;
-    let cq = unit % QUADS;
-    let seq = bh * t;
     let mut sa = SharedMemory::<V4>::new(SLICE * QUADS);
     let mut sb = SharedMemory::<V4>::new(SLICE * QUADS);
     let mut pt = SharedMemory::<V4>::new(ATTENTION_TILE * QUADS);
@@ -427,14 +438,18 @@ pub fn attention_tiled_backward_query<F: Float, I: Int>(
     #[comptime] has_pad: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let Tile { bh, b, first, rows } = tile_of(bh_count, t, heads);
+    let Tile {
+        b,
+        seq,
+        first,
+        rows,
+        rq,
+        cq,
+    } = tile_of(bh_count, t, heads);
     if rows == 0 {
         terminate!();
     }
     let unit = UNIT_POS as usize;
-    let rq = unit / QUADS;
-    let cq = unit % QUADS;
-    let seq = bh * t;
     let mut sa = SharedMemory::<V4>::new(SLICE * QUADS);
     let mut sb = SharedMemory::<V4>::new(SLICE * QUADS);
     let mut pt = SharedMemory::<V4>::new(ATTENTION_TILE * QUADS);
@@ -540,14 +555,17 @@ pub fn attention_tiled_backward_key<F: Float, I: Int>(
     #[comptime] has_pad: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let Tile { bh, b, first, rows } = tile_of(bh_count, t, heads);
+    let Tile {
+        b,
+        seq,
+        first,
+        rows,
+        rq,
+        cq,
+    } = tile_of(bh_count, t, heads);
     if rows == 0 {
         terminate!();
     }
-    let unit = UNIT_POS as usize;
-    let rq = unit / QUADS;
-    let cq = unit % QUADS;
-    let seq = bh * t;
     let tiles = (t + ATTENTION_TILE - 1) / ATTENTION_TILE;
     let mut sa = SharedMemory::<V4>::new(SLICE * QUADS);
     let mut sb = SharedMemory::<V4>::new(SLICE * QUADS);

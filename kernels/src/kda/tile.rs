@@ -7,7 +7,10 @@
 //! a chunk as 4 × 4 blocks in its units' registers and walks the product's depth
 //! [`SLICE`] at a time, each factor's slice staged in shared memory as [`V4`]s by loads on which
 //! consecutive units read consecutive addresses (coalesced on a GPU). Each shared read then
-//! feeds sixteen multiply-adds.
+//! feeds sixteen multiply-adds. The tiled attention kernels
+//! ([`attention_tiled_forward`](fn@crate::attention::attention_tiled_forward) and its backward)
+//! stage their factors and multiply their score blocks with the same helpers (`stage_rows`,
+//! `stage_columns`, `multiply_slice`, `zero_block`, generic over the storage type).
 
 use cubecl::prelude::*;
 

@@ -59,6 +59,7 @@ impl Sizes {
 
 /// How a call launches: which kernel set ([`katt::uses_row_kernels`]), the cubes, and the first
 /// scalar argument (`rows` of the per-row kernels, the (batch row, head) pairs of the tiled ones).
+#[derive(Clone)]
 struct Launch {
     rows: bool,
     count: CubeCount,
@@ -189,11 +190,12 @@ fn backward<R: CubeRuntime>(
         let client = q.client.clone();
         let types: [cubecl::ir::StorageType; 2] = [dtype.into(), pad_dtype.into()];
         let sc = scale as f32;
+        let launch = Launch::of(&q, &s);
         // SAFETY: as in the forward; `delta` is written by the first launch before the second
         // reads it (one stream).
         unsafe {
             launch!(
-                Launch::of(&q, &s),
+                launch.clone(),
                 &client,
                 attention_backward_query | attention_tiled_backward_query,
                 [
@@ -210,7 +212,7 @@ fn backward<R: CubeRuntime>(
                 [s.t, s.heads, sc, s.dqk, s.dv, has_pad, types]
             );
             launch!(
-                Launch::of(&q, &s),
+                launch,
                 &client,
                 attention_backward_key | attention_tiled_backward_key,
                 [

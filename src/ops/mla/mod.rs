@@ -297,8 +297,8 @@ fn host_mla_attention<B: Backend>(
 }
 
 /// The widest head the attention kernels take (`dqk` and `dv`): the tiled kernels keep four rows
-/// of `⌈d / 64⌉` column quads per unit for each accumulated gradient, about 200 registers at
-/// 256. Wider heads run the other paths.
+/// of `⌈d / 64⌉` column quads per unit for each accumulated gradient, 219–255 registers in the key
+/// backward at 256 (`scripts/cuda-codegen.sh`). Wider heads run the other paths.
 pub const KERNEL_MAX_HEAD_DIM: usize = 256;
 
 /// [`causal_attention`] on the fused kernels when the backend has them and the inputs suit them;
