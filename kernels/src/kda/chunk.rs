@@ -523,7 +523,7 @@ pub(super) fn store_state_tile(
 /// O = (q ⊙ exp(G)) S + A_qk Vn  =  [qe | A_qk] · [S ; Vn]
 /// ```
 ///
-/// as one tiled product (see [`SLICE`](super::SLICE)) of depth `kdim + len`, one cube per
+/// as one tiled product (see [`SLICE`]) of depth `kdim + len`, one cube per
 /// (chunk·head, tile of `cols` value columns, [`tile_columns`](super::tile_columns)) of
 /// [`tile_units`](super::tile_units)`(chunk, cols)` units. `Vn`'s rows past the chunk's length
 /// (never written) are read as zeros.

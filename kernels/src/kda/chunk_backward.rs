@@ -145,7 +145,7 @@ pub fn kda_chunk_state_backward(
 }
 
 /// The part of the reverse pass's `dVn` that does not depend on the state, `d_vn[i, c] = Σ_{j ≥ i}
-/// A_qk[j, i] dO[j, c]`, for every chunk at once: one tiled product (see [`SLICE`](super::SLICE))
+/// A_qk[j, i] dO[j, c]`, for every chunk at once: one tiled product (see [`SLICE`])
 /// per (chunk·head, tile of `cols` value columns, [`tile_columns`](super::tile_columns)`(vdim)`)
 /// of [`tile_units`](super::tile_units)`(chunk, cols)` units over the chunk's rows.
 /// `d_vn: [chunks, heads, chunk, vdim]`, rows past a chunk's length not written.
@@ -207,7 +207,7 @@ pub fn kda_chunk_dvn_intra(
 
 /// The part of the reverse pass's `dS` that does not depend on the state, `p[d, c] = Σ_i (q ⊙
 /// exp(G))[i, d] dO[i, c]` over each chunk's rows, for every chunk at once: one tiled product
-/// (see [`SLICE`](super::SLICE)) per (chunk·head, tile of `rows` key channels, tile of `cols`
+/// (see [`SLICE`]) per (chunk·head, tile of `rows` key channels, tile of `cols`
 /// value columns) of [`tile_units`](super::tile_units)`(rows, cols)` units; `row_tiles =
 /// ceil(kdim / rows)`, `col_tiles = ceil(vdim / cols)`. `p: [chunks, heads, kdim, vdim]`.
 #[allow(clippy::too_many_arguments)]
@@ -272,7 +272,7 @@ pub fn kda_chunk_state_do(
     );
 }
 
-/// The per-chunk products with the states, one tiled product (see [`SLICE`](super::SLICE)) per
+/// The per-chunk products with the states, one tiled product (see [`SLICE`]) per
 /// (chunk·head, tile of `cols` key channels, [`tile_columns`](super::tile_columns)`(kdim)`) of
 /// [`tile_units`](super::tile_units)`(chunk, cols)` units, over the value channels:
 ///
@@ -387,7 +387,7 @@ pub fn kda_chunk_state_products(
 }
 
 /// `dA_qk[i,j] = Σ_v dO[i,v] Vn[j,v]` for `j ≤ i < len` (zero elsewhere), one tiled product (see
-/// [`SLICE`](super::SLICE)) per chunk·head of [`tile_units`](super::tile_units)`(chunk, chunk)`
+/// [`SLICE`]) per chunk·head of [`tile_units`](super::tile_units)`(chunk, chunk)`
 /// units over the value channels; `d_aqk: [chunks, heads, chunk, chunk]`, every entry written.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
@@ -537,7 +537,7 @@ pub fn kda_chunk_solve_backward(
 }
 
 /// `dA_kk[i,j] = −(Σ_d Z_w[i,d] W[j,d] + Σ_v Z_u[i,v] U[j,v])` for `j < i < len` (zero
-/// elsewhere), one tiled product (see [`SLICE`](super::SLICE)) per chunk·head of
+/// elsewhere), one tiled product (see [`SLICE`]) per chunk·head of
 /// [`tile_units`](super::tile_units)`(chunk, chunk)` units over the key then the value channels;
 /// `d_akk: [chunks, heads, chunk, chunk]`, every entry written.
 #[allow(clippy::too_many_arguments)]

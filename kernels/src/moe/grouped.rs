@@ -383,7 +383,7 @@ pub fn grouped_matmul<F: Float>(
     }
 }
 
-/// Unit `(tx, ty)`'s share of the `TILE_K` slice at depth `k0` in [`grouped_mma`], as `S`:
+/// Unit `(tx, ty)`'s share of the `TILE_K` slice at depth `k0` in [`grouped_mma`](fn@grouped_mma), as `S`:
 /// `ra[j]` = `a` at depth `k0 + tx` of its row `j` (`arows[j]`, `a_lanes` of them in the
 /// segment), `rb[j]` (and `rb3[j]` with `glu`) = `w` (`w3`) at depth `k0 + ty` of column
 /// `col0 + 4·tx + j` (`c_lanes` of them in the matrix); zeros elsewhere and past `kdim`.
@@ -450,7 +450,7 @@ fn fetch_slice<F: Float, S: Float>(
 /// Per `TILE_K` step the cube stages the `a` rows as `[TILE, TILE_K]` and the `w` (and `w3`)
 /// columns as `[TILE_K, TILE]`, row-major in `S` (the storage type, or TF32), with the scalar
 /// loop's load pattern (zeros outside the segment and the matrix), each unit's share fetched
-/// into registers during the step before ([`fetch_slice`]); plane `p` of the eight
+/// into registers during the step before ([`fetch_slice`](fn@fetch_slice)); plane `p` of the eight
 /// multiplies rows `16·(p / 2)..` by the two column blocks `32·(p % 2)..`, in
 /// `TILE_K / depth` block products of [`Products::depth`]. After the loop each accumulator
 /// block goes to a shared f32 `[TILE, TILE]` tile, which the units read back as their

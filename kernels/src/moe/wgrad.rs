@@ -162,7 +162,7 @@ fn pair_rows(
     (arow, brow)
 }
 
-/// Unit `(tx, ty)`'s share of the `TILE_K` pairs from `p0` in [`wgrad_mma`], as `S`: features
+/// Unit `(tx, ty)`'s share of the `TILE_K` pairs from `p0` in [`wgrad_mma`](fn@wgrad_mma), as `S`: features
 /// `r0 + 4·tx..` (`a_lanes` of them) of `a`'s row and `c0 + 4·tx..` (`b_lanes`) of `b`'s row of
 /// the pair `p0 + ty`; zeros for lanes past the widths and for a pair at or past `end`.
 #[allow(clippy::too_many_arguments)]
@@ -209,7 +209,7 @@ fn fetch_pairs<F: Float, S: Float>(
 /// `Σ_pos a[arow(pos)]ᵀ · b[brow(pos)]`, accumulated in f32. Per `TILE_K` pairs the cube stages
 /// `a`'s and `b`'s features as `[TILE_K, TILE]` row-major in `S` (the storage type, or TF32;
 /// zeros past the segment and the widths), each unit's share fetched into registers during the
-/// step before ([`fetch_pairs`]), multiplied in `TILE_K / depth` block products of
+/// step before ([`fetch_pairs`](fn@fetch_pairs)), multiplied in `TILE_K / depth` block products of
 /// [`Products::depth`]; `a`'s slice is the `A` operand read column-major. Plane `p` of the eight owns rows `16·(p / 2)..` and the column blocks
 /// `32·(p % 2)..`, as in the grouped matmul's tensor-core loop.
 #[allow(clippy::too_many_arguments)]
