@@ -1,4 +1,4 @@
-//! Cross-entropy over the rows of a logit matrix, forward and backward, one unit per row.
+//! Cross-entropy over the rows of a logit matrix, forward and backward.
 //!
 //! For a row `z: [vocab]` and its target `t` (a row whose target is the ignore index scores
 //! nothing):
@@ -8,15 +8,40 @@
 //! dz_c = g·(exp(z_c − lse) − [c = t])        (0 on an ignored row)
 //! ```
 //!
-//! The forward keeps `lse` per row, so the backward reads each row once. A target outside
+//! **Layout.** The forward takes two launches. [`cross_entropy_partials`](fn@cross_entropy_partials)
+//! gives each row [`split_for`]`(vocab)` units that walk its columns interleaved (unit `j` takes
+//! columns `j`, `j + split`, …), so neighbouring units read neighbouring columns: coalesced loads
+//! on a GPU, whole SIMD vectors on lavapipe. Each unit keeps a running maximum `m` and the sum of
+//! its exponentials rescaled to it, `s = Σ exp(z_c − m)`, in one pass.
+//! [`cross_entropy_finish`](fn@cross_entropy_finish), one unit per row, merges the row's partials
+//! in order (`lse = M + ln Σ_j s_j·exp(m_j − M)`) and scores the target. The backward is
+//! elementwise, one unit per logit. No unit loops more than [`LOOP_BUDGET`] times at any
+//! vocabulary a device buffer holds, so lavapipe's loop limit (see [`LOOP_BUDGET`]) bounds
+//! nothing, and the row's work is spread over `split` units instead of one.
+//!
+//! The forward keeps `lse` per row, so the backward reads each logit once. A target outside
 //! `[0, vocab)` other than the ignore index gives a NaN loss (and NaN gradients on its row): the
 //! error surfaces at the next read of the loss instead of as an out-of-bounds read. Statistics in
-//! f32 whatever the storage dtype; no atomics.
+//! f32 whatever the storage dtype; no atomics, and every sum runs in a fixed order, so reruns are
+//! bit-identical.
 
 use cubecl::prelude::*;
 
-/// Units per cube (one unit per row).
-pub const CROSS_ENTROPY_CUBE: u32 = 64;
+use crate::kda::LOOP_BUDGET;
+
+/// Units per cube, for all three kernels.
+pub const CROSS_ENTROPY_CUBE: u32 = 256;
+
+/// The fewest units per row of [`cross_entropy_partials`](fn@cross_entropy_partials).
+pub const CROSS_ENTROPY_SPLIT: usize = 64;
+
+/// Units per row of [`cross_entropy_partials`](fn@cross_entropy_partials) for rows of `vocab`
+/// logits: [`CROSS_ENTROPY_SPLIT`], or more where a unit would otherwise walk more than
+/// [`LOOP_BUDGET`] columns (past about two million logits per row). The finishing unit's two
+/// loops over the partials stay within the budget for every vocabulary below `LOOP_BUDGET²/2`.
+pub fn split_for(vocab: usize) -> usize {
+    CROSS_ENTROPY_SPLIT.max(vocab.div_ceil(LOOP_BUDGET))
+}
 
 /// Whether `t` is a valid class of `vocab` (as a signed index).
 #[cube]
@@ -24,18 +49,59 @@ fn in_range(t: i32, vocab: usize) -> bool {
     t >= 0 && (t as usize) < vocab
 }
 
-/// Forward: `loss: [rows]` in `F` and `lse: [rows]` f32 from `logits: [rows, vocab]` in `F` and
+/// Forward, first launch: `top, sum: [rows, split]` f32, unit `j` of row `r` holding the maximum
+/// `m` of the logits `z[r, c]` with `c ≡ j (mod split)` and `Σ exp(z[r, c] − m)` over them
+/// (`−3·10³⁸` and 0 for a unit without columns). One unit per `(row, j)`, cubes of
+/// [`CROSS_ENTROPY_CUBE`] units; extra units exit.
+#[cube(launch_unchecked)]
+pub fn cross_entropy_partials<F: Float>(
+    logits: &Array<F>,
+    top: &mut Array<f32>,
+    sum: &mut Array<f32>,
+    rows: usize,
+    vocab: usize,
+    split: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos >= rows * split {
+        terminate!();
+    }
+    let base = (pos / split) * vocab;
+    let mut m = f32::new(-3.0e38);
+    let mut s = 0.0f32;
+    let mut c = pos % split;
+    while c < vocab {
+        let x = f32::cast_from(logits[base + c]);
+        // One exponential per logit: a new maximum rescales the sum so far.
+        if x > m {
+            s = s * f32::exp(m - x) + 1.0;
+            m = x;
+        } else {
+            s += f32::exp(x - m);
+        }
+        c += split;
+    }
+    top[pos] = m;
+    sum[pos] = s;
+}
+
+/// Forward, second launch: `loss: [rows]` in `F` and `lse: [rows]` f32 from the partials of
+/// [`cross_entropy_partials`](fn@cross_entropy_partials), `logits: [rows, vocab]` in `F` and
 /// `targets: [rows]` in `I`. `nan` is `f32::NAN` (passed in: a NaN constant is a compile error in
 /// some shader languages). One unit per row, cubes of [`CROSS_ENTROPY_CUBE`] units.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
-pub fn cross_entropy_forward<F: Float, I: Int>(
+pub fn cross_entropy_finish<F: Float, I: Int>(
     logits: &Array<F>,
     targets: &Array<I>,
+    top: &Array<f32>,
+    sum: &Array<f32>,
     loss: &mut Array<F>,
     lse: &mut Array<f32>,
     rows: usize,
     vocab: usize,
+    split: usize,
     ignore: i32,
     nan: f32,
     #[define(F, I)] _dtypes: [StorageType; 2],
@@ -44,22 +110,22 @@ pub fn cross_entropy_forward<F: Float, I: Int>(
     if row >= rows {
         terminate!();
     }
-    let base = row * vocab;
-    let mut top = f32::new(-3.0e38);
-    for c in 0..vocab {
-        top = f32::max(top, f32::cast_from(logits[base + c]));
+    let first = row * split;
+    let mut m = f32::new(-3.0e38);
+    for j in 0..split {
+        m = f32::max(m, top[first + j]);
     }
     let mut total = 0.0f32;
-    for c in 0..vocab {
-        total += f32::exp(f32::cast_from(logits[base + c]) - top);
+    for j in 0..split {
+        total += sum[first + j] * f32::exp(top[first + j] - m);
     }
-    let l = top + f32::ln(total);
+    let l = m + f32::ln(total);
     lse[row] = l;
     let t = i32::cast_from(targets[row]);
     let mut out = 0.0f32;
     if t != ignore {
         if in_range(t, vocab) {
-            out = l - f32::cast_from(logits[base + t as usize]);
+            out = l - f32::cast_from(logits[row * vocab + t as usize]);
         } else {
             out = nan;
         }
@@ -68,8 +134,8 @@ pub fn cross_entropy_forward<F: Float, I: Int>(
 }
 
 /// Backward for `grad: [rows]` in `F` (the gradient of each row's loss): `dlogits: [rows,
-/// vocab]` in `F`, from the forward's `lse`. Launch as
-/// [`cross_entropy_forward`](fn@cross_entropy_forward).
+/// vocab]` in `F`, from the forward's `lse`. One unit per logit, cubes of
+/// [`CROSS_ENTROPY_CUBE`] units; extra units exit.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn cross_entropy_backward<F: Float, I: Int>(
@@ -84,25 +150,21 @@ pub fn cross_entropy_backward<F: Float, I: Int>(
     nan: f32,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let row = ABSOLUTE_POS;
-    if row >= rows {
+    let pos = ABSOLUTE_POS;
+    if pos >= rows * vocab {
         terminate!();
     }
-    let base = row * vocab;
+    let row = pos / vocab;
     let t = i32::cast_from(targets[row]);
     let mut g = f32::cast_from(grad[row]);
-    let l = lse[row];
     if t == ignore {
         g = 0.0;
     } else if !in_range(t, vocab) {
         g = nan;
     }
-    for c in 0..vocab {
-        let p = f32::exp(f32::cast_from(logits[base + c]) - l);
-        let mut x = g * p;
-        if c as i32 == t {
-            x -= g;
-        }
-        dlogits[base + c] = F::cast_from(x);
+    let mut x = g * f32::exp(f32::cast_from(logits[pos]) - lse[row]);
+    if (pos % vocab) as i32 == t {
+        x -= g;
     }
+    dlogits[pos] = F::cast_from(x);
 }

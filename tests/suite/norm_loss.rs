@@ -304,33 +304,64 @@ mod kernel {
         assert!(host(l)[0].is_nan());
     }
 
-    /// Past the vocabulary the wgpu kernels take (lavapipe's loop limit), the op runs the tensor
-    /// ops on wgpu, and still gives the f64 formula. CUDA has no such limit: there the kernel
-    /// takes the row.
+    /// Rows longer than one unit's loops may run on lavapipe (65 535 iterations in all) take the
+    /// kernels, on wgpu as on CUDA, and give the f64 loss and gradient: 70 000 logits per row (the
+    /// least units per row, over a thousand logits each), and one logit past what those units can
+    /// walk within the loop budget, where each row gets more units.
     #[test]
-    fn cross_entropy_large_vocabulary_takes_the_reference() {
-        use kimi_burn::ops::loss::WGPU_MAX_VOCAB;
-        use kimi_burn::ops::{kernel_calls, with_kernels};
-        let (b, t, v) = (2, 3, WGPU_MAX_VOCAB + 1);
-        let mut rng = rng(74);
-        let zv = normal_vec(&mut rng, b * t * v);
-        let tv = targets(&mut rng, b * t, v);
+    fn cross_entropy_long_rows() {
+        use kimi_burn_kernels::cross_entropy::{split_for, CROSS_ENTROPY_SPLIT};
+        use kimi_burn_kernels::kda::LOOP_BUDGET;
+        let widest = CROSS_ENTROPY_SPLIT * LOOP_BUDGET;
+        assert_eq!(split_for(widest), CROSS_ENTROPY_SPLIT);
+        assert!(split_for(widest + 1) > CROSS_ENTROPY_SPLIT);
         let device = Default::default();
-        let before = kernel_calls(FusedOp::CrossEntropy);
-        let loss = with_kernels(true, || {
-            masked_cross_entropy(
-                from_f64::<GpuAd, 3>(&zv, [b, t, v], &device),
-                int_tensor::<GpuAd>(&tv, [b, t], &device),
-                IGNORE_INDEX,
-            )
-        });
-        let kernel = u64::from(crate::common::is_cuda::<GpuAd>(&device));
-        assert_eq!(
-            kernel_calls(FusedOp::CrossEntropy) - before,
-            kernel,
-            "kernel launches (wgpu: none, the reference path; CUDA: the kernel)"
-        );
-        assert_close("loss", &[cross_entropy64(&zv, &tv, v)], &host(loss), 1e-5);
+        for (rows, v, seed) in [(4, 70_000, 74), (1, widest + 1, 75)] {
+            let mut rng = rng(seed);
+            let zv = normal_vec(&mut rng, rows * v);
+            let mut tv = targets(&mut rng, rows, v);
+            tv[0] = (v - 1) as i64; // the last column, which the last unit of the row reads
+            let z = from_f64::<GpuAd, 3>(&zv, [1, rows, v], &device).require_grad();
+            let (l, grads) = on_kernel(FusedOp::CrossEntropyBackward, 1, || {
+                on_kernel(FusedOp::CrossEntropy, 1, || {
+                    let l = masked_cross_entropy(
+                        z.clone(),
+                        int_tensor::<GpuAd>(&tv, [1, rows], &device),
+                        IGNORE_INDEX,
+                    );
+                    let grads = l.clone().backward();
+                    (l, grads)
+                })
+            });
+            let what = format!("{rows} rows of {v}");
+            assert_close(
+                &format!("{what}: loss"),
+                &[cross_entropy64(&zv, &tv, v)],
+                &host(l),
+                1e-5,
+            );
+            // The f64 gradient, (softmax − one-hot)/scored on scored rows, scaled by the
+            // vocabulary on both sides so that its entries are not all below the absolute
+            // tolerance of `assert_close`.
+            let scored = tv.iter().filter(|&&y| y != IGNORE_INDEX).count().max(1) as f64;
+            let mut dz = vec![0.0; rows * v];
+            for ((row, &y), d) in zv.chunks(v).zip(&tv).zip(dz.chunks_mut(v)) {
+                if y == IGNORE_INDEX {
+                    continue;
+                }
+                let max = row.iter().copied().fold(f64::MIN, f64::max);
+                let sum: f64 = row.iter().map(|x| (x - max).exp()).sum();
+                for (c, (x, d)) in row.iter().zip(d.iter_mut()).enumerate() {
+                    let onehot = if c as i64 == y { 1.0 } else { 0.0 };
+                    *d = ((x - max).exp() / sum - onehot) / scored * v as f64;
+                }
+            }
+            let got: Vec<f64> = host(z.grad(&grads).expect("logits gradient"))
+                .iter()
+                .map(|g| g * v as f64)
+                .collect();
+            assert_close(&format!("{what}: gradient"), &dz, &got, 1e-5);
+        }
     }
 
     #[test]

@@ -221,14 +221,22 @@ fn rows(cs: &mut Cases) {
         );
         cs.push(format!("attn_res_backward {n}"), k);
         let dim = CubeDim::new_1d(ce::CROSS_ENTROPY_CUBE);
-        let k = ce::cross_entropy_forward::CrossEntropyForward::new(
+        let k = ce::cross_entropy_partials::CrossEntropyPartials::new(
             settings(dim),
             cs.c(),
-            A, A, A, A,
-            S, S, S, S,
+            A, A, A,
+            S, S, S,
+            t,
+        );
+        cs.push(format!("cross_entropy_partials {n}"), k);
+        let k = ce::cross_entropy_finish::CrossEntropyFinish::new(
+            settings(dim),
+            cs.c(),
+            A, A, A, A, A, A,
+            S, S, S, S, S,
             [t, int()],
         );
-        cs.push(format!("cross_entropy_forward {n}"), k);
+        cs.push(format!("cross_entropy_finish {n}"), k);
         let k = ce::cross_entropy_backward::CrossEntropyBackward::new(
             settings(dim),
             cs.c(),

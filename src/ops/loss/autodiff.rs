@@ -76,8 +76,4 @@ impl<B: CrossEntropyKernels, C: CheckpointStrategy> CrossEntropyKernels for Auto
             ignore,
         ))
     }
-
-    fn cross_entropy_max_vocab() -> usize {
-        B::cross_entropy_max_vocab()
-    }
 }

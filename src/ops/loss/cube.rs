@@ -22,9 +22,9 @@ fn dims2<R: CubeRuntime>(logits: &T<R>) -> [usize; 2] {
     )
 }
 
-/// Cubes of `CROSS_ENTROPY_CUBE` units covering one unit per row.
-fn per_unit<R: CubeRuntime>(x: &T<R>, rows: usize) -> cubecl::CubeCount {
-    calculate_cube_count_elemwise(&x.client, rows, CubeDim::new_1d(kce::CROSS_ENTROPY_CUBE))
+/// Cubes of `CROSS_ENTROPY_CUBE` units covering `units` units.
+fn cubes<R: CubeRuntime>(x: &T<R>, units: usize) -> cubecl::CubeCount {
+    calculate_cube_count_elemwise(&x.client, units, CubeDim::new_1d(kce::CROSS_ENTROPY_CUBE))
 }
 
 fn forward<R: CubeRuntime>(logits: T<R>, targets: T<R>, ignore: i32) -> (T<R>, T<R>) {
@@ -35,20 +35,40 @@ fn forward<R: CubeRuntime>(logits: T<R>, targets: T<R>, ignore: i32) -> (T<R>, T
     let loss = empty(&logits, [rows], dtype);
     let lse = empty(&logits, [rows], DType::F32);
     if rows * vocab > 0 {
+        let split = kce::split_for(vocab);
+        let top = empty(&logits, [rows * split], DType::F32);
+        let sum = empty(&logits, [rows * split], DType::F32);
         let t_dtype = targets.dtype;
-        // SAFETY: the kernel bounds every index itself, the targets included ("Unchecked
+        let client = logits.client.clone();
+        let dim = CubeDim::new_1d(kce::CROSS_ENTROPY_CUBE);
+        // SAFETY: the kernels bound every index themselves, the targets included ("Unchecked
         // launches", ops/backend/cube.rs).
         unsafe {
-            kce::cross_entropy_forward::launch_unchecked::<R>(
-                &logits.client.clone(),
-                per_unit(&logits, rows),
-                CubeDim::new_1d(kce::CROSS_ENTROPY_CUBE),
+            kce::cross_entropy_partials::launch_unchecked::<R>(
+                &client,
+                cubes(&logits, rows * split),
+                dim,
+                logits.clone().into_array_arg(),
+                top.clone().into_array_arg(),
+                sum.clone().into_array_arg(),
+                rows,
+                vocab,
+                split,
+                dtype.into(),
+            );
+            kce::cross_entropy_finish::launch_unchecked::<R>(
+                &client,
+                cubes(&logits, rows),
+                dim,
                 logits.into_array_arg(),
                 targets.into_array_arg(),
+                top.into_array_arg(),
+                sum.into_array_arg(),
                 loss.clone().into_array_arg(),
                 lse.clone().into_array_arg(),
                 rows,
                 vocab,
+                split,
                 ignore,
                 f32::NAN,
                 [dtype.into(), t_dtype.into()],
@@ -78,7 +98,7 @@ fn backward<R: CubeRuntime>(
         unsafe {
             kce::cross_entropy_backward::launch_unchecked::<R>(
                 &logits.client.clone(),
-                per_unit(&logits, rows),
+                cubes(&logits, rows * vocab),
                 CubeDim::new_1d(kce::CROSS_ENTROPY_CUBE),
                 logits.into_array_arg(),
                 targets.into_array_arg(),
@@ -111,14 +131,5 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> CrossEntro
         ignore: i32,
     ) -> T<R> {
         backward(logits, targets, lse, grad, ignore)
-    }
-
-    fn cross_entropy_max_vocab() -> usize {
-        #[cfg(feature = "wgpu")]
-        if std::any::TypeId::of::<R>() == std::any::TypeId::of::<burn::backend::wgpu::WgpuRuntime>()
-        {
-            return super::WGPU_MAX_VOCAB;
-        }
-        usize::MAX
     }
 }

@@ -49,8 +49,4 @@ impl<B: FusionBackend + CrossEntropyKernels> CrossEntropyKernels for Fusion<B> {
         ));
         d
     }
-
-    fn cross_entropy_max_vocab() -> usize {
-        B::cross_entropy_max_vocab()
-    }
 }

@@ -1,9 +1,10 @@
 //! Cross-entropy with an ignore index, the training loss of the causal LM.
 //!
-//! [`masked_cross_entropy`] runs a fused kernel (forward and backward, one unit per row) on the
-//! CubeCL backends, [`CrossEntropyKernels`], and the tensor-op reference elsewhere. The kernel
-//! never materialises the log-softmax: the forward keeps one f32 per row (the log-sum-exp) and
-//! the backward writes the logits' gradient in one pass.
+//! [`masked_cross_entropy`] runs fused kernels (forward and backward) on the CubeCL backends,
+//! [`CrossEntropyKernels`], and the tensor-op reference elsewhere. The kernels never materialise
+//! the log-softmax: the forward keeps one f32 per row (the log-sum-exp) and the backward writes
+//! the logits' gradient in one pass. The forward spreads each row over at least 64 units, so any
+//! vocabulary takes the kernels, lavapipe included (the `cross_entropy` module of `kimi-burn-kernels`).
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::ops::{FloatTensor, IntTensor};
@@ -29,7 +30,7 @@ mod host;
 /// `[0, vocab)` other than `ignore_index` makes the loss NaN (on every path), so a bad batch shows
 /// at the next read of the loss instead of as an out-of-bounds read on the device.
 ///
-/// On the CubeCL backends (f32, f16, bf16 logits) one kernel computes the per-row losses and one
+/// On the CubeCL backends (f32, f16, bf16 logits) two launches compute the per-row losses and one
 /// the logits' gradient ([`CrossEntropyKernels`]), with f32 statistics; on the CPU backends (f32
 /// logits) a host kernel makes one pass over each row for its log-sum-exp and one backward; other
 /// backends run the tensor ops (the log-softmax in the logits' dtype).
@@ -82,12 +83,12 @@ pub fn masked_cross_entropy<B: Backend>(
             ignore: ignore_index as i32,
         };
         match backend::on_kernels::<B, _>(op) {
-            Ok(Ok(per_row)) => {
+            Ok(per_row) => {
                 backend::record(FusedOp::CrossEntropy, KernelPath::Kernel);
                 let (per_row, dtype) = widen(per_row);
                 return restore(per_row.sum().div(count), dtype);
             }
-            Ok(Err(op)) | Err(op) => {
+            Err(op) => {
                 backend::record(FusedOp::CrossEntropy, KernelPath::Reference);
                 let logits = op.logits.reshape([batch, seq, vocab]);
                 let targets = op.targets.reshape([batch, seq]);
@@ -153,19 +154,7 @@ pub trait CrossEntropyKernels: Backend {
         grad: FloatTensor<Self>,
         ignore: i32,
     ) -> FloatTensor<Self>;
-
-    /// The largest vocabulary the kernels take on this backend; [`masked_cross_entropy`] runs the
-    /// tensor ops above it. One unit walks a row three times, and Mesa's software Vulkan driver
-    /// (lavapipe, what wgpu runs on without a GPU) ends an invocation's loops silently after
-    /// 65 535 iterations, so the wgpu runtime takes vocabularies up to
-    /// [`WGPU_MAX_VOCAB`] (a GPU adapter could take more; the runtime cannot tell them apart
-    /// here); CUDA has no limit.
-    fn cross_entropy_max_vocab() -> usize;
 }
-
-/// [`CrossEntropyKernels::cross_entropy_max_vocab`] on the wgpu runtime: three passes over a row
-/// stay within half of lavapipe's loop limit.
-pub const WGPU_MAX_VOCAB: usize = 10_922;
 
 /// [`CrossEntropyKernels::cross_entropy_forward`] on `Tensor`s, returning the per-row losses.
 struct CrossEntropyOp<B: Backend> {
@@ -175,20 +164,15 @@ struct CrossEntropyOp<B: Backend> {
 }
 
 impl<B: Backend> KernelOp<B> for CrossEntropyOp<B> {
-    /// The per-row losses, or the op back when the vocabulary is too large for the kernels.
-    type Output = Result<Tensor<B, 1>, Self>;
+    /// The per-row losses.
+    type Output = Tensor<B, 1>;
 
     fn run<K: FusedKernels>(self) -> Self::Output {
-        if self.logits.dims()[1] > K::cross_entropy_max_vocab() {
-            return Err(self);
-        }
         let logits = same::<Tensor<B, 2>, Tensor<K, 2>>(self.logits)
             .into_primitive()
             .tensor();
         let targets = same::<Tensor<B, 1, Int>, Tensor<K, 1, Int>>(self.targets).into_primitive();
         let (loss, _lse) = K::cross_entropy_forward(logits, targets, self.ignore);
-        Ok(same(Tensor::<K, 1>::from_primitive(
-            TensorPrimitive::Float(loss),
-        )))
+        same(Tensor::<K, 1>::from_primitive(TensorPrimitive::Float(loss)))
     }
 }
