@@ -32,7 +32,9 @@
 # - the CUDA groups of the `moe` bench (kernel vs reference path; the layer forward against the sum
 #   of its matmuls at a data-centre shape) and of the `kda` bench (also H = 64, K = V = 128,
 #   T = 16384) and of the `attention` bench (MLA's causal attention, kernels against the plain form
-#   at the tiny model's heads and at d_qk = 192, d_v = 128 up to 4096 tokens), built in the dev profile (dependencies at opt-level 3, the crate at 1: the time
+#   at the tiny model's heads and at d_qk = 192, d_v = 128 up to 4096 tokens) and of the `loss`
+#   bench (the cross-entropy kernels against the tensor ops, up to 4096 rows of Kimi's 163 840
+#   logits), built in the dev profile (dependencies at opt-level 3, the crate at 1: the time
 #   is the device's);
 # - each kernel's share of the KDA forward and forward + backward at the target shape, of the
 #   MoE layer forward with the tensor cores on and off, and of MLA's attention forward + backward
@@ -66,13 +68,13 @@ build() {
     mkdir -p "$dir"
     # One feature set and one profile for everything, so the library compiles once.
     cp "$(cargo test --features "$features" --test suite --no-run --message-format=json | executable suite)" "$dir/suite"
-    for bench in moe kda attention; do
+    for bench in moe kda attention loss; do
         cp "$(cargo bench --profile dev --features "$features" --bench "$bench" --no-run --message-format=json \
             | executable "$bench")" "$dir/bench_$bench"
     done
     cp "$(cargo build --features "$features" --example train_tiny --message-format=json | executable train_tiny)" \
         "$dir/train_tiny"
-    local bins=("$dir/suite" "$dir/bench_moe" "$dir/bench_kda" "$dir/bench_attention" "$dir/train_tiny")
+    local bins=("$dir/suite" "$dir/bench_moe" "$dir/bench_kda" "$dir/bench_attention" "$dir/bench_loss" "$dir/train_tiny")
     strip "${bins[@]}"
     xz -T0 -6 -f "${bins[@]}"
     ls -la "$dir"
@@ -246,8 +248,8 @@ run() {
     fi
     if [ "$part" = all ] || [ "$part" = bench ]; then
         # Criterion: short measurements, only the CUDA groups.
-        for bench in moe kda attention; do
-            timeout "$(case $bench in moe) echo 90 ;; kda) echo 150 ;; *) echo 60 ;; esac)" "$bin/bench_$bench" --bench cuda --warm-up-time 1 --measurement-time 2 \
+        for bench in moe kda attention loss; do
+            timeout "$(case $bench in moe) echo 90 ;; kda) echo 150 ;; loss) echo 45 ;; *) echo 60 ;; esac)" "$bin/bench_$bench" --bench cuda --warm-up-time 1 --measurement-time 2 \
                 >"$out/bench_$bench.log" 2>&1 || echo "bench $bench exit status: $?" >>"$out/summary.txt"
             grep -E "^Benchmarking .*: Analyzing|time:" "$out/bench_$bench.log" | sed 's/^Benchmarking \(.*\): Analyzing/\1/' >>"$out/summary.txt" || true
         done

@@ -20,11 +20,33 @@
 //! token, sharing each sum through shared memory, made the lavapipe training step slower than the
 //! tensor ops (its barriers), this layout faster (BENCHMARKS). On a GPU, a plane per token would
 //! read `v` coalesced; that is the layout to try there.
+//!
+//! **Loop limit.** Mesa's software drivers stop a unit's loops silently after 65 535 iterations
+//! in all (see [`LOOP_BUDGET`](crate::kda::LOOP_BUDGET)). Each walk over a token's columns runs
+//! [`ROW_UNROLL`] of them per iteration, so a unit runs [`attn_res_loops`] iterations, about
+//! `N·d / 4`: K3's widest mix (9 sources of 7168) stays within half the limit, where walking one
+//! column per iteration ran about 130 000.
 
 use cubecl::prelude::*;
 
 /// Units per cube (one unit per token).
 pub const ATTN_RES_CUBE: u32 = 64;
+
+/// Columns per iteration of the kernels' walks over a token (unrolled, so a shader's loop
+/// counter sees one iteration for them), here and in [`crate::rms_norm`].
+pub const ROW_UNROLL: usize = 8;
+
+/// Loop iterations one unit of [`attn_res_forward`](fn@attn_res_forward) or
+/// [`attn_res_backward`](fn@attn_res_backward) runs for `n_src` sources of width `d` (the larger
+/// of the two): two walks over each source's columns and a few passes over the sources.
+pub fn attn_res_loops(n_src: usize, d: usize) -> usize {
+    let walks = d.div_ceil(ROW_UNROLL);
+    // Forward: a walk per source, the softmax pass, and the mix's walk with a pass over the
+    // sources per step; backward: two walks per source and two passes over the sources.
+    let forward = n_src * (walks + 1) + n_src + walks * (n_src + 1);
+    let backward = 2 * n_src * (walks + 1) + 2 * n_src;
+    forward.max(backward)
+}
 
 /// Forward: `out: [rows, d]` in `F` from `v: [n_src, rows, d]` in `F` and `query: [d]` f32.
 /// `scores: [n_src, rows]` f32 is scratch (the scores `s_n` on exit). One unit per row, cubes
@@ -51,10 +73,18 @@ pub fn attn_res_forward<F: Float>(
         let base = (n * rows + row) * d;
         let mut sq = 0.0f32;
         let mut dot = 0.0f32;
-        for c in 0..d {
-            let x = f32::cast_from(v[base + c]);
-            sq += x * x;
-            dot += x * query[c];
+        let mut c0 = 0usize;
+        while c0 < d {
+            #[unroll]
+            for j in 0..ROW_UNROLL {
+                let c = c0 + j;
+                if c < d {
+                    let x = f32::cast_from(v[base + c]);
+                    sq += x * x;
+                    dot += x * query[c];
+                }
+            }
+            c0 += ROW_UNROLL;
         }
         // As the backward computes it, so both see the same scores.
         let s = dot * (1.0f32 / f32::sqrt(sq / d as f32 + eps));
@@ -67,12 +97,31 @@ pub fn attn_res_forward<F: Float>(
         scores[n * rows + row] = e;
         total += e;
     }
-    for c in 0..d {
-        let mut acc = 0.0f32;
-        for n in 0..n_src {
-            acc += scores[n * rows + row] * f32::cast_from(v[(n * rows + row) * d + c]);
+    // The mix, `ROW_UNROLL` columns at a time, each summed over the sources in order.
+    let mut c0 = 0usize;
+    while c0 < d {
+        let mut acc = Array::<f32>::new(ROW_UNROLL);
+        #[unroll]
+        for j in 0..ROW_UNROLL {
+            acc[j] = 0.0;
         }
-        out[row * d + c] = F::cast_from(acc / total);
+        for n in 0..n_src {
+            let e = scores[n * rows + row];
+            let base = (n * rows + row) * d + c0;
+            #[unroll]
+            for j in 0..ROW_UNROLL {
+                if c0 + j < d {
+                    acc[j] += e * f32::cast_from(v[base + j]);
+                }
+            }
+        }
+        #[unroll]
+        for j in 0..ROW_UNROLL {
+            if c0 + j < d {
+                out[row * d + c0 + j] = F::cast_from(acc[j] / total);
+            }
+        }
+        c0 += ROW_UNROLL;
     }
 }
 
@@ -108,11 +157,19 @@ pub fn attn_res_backward<F: Float>(
         let mut sq = 0.0f32;
         let mut dot = 0.0f32;
         let mut ga = 0.0f32;
-        for c in 0..d {
-            let x = f32::cast_from(v[base + c]);
-            sq += x * x;
-            dot += x * query[c];
-            ga += x * f32::cast_from(grad[row * d + c]);
+        let mut c0 = 0usize;
+        while c0 < d {
+            #[unroll]
+            for j in 0..ROW_UNROLL {
+                let c = c0 + j;
+                if c < d {
+                    let x = f32::cast_from(v[base + c]);
+                    sq += x * x;
+                    dot += x * query[c];
+                    ga += x * f32::cast_from(grad[row * d + c]);
+                }
+            }
+            c0 += ROW_UNROLL;
         }
         let r = 1.0f32 / f32::sqrt(sq / d as f32 + eps);
         let s = dot * r;
@@ -141,11 +198,19 @@ pub fn attn_res_backward<F: Float>(
         let ds = p * (weights[n * rows + row] - mean_a);
         let dq_coef = ds * r;
         let v_coef = ds * s * r * r / d as f32;
-        for c in 0..d {
-            let x = f32::cast_from(v[base + c]);
-            let g = f32::cast_from(grad[row * d + c]);
-            dv[base + c] = F::cast_from(p * g + dq_coef * query[c] - v_coef * x);
-            dq_partial[base + c] = dq_coef * x;
+        let mut c0 = 0usize;
+        while c0 < d {
+            #[unroll]
+            for j in 0..ROW_UNROLL {
+                let c = c0 + j;
+                if c < d {
+                    let x = f32::cast_from(v[base + c]);
+                    let g = f32::cast_from(grad[row * d + c]);
+                    dv[base + c] = F::cast_from(p * g + dq_coef * query[c] - v_coef * x);
+                    dq_partial[base + c] = dq_coef * x;
+                }
+            }
+            c0 += ROW_UNROLL;
         }
     }
 }

@@ -9,9 +9,13 @@
 //!
 //! `dw` is summed over rows by [`column_sum`](fn@crate::kda::column_sum) from per-row partials: no
 //! atomics, reruns are bit-identical. A unit owns its row and needs no barrier, the layout that
-//! ran fastest on lavapipe for the Attention Residuals kernels ([`crate::attn_res`]).
+//! ran fastest on lavapipe for the Attention Residuals kernels ([`crate::attn_res`]). Its two
+//! walks over the row take [`ROW_UNROLL`] columns per loop iteration, so a unit stays within
+//! lavapipe's loop limit (see [`LOOP_BUDGET`](crate::kda::LOOP_BUDGET)) up to `d` ≈ 130 000.
 
 use cubecl::prelude::*;
+
+use crate::attn_res::ROW_UNROLL;
 
 /// Units per cube (one unit per row).
 pub const RMS_NORM_CUBE: u32 = 64;
@@ -34,13 +38,29 @@ pub fn rms_norm_forward<F: Float>(
     }
     let base = row * d;
     let mut sq = 0.0f32;
-    for c in 0..d {
-        let v = f32::cast_from(x[base + c]);
-        sq += v * v;
+    let mut c0 = 0usize;
+    while c0 < d {
+        #[unroll]
+        for j in 0..ROW_UNROLL {
+            let c = c0 + j;
+            if c < d {
+                let v = f32::cast_from(x[base + c]);
+                sq += v * v;
+            }
+        }
+        c0 += ROW_UNROLL;
     }
     let r = 1.0f32 / f32::sqrt(sq / d as f32 + eps);
-    for c in 0..d {
-        out[base + c] = F::cast_from(f32::cast_from(x[base + c]) * r * weight[c]);
+    let mut c0 = 0usize;
+    while c0 < d {
+        #[unroll]
+        for j in 0..ROW_UNROLL {
+            let c = c0 + j;
+            if c < d {
+                out[base + c] = F::cast_from(f32::cast_from(x[base + c]) * r * weight[c]);
+            }
+        }
+        c0 += ROW_UNROLL;
     }
 }
 
@@ -67,17 +87,33 @@ pub fn rms_norm_backward<F: Float>(
     let base = row * d;
     let mut sq = 0.0f32;
     let mut gwx = 0.0f32;
-    for c in 0..d {
-        let v = f32::cast_from(x[base + c]);
-        sq += v * v;
-        gwx += f32::cast_from(grad[base + c]) * weight[c] * v;
+    let mut c0 = 0usize;
+    while c0 < d {
+        #[unroll]
+        for j in 0..ROW_UNROLL {
+            let c = c0 + j;
+            if c < d {
+                let v = f32::cast_from(x[base + c]);
+                sq += v * v;
+                gwx += f32::cast_from(grad[base + c]) * weight[c] * v;
+            }
+        }
+        c0 += ROW_UNROLL;
     }
     let r = 1.0f32 / f32::sqrt(sq / d as f32 + eps);
     let coef = gwx * r * r * r / d as f32;
-    for c in 0..d {
-        let v = f32::cast_from(x[base + c]);
-        let g = f32::cast_from(grad[base + c]);
-        dx[base + c] = F::cast_from(r * g * weight[c] - coef * v);
-        dw_partial[base + c] = g * v * r;
+    let mut c0 = 0usize;
+    while c0 < d {
+        #[unroll]
+        for j in 0..ROW_UNROLL {
+            let c = c0 + j;
+            if c < d {
+                let v = f32::cast_from(x[base + c]);
+                let g = f32::cast_from(grad[base + c]);
+                dx[base + c] = F::cast_from(r * g * weight[c] - coef * v);
+                dw_partial[base + c] = g * v * r;
+            }
+        }
+        c0 += ROW_UNROLL;
     }
 }

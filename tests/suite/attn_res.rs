@@ -215,6 +215,25 @@ mod kernel {
         }
     }
 
+    /// K3's widest mix: nine sources (93 layers in blocks of 12 give the embedding, seven finished
+    /// blocks and the partial sum) at its hidden width, 7168. A unit walks its token's sources
+    /// twice each way, which ran past lavapipe's loop limit (65 535 iterations per unit in all)
+    /// before the kernels unrolled their walks.
+    #[test]
+    fn k3_sources_at_k3_width() {
+        let (n, shape, seed) = (9, [1, 3, 7168], 48);
+        let loops = kimi_burn_kernels::attn_res::attn_res_loops(n, shape[2]);
+        assert!(
+            loops <= kimi_burn_kernels::kda::LOOP_BUDGET,
+            "{loops} iterations"
+        );
+        let cpu = run_on::<CpuAd>(n, shape, seed, false, FloatDType::F32);
+        let kernel = run_on::<GpuAd>(n, shape, seed, true, FloatDType::F32);
+        for (i, (c, k)) in cpu.iter().zip(&kernel).enumerate() {
+            assert_close(&format!("output {i}: kernel vs ndarray"), c, k, 1e-5);
+        }
+    }
+
     #[test]
     fn repeatable_bit_for_bit() {
         let a = run_on::<GpuAd>(4, [2, 6, 48], 50, true, FloatDType::F32);

@@ -193,10 +193,17 @@ mod kernel {
 
     #[test]
     fn rms_norm_matches_the_reference() {
-        // Rows across several cubes, widths wider than a plane and not a multiple of 4, and
-        // columns long enough that the gain's gradient is summed in blocks (over 65 535 rows,
-        // lavapipe's loop limit for one unit).
-        for (shape, seed) in [([150, 40], 1), ([1, 1], 2), ([9, 129], 3), ([70_000, 2], 4)] {
+        // Rows across several cubes, widths wider than a plane and not a multiple of 4, columns
+        // long enough that the gain's gradient is summed in blocks (over 65 535 rows, lavapipe's
+        // loop limit for one unit), and rows whose two walks would pass that limit at one
+        // column per loop iteration (80 000 iterations; the kernels unroll their walks).
+        for (shape, seed) in [
+            ([150, 40], 1),
+            ([1, 1], 2),
+            ([9, 129], 3),
+            ([70_000, 2], 4),
+            ([2, 40_003], 5),
+        ] {
             let kernel = norm(shape, seed, true, FloatDType::F32);
             let reference = norm(shape, seed, false, FloatDType::F32);
             // The gain's gradient in f64 on the host: Σ_rows c·x·r.
