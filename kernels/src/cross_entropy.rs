@@ -9,13 +9,13 @@
 //! ```
 //!
 //! **Layout.** The forward takes two launches. [`cross_entropy_partials`](fn@cross_entropy_partials)
-//! gives each row [`split_for`]`(vocab)` units that walk its columns interleaved (unit `j` takes
-//! columns `j`, `j + split`, …), so neighbouring units read neighbouring columns: coalesced loads
-//! on a GPU, whole SIMD vectors on lavapipe. Each unit keeps a running maximum `m` and the sum of
+//! gives each row [`split_for`]`(vocab)` units (64 from 4096 logits on) that walk its columns
+//! interleaved (unit `j` takes columns `j`, `j + split`, …), so neighbouring units read
+//! neighbouring columns: coalesced loads on a GPU. Each unit keeps a running maximum `m` and the sum of
 //! its exponentials rescaled to it, `s = Σ exp(z_c − m)`, in one pass.
 //! [`cross_entropy_finish`](fn@cross_entropy_finish), one unit per row, merges the row's partials
-//! in order (`lse = M + ln Σ_j s_j·exp(m_j − M)`) and scores the target. The backward is
-//! elementwise, one unit per logit. No unit loops more than [`LOOP_BUDGET`] times at any
+//! in order (`lse = M + ln Σ_j s_j·exp(m_j − M)`) and scores the target. The backward has the
+//! first launch's layout. No unit loops more than [`LOOP_BUDGET`] times at any
 //! vocabulary a device buffer holds, so lavapipe's loop limit (see [`LOOP_BUDGET`]) bounds
 //! nothing, and the row's work is spread over `split` units instead of one.
 //!
@@ -32,15 +32,26 @@ use crate::kda::LOOP_BUDGET;
 /// Units per cube, for all three kernels.
 pub const CROSS_ENTROPY_CUBE: u32 = 256;
 
-/// The fewest units per row of [`cross_entropy_partials`](fn@cross_entropy_partials).
+/// Units per row of [`cross_entropy_partials`](fn@cross_entropy_partials) from 4096 logits up to
+/// `CROSS_ENTROPY_SPLIT · LOOP_BUDGET` (about two million).
 pub const CROSS_ENTROPY_SPLIT: usize = 64;
 
-/// Units per row of [`cross_entropy_partials`](fn@cross_entropy_partials) for rows of `vocab`
-/// logits: [`CROSS_ENTROPY_SPLIT`], or more where a unit would otherwise walk more than
-/// [`LOOP_BUDGET`] columns (past about two million logits per row). The finishing unit's two
-/// loops over the partials stay within the budget for every vocabulary below `LOOP_BUDGET²/2`.
+/// The fewest logits a unit walks in a row of at least that many: below
+/// `CROSS_ENTROPY_SPLIT · CROSS_ENTROPY_COLUMNS` logits a row gets fewer units. On lavapipe a unit's
+/// fixed work (its row's target, gradient and log-sum-exp) costs about as much as a few logits,
+/// so 8 logits per unit made the tiny model's backward 1.5× slower than 64 (BENCHMARKS).
+pub const CROSS_ENTROPY_COLUMNS: usize = 64;
+
+/// Units per row of [`cross_entropy_partials`](fn@cross_entropy_partials) and
+/// [`cross_entropy_backward`](fn@cross_entropy_backward) for rows of `vocab` logits: one per
+/// [`CROSS_ENTROPY_COLUMNS`] logits up to [`CROSS_ENTROPY_SPLIT`], and more where a unit would
+/// otherwise walk more than [`LOOP_BUDGET`] logits (past about two million). The finishing unit's
+/// two loops over the partials stay within the budget for every vocabulary below `LOOP_BUDGET²/2`.
 pub fn split_for(vocab: usize) -> usize {
-    CROSS_ENTROPY_SPLIT.max(vocab.div_ceil(LOOP_BUDGET))
+    vocab
+        .div_ceil(CROSS_ENTROPY_COLUMNS)
+        .clamp(1, CROSS_ENTROPY_SPLIT)
+        .max(vocab.div_ceil(LOOP_BUDGET))
 }
 
 /// Whether `t` is a valid class of `vocab` (as a signed index).
@@ -134,8 +145,9 @@ pub fn cross_entropy_finish<F: Float, I: Int>(
 }
 
 /// Backward for `grad: [rows]` in `F` (the gradient of each row's loss): `dlogits: [rows,
-/// vocab]` in `F`, from the forward's `lse`. One unit per logit, cubes of
-/// [`CROSS_ENTROPY_CUBE`] units; extra units exit.
+/// vocab]` in `F`, from the forward's `lse`. Laid out as
+/// [`cross_entropy_partials`](fn@cross_entropy_partials): `split` units per row, unit `j` writing
+/// the columns `c ≡ j (mod split)`; extra units exit.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn cross_entropy_backward<F: Float, I: Int>(
@@ -146,25 +158,32 @@ pub fn cross_entropy_backward<F: Float, I: Int>(
     dlogits: &mut Array<F>,
     rows: usize,
     vocab: usize,
+    split: usize,
     ignore: i32,
     nan: f32,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let pos = ABSOLUTE_POS;
-    if pos >= rows * vocab {
+    if pos >= rows * split {
         terminate!();
     }
-    let row = pos / vocab;
+    let row = pos / split;
+    let base = row * vocab;
     let t = i32::cast_from(targets[row]);
     let mut g = f32::cast_from(grad[row]);
+    let l = lse[row];
     if t == ignore {
         g = 0.0;
     } else if !in_range(t, vocab) {
         g = nan;
     }
-    let mut x = g * f32::exp(f32::cast_from(logits[pos]) - lse[row]);
-    if (pos % vocab) as i32 == t {
-        x -= g;
+    let mut c = pos % split;
+    while c < vocab {
+        let mut x = g * f32::exp(f32::cast_from(logits[base + c]) - l);
+        if c as i32 == t {
+            x -= g;
+        }
+        dlogits[base + c] = F::cast_from(x);
+        c += split;
     }
-    dlogits[pos] = F::cast_from(x);
 }

@@ -241,7 +241,7 @@ fn rows(cs: &mut Cases) {
             settings(dim),
             cs.c(),
             A, A, A, A, A,
-            S, S, S, S,
+            S, S, S, S, S,
             [t, int()],
         );
         cs.push(format!("cross_entropy_backward {n}"), k);

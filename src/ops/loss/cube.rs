@@ -94,11 +94,12 @@ fn backward<R: CubeRuntime>(
     let dlogits = empty(&logits, [rows, vocab], dtype);
     if rows * vocab > 0 {
         let t_dtype = targets.dtype;
+        let split = kce::split_for(vocab);
         // SAFETY: as in the forward.
         unsafe {
             kce::cross_entropy_backward::launch_unchecked::<R>(
                 &logits.client.clone(),
-                cubes(&logits, rows * vocab),
+                cubes(&logits, rows * split),
                 CubeDim::new_1d(kce::CROSS_ENTROPY_CUBE),
                 logits.into_array_arg(),
                 targets.into_array_arg(),
@@ -107,6 +108,7 @@ fn backward<R: CubeRuntime>(
                 dlogits.clone().into_array_arg(),
                 rows,
                 vocab,
+                split,
                 ignore,
                 f32::NAN,
                 [dtype.into(), t_dtype.into()],

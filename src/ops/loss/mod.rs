@@ -3,8 +3,9 @@
 //! [`masked_cross_entropy`] runs fused kernels (forward and backward) on the CubeCL backends,
 //! [`CrossEntropyKernels`], and the tensor-op reference elsewhere. The kernels never materialise
 //! the log-softmax: the forward keeps one f32 per row (the log-sum-exp) and the backward writes
-//! the logits' gradient in one pass. The forward spreads each row over at least 64 units, so any
-//! vocabulary takes the kernels, lavapipe included (the `cross_entropy` module of `kimi-burn-kernels`).
+//! the logits' gradient in one pass. They spread each row over several units (one per 64 logits
+//! up to 64 units, more past two million logits), so no unit loops past lavapipe's limit and every
+//! vocabulary takes them, on wgpu too (the `cross_entropy` module of `kimi-burn-kernels`).
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::ops::{FloatTensor, IntTensor};
