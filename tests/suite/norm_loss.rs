@@ -312,8 +312,8 @@ mod kernel {
     }
 
     /// Rows longer than one unit's loops may run on lavapipe (65 535 iterations in all) take the
-    /// kernels, on wgpu as on CUDA, and give the f64 loss and gradient: 70 000 logits per row (the
-    /// least units per row, over a thousand logits each), and one logit past what those units can
+    /// kernels, on wgpu as on CUDA, and give the f64 loss and gradient: 70 000 logits per row (64
+    /// units per row, over a thousand logits each), and one logit past what those units can
     /// walk within the loop budget, where each row gets more units.
     #[test]
     fn cross_entropy_long_rows() {
