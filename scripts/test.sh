@@ -51,26 +51,22 @@ PROFILE=dev FEATURES="$features" scripts/two_process.sh
 step_done "two processes"
 
 # Both crates as crates.io would receive them: `cargo package` packs each (kimi-burn depends on the
-# packed kimi-burn-kernels by version) and builds the packed sources: kimi-burn-kernels alone, and
-# kimi-burn with its defaults plus `wgpu`. That is the feature set (and the dependency build) of the
-# `plain` project below, which then compiles only the two crates again; with the defaults alone
-# this step built Burn's CPU stack a third time, only for itself.
-# Cargo treats the packed kimi-burn-kernels like a crates.io crate: it unpacks it from its
-# temporary local registry into `$CARGO_HOME/registry/src/-<hash>/` once, and keeps its compiled
-# library while the version stays 0.1.0. A second run on the same machine would then verify
-# kimi-burn against the kernels of the first. Drop both first (only the local registry's copy,
-# never crates.io's; a clean checkout in CI has neither).
-rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/kimi-burn-kernels-*
-cargo clean -p kimi-burn-kernels
-cargo package --workspace --allow-dirty --features wgpu
+# packed kimi-burn-kernels by version) without building them; the downstream project below builds
+# and runs the packed sources (its Cargo.toml patches the crates.io names with them). Verifying the
+# packages here as well would build both crates and Burn's stack once more, with yet another
+# feature set: about nine minutes of a clean two-core run. The archives are unpacked with fresh
+# modification times (tar's `-m`), so that cargo rebuilds the crates whenever they change.
+# `0.1.0`: the version in both Cargo.toml files and in downstream/Cargo.toml's patches.
+cargo package --workspace --allow-dirty --no-verify
+for krate in kimi-burn-kernels kimi-burn; do
+    rm -rf "target/package/$krate-0.1.0"
+    tar -xzmf "target/package/$krate-0.1.0.crate" -C target/package
+done
 step_done "package"
 
-# The crate as a Burn project uses it (downstream/): Burn's default features on, where
-# `burn::backend::Wgpu` is `Fusion<CubeBackend<…>>`, and off. Each trains a few steps on lavapipe and
-# fails unless every fused op ran its kernel. Same target folder: the dependencies they share with
-# the crate's own build are compiled once.
-for config in fusion plain; do
-    echo "downstream: Burn's default features $([ "$config" = fusion ] && echo on || echo off)"
-    cargo run --manifest-path downstream/Cargo.toml -p "downstream-$config" --target-dir target
-    step_done "downstream $config"
-done
+# The crate as a Burn project uses it (downstream/), from the packed sources: Burn's default
+# features on, where `burn::backend::Wgpu` is `Fusion<CubeBackend<…>>`. It trains a few steps on
+# lavapipe and fails unless every fused op ran its kernel. (The suite's wgpu tests run on the plain
+# `CubeBackend`, `Wgpu` with Burn's defaults off, and check the `Fusion` backend against it.)
+cargo run --manifest-path downstream/Cargo.toml -p downstream-fusion --target-dir target
+step_done "downstream fusion"
