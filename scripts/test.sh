@@ -41,8 +41,22 @@ step_done() {
     step_start=$SECONDS
 }
 
-RUST_TEST_THREADS="${RUST_TEST_THREADS:-1}" cargo test --workspace --features "$features" "$@"
-step_done "cargo test"
+# The test binaries are built here and run further down without cargo: `cargo test` would take
+# cargo's lock on the build folder, which the downstream project's build holds meanwhile. On
+# lavapipe the suite keeps about one of two cores busy, and that build (Burn's stack with its
+# default features, about eight minutes alone) fills the other. Extra arguments go to the build
+# (`--timings`, say). Every test binary runs, also after one has failed; the script then fails.
+mkdir -p target
+cargo test --workspace --features "$features" --no-run --message-format json-render-diagnostics \
+    "$@" >target/test-binaries.json
+# Each test binary with its package folder, where cargo would run it.
+sed -n 's/.*"manifest_path":"\([^"]*\)".*"profile":{[^}]*"test":true[^}]*}.*"executable":"\([^"]*\)".*/\1 \2/p' \
+    target/test-binaries.json >target/test-binaries.txt
+[ -s target/test-binaries.txt ] || { echo "no test binaries in cargo's output" >&2; exit 1; }
+step_done "build"
+
+cargo test --workspace --features "$features" --doc
+step_done "doc tests"
 
 # Data parallelism over two processes (burn-collective's global mode, its orchestrator on
 # localhost): both nodes must end with the same parameters and biases as two replicas in one
@@ -68,5 +82,31 @@ step_done "package"
 # features on, where `burn::backend::Wgpu` is `Fusion<CubeBackend<…>>`. It trains a few steps on
 # lavapipe and fails unless every fused op ran its kernel. (The suite's wgpu tests run on the plain
 # `CubeBackend`, `Wgpu` with Burn's defaults off, and check the `Fusion` backend against it.)
-cargo run --manifest-path downstream/Cargo.toml -p downstream-fusion --target-dir target
+# Built in the background while the tests run; same target folder, so that the dependencies it
+# shares with the test build (proc-macros, build scripts) are not compiled twice.
+downstream=(--manifest-path downstream/Cargo.toml -p downstream-fusion --target-dir target)
+cargo build "${downstream[@]}" >target/downstream-build.log 2>&1 &
+build_pid=$!
+trap 'kill "$build_pid" 2>/dev/null || true' EXIT
+
+failed=()
+while read -r manifest binary; do
+    echo "     Running $binary"
+    (cd "$(dirname "$manifest")" && RUST_TEST_THREADS="${RUST_TEST_THREADS:-1}" "$binary") ||
+        failed+=("$binary")
+done <target/test-binaries.txt
+step_done "tests"
+if [ ${#failed[@]} -gt 0 ]; then
+    printf 'test binary failed: %s\n' "${failed[@]}" >&2
+    exit 1
+fi
+
+if ! wait "$build_pid"; then
+    cat target/downstream-build.log >&2
+    echo "the downstream project did not build" >&2
+    exit 1
+fi
+trap - EXIT
+step_done "downstream build (after the tests)"
+cargo run "${downstream[@]}"
 step_done "downstream fusion"
