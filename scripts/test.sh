@@ -89,12 +89,13 @@ cargo build "${downstream[@]}" >target/downstream-build.log 2>&1 &
 build_pid=$!
 trap 'kill "$build_pid" 2>/dev/null || true' EXIT
 
+# The list comes in on descriptor 3, so that nothing a test runs can read it from stdin.
 failed=()
-while read -r manifest binary; do
+while read -r manifest binary <&3; do
     echo "     Running $binary"
-    (cd "$(dirname "$manifest")" && RUST_TEST_THREADS="${RUST_TEST_THREADS:-1}" "$binary") ||
+    (cd "$(dirname "$manifest")" && RUST_TEST_THREADS="${RUST_TEST_THREADS:-1}" "$binary" </dev/null) ||
         failed+=("$binary")
-done <target/test-binaries.txt
+done 3<target/test-binaries.txt
 step_done "tests"
 if [ ${#failed[@]} -gt 0 ]; then
     printf 'test binary failed: %s\n' "${failed[@]}" >&2
