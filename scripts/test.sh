@@ -43,8 +43,8 @@ step_done() {
 
 # The test binaries are built here and run further down without cargo: `cargo test` would take
 # cargo's lock on the build folder, which the downstream project's build holds meanwhile. On
-# lavapipe the suite keeps about one of two cores busy, and that build (Burn's stack with its
-# default features, about eight minutes alone) fills the other. Extra arguments go to the build
+# lavapipe the suite keeps about one of two cores busy, and that build (the crates whose features
+# Burn's defaults change, about two minutes alone) uses the other. Extra arguments go to the build
 # (`--timings`, say). Every test binary runs, also after one has failed; the script then fails.
 mkdir -p target
 cargo test --workspace --features "$features" --no-run --message-format json-render-diagnostics \
@@ -82,8 +82,9 @@ step_done "package"
 # features on, where `burn::backend::Wgpu` is `Fusion<CubeBackend<…>>`. It trains a few steps on
 # lavapipe and fails unless every fused op ran its kernel. (The suite's wgpu tests run on the plain
 # `CubeBackend`, `Wgpu` with Burn's defaults off, and check the `Fusion` backend against it.)
-# Built in the background while the tests run; same target folder, so that the dependencies it
-# shares with the test build (proc-macros, build scripts) are not compiled twice.
+# Built in the background while the tests run, in the same target folder: it reuses the test
+# build's units for every crate below `burn-cubecl` (the dev-dependencies in Cargo.toml and the
+# downstream project's own dependencies line up the features of both builds).
 downstream=(--manifest-path downstream/Cargo.toml -p downstream-fusion --target-dir target)
 cargo build "${downstream[@]}" >target/downstream-build.log 2>&1 &
 build_pid=$!
@@ -108,6 +109,9 @@ if ! wait "$build_pid"; then
     exit 1
 fi
 trap - EXIT
+# About ten when it reuses the test build's units (Cargo.toml, dev-dependencies; a few hundred
+# when a feature difference breaks that: `scripts/shared-units.py` finds it).
+echo "test.sh: the downstream build compiled $(grep -c '^ *Compiling' target/downstream-build.log) units"
 step_done "downstream build (after the tests)"
 cargo run "${downstream[@]}"
 step_done "downstream fusion"
