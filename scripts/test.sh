@@ -83,8 +83,8 @@ step_done "package"
 # lavapipe and fails unless every fused op ran its kernel. (The suite's wgpu tests run on the plain
 # `CubeBackend`, `Wgpu` with Burn's defaults off, and check the `Fusion` backend against it.)
 # Built in the background while the tests run, in the same target folder: it reuses the test
-# build's units for every crate below `burn-cubecl` (the dev-dependencies in Cargo.toml and the
-# downstream project's own dependencies line up the features of both builds).
+# build's units for every crate below `burn-cubecl` and `burn-core` (the dev-dependencies in
+# Cargo.toml and the downstream project's own dependencies line up the features of both builds).
 downstream=(--manifest-path downstream/Cargo.toml -p downstream-fusion --target-dir target)
 cargo build "${downstream[@]}" >target/downstream-build.log 2>&1 &
 build_pid=$!
@@ -109,8 +109,8 @@ if ! wait "$build_pid"; then
     exit 1
 fi
 trap - EXIT
-# About ten when it reuses the test build's units (Cargo.toml, dev-dependencies; a few hundred
-# when a feature difference breaks that: `scripts/shared-units.py` finds it).
+# About ten when it reuses the test build's units; a few hundred when a feature difference
+# between the two builds has come back (`scripts/shared-units.py` finds it).
 echo "test.sh: the downstream build compiled $(grep -c '^ *Compiling' target/downstream-build.log) units"
 step_done "downstream build (after the tests)"
 cargo run "${downstream[@]}"
