@@ -7,7 +7,7 @@ with the same package, features, profile settings and dependencies; everything a
 features differ is compiled again. This script asks cargo for both builds' unit graphs (no
 compiling; `-Z unstable-options` through `RUSTC_BOOTSTRAP=1`), prints the downstream units the test
 build lacks, and for the lowest of them (all their dependencies shared) the features each build
-gives them: those are the causes to fix (`Cargo.toml`'s dev-dependencies, or the downstream
+gives them: those are the causes to fix (the feature `shared-downstream-units`, or the downstream
 project's dependencies).
 
 Run it from the repository root after `cargo package` has unpacked the crates into
@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 
-FEATURES = "wgpu,autodiff,tokenizer,collective,shared-instances"
+FEATURES = "wgpu,autodiff,tokenizer,collective,shared-instances,shared-downstream-units"
 
 
 def unit_graph(args):

@@ -31,8 +31,9 @@ fi
 # RUST_TEST_THREADS overrides this.
 # `shared-instances`: the library generates the training stack's generic instances once and
 # the test and example binaries link them (Cargo.toml says more); it cuts the build by about ten
-# minutes on two cores.
-features=wgpu,autodiff,tokenizer,collective,shared-instances
+# minutes on two cores. `shared-downstream-units`: Burn's and CubeCL's crates get the features
+# Burn's defaults give them in the downstream project below, whose build then reuses them.
+features=wgpu,autodiff,tokenizer,collective,shared-instances,shared-downstream-units
 
 # Each step's wall time, for CI's log: the whole script has a budget (40 minutes on two cores).
 step_start=$SECONDS
@@ -83,8 +84,9 @@ step_done "package"
 # lavapipe and fails unless every fused op ran its kernel. (The suite's wgpu tests run on the plain
 # `CubeBackend`, `Wgpu` with Burn's defaults off, and check the `Fusion` backend against it.)
 # Built in the background while the tests run, in the same target folder: it reuses the test
-# build's units for every crate below `burn-cubecl` and `burn-core` (the dev-dependencies in
-# Cargo.toml and the downstream project's own dependencies line up the features of both builds).
+# build's units for every crate below `burn-cubecl` and `burn-core` (the feature
+# `shared-downstream-units` and the downstream project's own dependencies line up the features of
+# both builds).
 downstream=(--manifest-path downstream/Cargo.toml -p downstream-fusion --target-dir target)
 cargo build "${downstream[@]}" >target/downstream-build.log 2>&1 &
 build_pid=$!
