@@ -78,9 +78,10 @@ pub fn entry_points() -> Vec<usize> {
     #[cfg(feature = "ndarray")]
     v.extend(training::<Autodiff<burn::backend::NdArray<f32>>>());
     #[cfg(feature = "wgpu")]
-    v.extend(training::<Autodiff<crate::backends::WgpuCube<f32>>>());
-    #[cfg(feature = "wgpu")]
-    v.extend(training::<Autodiff<crate::backends::WgpuFusion<f32>>>());
+    {
+        v.extend(training::<Autodiff<crate::backends::WgpuCube<f32>>>());
+        v.extend(training::<Autodiff<crate::backends::WgpuFusion<f32>>>());
+    }
     #[cfg(feature = "cuda")]
     v.extend(training::<Autodiff<crate::backends::CudaCube<f32>>>());
     v

@@ -578,9 +578,10 @@ mod chunked {
             out
         };
         let whole = part(0, 66_000);
-        // The first heads, and heads in the middle and at the end, which the whole run reaches
-        // through the grid's second dimension. Heads are independent: a slice's gradients are
-        // the whole run's gradients of those heads.
+        // The first heads, the middle ones and the last ones: where the whole run's cubes spill
+        // into the grid's second dimension (CubeCL spreads 66 000 cubes as 33 000 × 2 under a
+        // limit of 65 535, so the middle slice straddles the two rows). Heads are independent:
+        // a slice's gradients are the whole run's gradients of those heads.
         for start in [0, 32_968, 65_936] {
             let slice = part(start, 64);
             for (i, name) in GRAD_NAMES.iter().enumerate() {
