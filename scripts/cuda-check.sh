@@ -66,7 +66,10 @@ for l in sys.stdin:
 
 build() {
     mkdir -p "$dir"
-    # One feature set and one profile for everything, so the library compiles once.
+    # One feature set and one profile for everything, so the library compiles once. With rustc's
+    # local ThinLTO back on (Cargo.toml switches it off for the dev profile to shorten the test
+    # build; the code then runs about 15% slower), as when BENCHMARKS.md's CUDA numbers were taken.
+    export CARGO_PROFILE_DEV_LTO=false
     cp "$(cargo test --features "$features" --test suite --no-run --message-format=json | executable suite)" "$dir/suite"
     for bench in moe kda attention loss; do
         cp "$(cargo bench --profile dev --features "$features" --bench "$bench" --no-run --message-format=json \
