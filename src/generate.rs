@@ -129,10 +129,16 @@ fn pick(logits: &[f32], sampling: Sampling, rng: &mut SeededRng) -> i64 {
     }
 }
 
+/// The most new tokens a generation allocates its MLA caches for up front; beyond them the caches
+/// grow by doubling, so a generation bounded only by its stop tokens (`max_new_tokens =
+/// usize::MAX`) allocates what it uses.
+const PREALLOCATED_NEW_TOKENS: usize = 4096;
+
 /// What [`KimiForCausalLM::generate_stream`] generates.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerateOptions {
-    /// At most this many new tokens per sequence.
+    /// At most this many new tokens per sequence (`usize::MAX`: until every sequence has met a
+    /// stop token).
     pub max_new_tokens: usize,
     /// How each token is chosen.
     pub sampling: Sampling,
@@ -203,8 +209,11 @@ impl<B: Backend> KimiForCausalLM<B> {
         let device = prompt.device();
         // The crate's own generator: a seed names the same samples whatever the dependencies.
         let mut rng = SeededRng::new(sampling.parts().map_or(0, |p| p.3));
-        let mut cache =
-            KimiCache::with_capacity(self.config(), prompt_len + options.max_new_tokens);
+        // The MLA caches are allocated for the prompt and up to PREALLOCATED_NEW_TOKENS new
+        // tokens; a longer generation (or `usize::MAX`: until every sequence stops) grows them.
+        let capacity =
+            prompt_len.saturating_add(options.max_new_tokens.min(PREALLOCATED_NEW_TOKENS));
+        let mut cache = KimiCache::with_capacity(self.config(), capacity);
         let mut ended: Vec<Option<i64>> = vec![None; batch];
         let mut out = vec![prompt.clone()];
         let mut input = prompt;

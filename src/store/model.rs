@@ -136,9 +136,11 @@ impl<B: Backend> KimiForCausalLM<B> {
 
     /// Writes a Hugging Face model folder: `config.json` and the weights, sharded by
     /// `max_shard_bytes` with `model.safetensors.index.json` when they do not fit in one file
-    /// (see [`Saver::write_sharded`]), floats in `dtype` (bf16: half the size, rounded), the
-    /// weights trained with MX QAT packed when `packed_mx`. [`from_safetensors`](Self::from_safetensors)
-    /// on the folder reads it back. Returns the files written.
+    /// (see [`Saver::write_sharded`]), floats in `dtype` (bf16: half the size, rounded; the balance
+    /// biases stay f32), the weights trained with MX QAT packed when `packed_mx`. An earlier
+    /// save's weight files in `dir` are replaced, not left beside the new ones.
+    /// [`from_safetensors`](Self::from_safetensors) on the folder reads it back. Returns the
+    /// files written.
     pub fn save_pretrained(
         &self,
         dir: impl AsRef<Path>,

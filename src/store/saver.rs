@@ -49,6 +49,8 @@ struct Planned {
 enum Kind {
     /// Floats, written in the file's float dtype.
     Float(Values),
+    /// Floats, written in f32 in every file.
+    F32(Values),
     /// One half of a packed MX `[out, in]` matrix (see the module docs).
     Mx {
         values: Values,
@@ -63,6 +65,7 @@ impl Planned {
         let n = self.shape.iter().product::<usize>();
         match self.kind {
             Kind::Float(_) => (n * dtype.size()) as u64,
+            Kind::F32(_) => (n * 4) as u64,
             Kind::Mx { .. } => n as u64,
         }
     }
@@ -70,6 +73,7 @@ impl Planned {
     fn dtype(&self, dtype: StoreDtype) -> Dtype {
         match self.kind {
             Kind::Float(_) => dtype.safetensors(),
+            Kind::F32(_) => Dtype::F32,
             Kind::Mx { .. } => Dtype::U8,
         }
     }
@@ -78,6 +82,7 @@ impl Planned {
     fn encode(&self, name: &str, dtype: StoreDtype) -> std::result::Result<Vec<u8>, String> {
         match &self.kind {
             Kind::Float(v) => Ok(dtype.encode(&v.get())),
+            Kind::F32(v) => Ok(StoreDtype::F32.encode(&v.get())),
             Kind::Mx {
                 values,
                 d_in,
@@ -270,13 +275,14 @@ impl Saver {
         self.tensor(name, layer.weight.val().transpose(), &[d_out, d_in]);
     }
 
-    /// Adds a host vector.
+    /// Adds a host vector, written in f32 whatever the file's float dtype: it holds the QB bias,
+    /// an f32 precision island (design §0) whose bf16 rounding would move expert selections.
     pub fn vector(&mut self, name: &str, data: Vec<f32>) {
         self.tensors.insert(
             name.to_owned(),
             Planned {
                 shape: vec![data.len()],
-                kind: Kind::Float(Values::Host(Rc::new(data))),
+                kind: Kind::F32(Values::Host(Rc::new(data))),
             },
         );
     }
@@ -295,7 +301,7 @@ impl Saver {
     /// Reads `name` as it will be written in f32 (`None` for packed MX halves and absent names).
     pub fn read(&self, name: &str) -> Option<HostTensor> {
         match &self.tensors.get(name)?.kind {
-            Kind::Float(v) => Some(HostTensor {
+            Kind::Float(v) | Kind::F32(v) => Some(HostTensor {
                 shape: self.tensors[name].shape.clone(),
                 data: v.get().into_owned(),
             }),
@@ -315,7 +321,9 @@ impl Saver {
     /// `model.safetensors` when it fits in `max_shard_bytes`, else shards
     /// `model-00001-of-0000N.safetensors` of at most that size (a larger tensor gets a shard of
     /// its own) and `model.safetensors.index.json` with the `weight_map` and the total size.
-    /// Tensors are read from the model and written one at a time. Returns the files written.
+    /// Tensors are read from the model and written one at a time. The weight files of an earlier
+    /// save into `dir` that this one does not overwrite (a single file, an index, other shards)
+    /// are removed afterwards, so that no reader finds the old weights. Returns the files written.
     pub fn write_sharded(
         &self,
         dir: impl AsRef<Path>,
@@ -343,7 +351,9 @@ impl Saver {
         if shards.len() == 1 {
             let path = dir.join("model.safetensors");
             self.write_file(&path, &shards[0], dtype)?;
-            return Ok(vec![path]);
+            let written = vec![path];
+            remove_stale_weights(dir, &written)?;
+            return Ok(written);
         }
         let n = shards.len();
         let mut written = Vec::with_capacity(n + 1);
@@ -368,6 +378,7 @@ impl Saver {
         })?;
         std::fs::write(&path, text).map_err(io_err(&path))?;
         written.push(path);
+        remove_stale_weights(dir, &written)?;
         Ok(written)
     }
 
@@ -448,6 +459,39 @@ impl Saver {
         }
         out.flush().map_err(io_err(path))
     }
+}
+
+/// Removes the weight files of an earlier save from `dir` that `written` does not hold: a
+/// `model.safetensors`, a `model.safetensors.index.json` and shards `model-NNNNN-of-NNNNN.safetensors`.
+/// A reader takes the index over a single file (this crate's) or the single file over the index
+/// (Hugging Face's), so leaving either would load the old weights. Other files stay.
+fn remove_stale_weights(dir: &Path, written: &[PathBuf]) -> Result<()> {
+    let is_weights = |name: &str| {
+        name == "model.safetensors"
+            || name == "model.safetensors.index.json"
+            || name
+                .strip_prefix("model-")
+                .and_then(|n| n.strip_suffix(".safetensors"))
+                .and_then(|n| n.split_once("-of-"))
+                .is_some_and(|(i, n)| {
+                    [i, n]
+                        .iter()
+                        .all(|p| p.len() == 5 && p.bytes().all(|b| b.is_ascii_digit()))
+                })
+    };
+    for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
+        let path = entry.map_err(io_err(dir))?.path();
+        let stale = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(is_weights)
+            && path.is_file()
+            && !written.contains(&path);
+        if stale {
+            std::fs::remove_file(&path).map_err(io_err(&path))?;
+        }
+    }
+    Ok(())
 }
 
 /// The float dtype a checkpoint is written in.

@@ -153,15 +153,21 @@ fn streaming_generation_stops_each_sequence_at_its_stop_token() {
             assert_eq!(out[b * (5 + n) + 5 + s], want);
         }
     }
-    // The callback can stop generation.
-    let mut calls = 0;
-    let out = model
-        .generate_stream(prompt, &GenerateOptions::new(8), |_| {
-            calls += 1;
-            calls < 3
-        })
-        .unwrap();
-    assert_eq!((calls, out.dims()), (3, [2, 8]));
+    // The callback can stop generation, also one with no bound of its own (`usize::MAX`).
+    for max in [8, usize::MAX] {
+        let mut calls = 0;
+        let out = model
+            .generate_stream(prompt.clone(), &GenerateOptions::new(max), |_| {
+                calls += 1;
+                calls < 3
+            })
+            .unwrap();
+        assert_eq!((calls, out.dims()), (3, [2, 8]));
+        let out: Vec<i64> = out.into_data().to_vec().unwrap();
+        for (b, row) in rows.iter().enumerate() {
+            assert_eq!(out[b * 8 + 5..b * 8 + 8], row[..3], "row {b}");
+        }
+    }
 }
 
 #[test]
@@ -577,6 +583,15 @@ fn save_pretrained_shards_and_loads_back() {
     let d = Default::default();
     let config = small();
     let model = config.init::<Cpu>(&d);
+    // Biases that bf16 would round (the file keeps them in f32).
+    let mut r = rng(59);
+    for layer in &model.layers {
+        if let kimi_burn::model::Ffn::Moe(moe) = &layer.ffn {
+            let n = config.moe.num_experts;
+            let bias: Vec<f32> = (0..n).map(|_| r.random_range(-0.3f32..0.3)).collect();
+            moe.balance.set_bias(&bias);
+        }
+    }
     let base = std::env::temp_dir().join(format!("kimi-burn-pretrained-{}", std::process::id()));
     let (f32_dir, bf16_dir) = (base.join("f32"), base.join("bf16"));
     let max = 200_000u64;
@@ -596,7 +611,6 @@ fn save_pretrained_shards_and_loads_back() {
     let read_config = KimiConfig::from_hf_config(f32_dir.join("config.json")).unwrap();
     assert_eq!(read_config, config);
     let back = KimiForCausalLM::<Cpu>::from_safetensors(&read_config, &f32_dir, &d).unwrap();
-    let mut r = rng(59);
     let x = ids::<Cpu>(&mut r, 2, 7, config.vocab_size, &d);
     let bits = |t: Tensor<Cpu, 3>| {
         t.into_data()
@@ -604,7 +618,10 @@ fn save_pretrained_shards_and_loads_back() {
             .map(f32::to_bits)
             .collect::<Vec<_>>()
     };
-    assert_eq!(bits(model.forward(x.clone())), bits(back.forward(x)));
+    assert_eq!(
+        bits(model.forward(x.clone())),
+        bits(back.forward(x.clone()))
+    );
 
     let files = model
         .save_pretrained(&bf16_dir, StoreDtype::Bf16, u64::MAX, false)
@@ -616,16 +633,64 @@ fn save_pretrained_shards_and_loads_back() {
     let full = SafeTensorsReader::open(&f32_dir).unwrap();
     let rounded = SafeTensorsReader::open(&bf16_dir).unwrap();
     assert_eq!(full.names().count(), rounded.names().count());
+    let mut biases = 0;
     for name in full.names() {
+        let exact = name.ends_with("e_score_correction_bias");
+        biases += usize::from(exact);
         let want: Vec<f32> = full
             .read(name)
             .unwrap()
             .unwrap()
             .data
             .iter()
-            .map(|v| half::bf16::from_f32(*v).to_f32())
+            .map(|v| {
+                if exact {
+                    *v
+                } else {
+                    half::bf16::from_f32(*v).to_f32()
+                }
+            })
             .collect();
         assert_eq!(rounded.read(name).unwrap().unwrap().data, want, "{name}");
     }
+    assert_eq!(
+        biases,
+        config.num_hidden_layers - config.first_k_dense_replace
+    );
+
+    // Saving into a folder that holds another save replaces its weight files: one file over
+    // shards (the index and the shards go), then shards over one file (the file goes).
+    let names = |dir: &std::path::Path| {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    let bf16 = KimiForCausalLM::<Cpu>::from_safetensors(&config, &bf16_dir, &d).unwrap();
+    std::fs::write(f32_dir.join("notes.txt"), "kept").unwrap();
+    bf16.save_pretrained(&f32_dir, StoreDtype::F32, u64::MAX, false)
+        .unwrap();
+    assert_eq!(
+        names(&f32_dir),
+        ["config.json", "model.safetensors", "notes.txt"]
+    );
+    let again = KimiForCausalLM::<Cpu>::from_safetensors(&config, &f32_dir, &d).unwrap();
+    assert_eq!(
+        bits(bf16.forward(x.clone())),
+        bits(again.forward(x.clone()))
+    );
+    assert_ne!(
+        bits(model.forward(x.clone())),
+        bits(again.forward(x.clone()))
+    );
+    let files = model
+        .save_pretrained(&f32_dir, StoreDtype::F32, max, false)
+        .unwrap();
+    assert!(!f32_dir.join("model.safetensors").exists(), "{files:?}");
+    assert_eq!(names(&f32_dir).len(), files.len() + 1, "{files:?}");
+    let again = KimiForCausalLM::<Cpu>::from_safetensors(&config, &f32_dir, &d).unwrap();
+    assert_eq!(bits(model.forward(x.clone())), bits(again.forward(x)));
     std::fs::remove_dir_all(&base).ok();
 }
