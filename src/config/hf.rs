@@ -177,7 +177,10 @@ impl KimiConfig {
     }
 
     /// The Hugging Face `config.json` fields of this config (Kimi-Linear layout, top level), the
-    /// inverse of [`from_hf_json`](Self::from_hf_json).
+    /// inverse of [`from_hf_json`](Self::from_hf_json), with one exception: a plain latent MoE
+    /// ([`MoeLayout::Latent`], no norm) as wide as the model reads back as the standard layout,
+    /// as such a width means in published configs. The crate's own choices that Hugging Face
+    /// configs lack are written as `load_balancer` and `moe_router_weights_from_biased_scores`.
     pub fn to_hf_json(&self) -> Value {
         let mut value = self.hf_fields();
         if let (Some(q), Some(obj)) = (self.moe.qat, value.as_object_mut()) {
@@ -200,7 +203,7 @@ impl KimiConfig {
         let kda: Vec<usize> = (1..=self.num_hidden_layers)
             .filter(|i| !full.contains(i))
             .collect();
-        json!({
+        let mut value = json!({
             "model_type": "kimi_linear",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -246,9 +249,22 @@ impl KimiConfig {
                 "gate_lower_bound": self.kda.gate_lower_bound,
                 "use_full_rank_gate": self.kda.use_full_rank_gate,
             },
-        })
+        });
+        // Beside the macro: one more field there passes its recursion limit.
+        if let Some(obj) = value.as_object_mut() {
+            obj.insert(
+                WEIGHTS_FROM_BIASED_SCORES.into(),
+                json!(self.moe.router.weights_from_biased_scores),
+            );
+        }
+        value
     }
 }
+
+/// This crate's field for [`RouterOptions::weights_from_biased_scores`] (design §2's compatibility
+/// switch); Hugging Face configs do not have it, and without it the weights come from the
+/// unbiased scores.
+const WEIGHTS_FROM_BIASED_SCORES: &str = "moe_router_weights_from_biased_scores";
 
 /// Converts 1-based layer numbers to 0-based indices, checking the range.
 fn one_based(layers: &[usize], num_layers: usize, field: &str) -> Result<Vec<usize>> {
@@ -267,13 +283,25 @@ fn one_based(layers: &[usize], num_layers: usize, field: &str) -> Result<Vec<usi
         .collect()
 }
 
-/// `hidden_act` and its SiTU caps.
+/// `hidden_act` and its SiTU caps. Without `hidden_act`, a config that gives a SiTU cap is SiTU
+/// and any other SwiGLU. Design §1's defaults: `β1 = 4` when `activation_situ_beta` is absent,
+/// `β2 = 25` when `activation_situ_linear_beta` is absent; an explicit `null` β2 is no cap (what
+/// [`KimiConfig::to_hf_json`] writes for one).
 fn activation_of(f: &Fields<'_>) -> Result<GluActivation> {
-    let activation = match f.str_or("hidden_act", "silu")? {
+    let caps = ["activation_situ_beta", "activation_situ_linear_beta"];
+    let default = if caps.iter().any(|c| f.get(c).is_some()) {
+        "situ"
+    } else {
+        "silu"
+    };
+    let activation = match f.str_or("hidden_act", default)? {
         "silu" | "swiglu" => GluActivation::SwiGlu,
         "situ" => GluActivation::Situ {
             beta1: f.f64_or("activation_situ_beta", 4.0)? as f32,
-            beta2: f.opt_f64("activation_situ_linear_beta")?.map(|b| b as f32),
+            beta2: match f.obj.get(caps[1]) {
+                None => Some(25.0),
+                Some(_) => f.opt_f64(caps[1])?.map(|b| b as f32),
+            },
         },
         other => {
             return Err(Error::config(
@@ -330,15 +358,25 @@ fn moe_of(f: &Fields<'_>, hidden_size: usize, k3: bool) -> Result<MoeFields> {
             format!("expected \"noaux_tc\", \"greedy\" or \"group_limited_greedy\", got {topk_method:?}"),
         ));
     }
+    let n_group = f.opt_usize("num_expert_group")?.unwrap_or(1);
+    if topk_method != "noaux_tc" && n_group > 1 {
+        // One group: every method picks the top k of the scores (plus a bias that starts at zero).
+        // Groups are scored as noaux_tc scores them (design §2); the others score them otherwise.
+        return Err(Error::config(
+            f.name("topk_method"),
+            format!(
+                "{topk_method:?} with num_expert_group = {n_group} is not supported: grouped \
+                 top-k scores a group by its two best biased scores (\"noaux_tc\")"
+            ),
+        ));
+    }
+    // A latent width equal to the model width is the standard layout in configs that give the
+    // field anyway; with its norm (Stable LatentMoE) it is a latent layout whatever its width.
     let latent = f.opt_usize("routed_expert_hidden_size")?;
+    let norm = f.bool_or("latent_moe_use_norm", false)?;
     let layout = match latent {
-        Some(l) if l != hidden_size => {
-            if f.bool_or("latent_moe_use_norm", false)? {
-                MoeLayout::StableLatent { dim: l }
-            } else {
-                MoeLayout::Latent { dim: l }
-            }
-        }
+        Some(l) if norm => MoeLayout::StableLatent { dim: l },
+        Some(l) if l != hidden_size => MoeLayout::Latent { dim: l },
         _ => MoeLayout::Standard,
     };
     let moe = MoeFields {
@@ -351,9 +389,9 @@ fn moe_of(f: &Fields<'_>, hidden_size: usize, k3: bool) -> Result<MoeFields> {
             scoring,
             renormalize: f.bool_or("moe_renormalize", true)?,
             routed_scaling_factor: f.f64_or("routed_scaling_factor", 1.0)?,
-            n_group: f.opt_usize("num_expert_group")?.unwrap_or(1),
+            n_group,
             topk_group: f.opt_usize("topk_group")?.unwrap_or(1),
-            weights_from_biased_scores: false,
+            weights_from_biased_scores: f.bool_or(WEIGHTS_FROM_BIASED_SCORES, false)?,
         },
         balancer: balancer_of(f, k3, scoring)?,
         qat: None,
@@ -400,7 +438,11 @@ fn linear_attention_of(
         head_dim: la.usize("head_dim")?,
         short_conv_kernel_size: la.opt_usize("short_conv_kernel_size")?.unwrap_or(4),
         gate_lower_bound: la.opt_f64("gate_lower_bound")?.map(|v| v as f32),
-        use_full_rank_gate: la.bool_or("use_full_rank_gate", false)?,
+        // Inside `linear_attn_config` (where this crate writes it) or beside it.
+        use_full_rank_gate: match la.get("use_full_rank_gate") {
+            Some(_) => la.bool_or("use_full_rank_gate", false)?,
+            None => f.bool_or("use_full_rank_gate", false)?,
+        },
     };
     Ok((full_attn_layers, kda))
 }
@@ -608,6 +650,77 @@ mod tests {
         assert_eq!(KimiConfig::from_hf_json(&tiny.to_hf_json()).unwrap(), tiny);
     }
 
+    /// What [`to_hf_json`](KimiConfig::to_hf_json) writes reads back: the routing weights'
+    /// compatibility switch, and a Stable LatentMoE as wide as the model.
+    #[test]
+    fn router_switch_and_a_full_width_stable_latent_moe_round_trip() {
+        let mut config = KimiConfig::tiny();
+        config.moe.router.weights_from_biased_scores = true;
+        assert_eq!(
+            KimiConfig::from_hf_json(&config.to_hf_json()).unwrap(),
+            config
+        );
+        let mut config = KimiConfig::tiny();
+        config.moe.layout = MoeLayout::StableLatent {
+            dim: config.hidden_size,
+        };
+        assert_eq!(
+            KimiConfig::from_hf_json(&config.to_hf_json()).unwrap(),
+            config
+        );
+        // Without the norm, a latent width equal to the model's is the standard layout.
+        let mut v = kimi_linear_json();
+        v["routed_expert_hidden_size"] = json!(2304);
+        let parsed = KimiConfig::from_hf_json(&v).unwrap();
+        assert_eq!(parsed.moe.layout, MoeLayout::Standard);
+    }
+
+    /// SiTU's caps: design §1's β1 = 4 and β2 = 25 where a config leaves them out, no cap on the
+    /// linear branch where it says `null`, SiTU where a config gives a cap but no `hidden_act`.
+    #[test]
+    fn situ_caps_default_to_the_design_values() {
+        let situ = |edit: &dyn Fn(&mut Map<String, Value>)| {
+            let mut v = kimi_linear_json();
+            let o = v.as_object_mut().unwrap();
+            o.insert("hidden_act".into(), json!("situ"));
+            edit(o);
+            KimiConfig::from_hf_json(&v).unwrap().activation
+        };
+        assert_eq!(situ(&|_| {}), GluActivation::situ());
+        assert_eq!(
+            situ(&|o| {
+                o.insert("activation_situ_linear_beta".into(), Value::Null);
+            }),
+            GluActivation::Situ {
+                beta1: 4.0,
+                beta2: None
+            }
+        );
+        assert_eq!(
+            situ(&|o| {
+                o.remove("hidden_act");
+                o.insert("activation_situ_beta".into(), json!(3.0));
+            }),
+            GluActivation::Situ {
+                beta1: 3.0,
+                beta2: Some(25.0)
+            }
+        );
+        let mut v = kimi_linear_json();
+        v.as_object_mut().unwrap().remove("hidden_act");
+        let parsed = KimiConfig::from_hf_json(&v).unwrap();
+        assert_eq!(parsed.activation, GluActivation::SwiGlu);
+    }
+
+    #[test]
+    fn the_full_rank_gate_may_sit_beside_linear_attn_config() {
+        let mut v = kimi_linear_json();
+        v["use_full_rank_gate"] = json!(true);
+        assert!(KimiConfig::from_hf_json(&v).unwrap().kda.use_full_rank_gate);
+        v["linear_attn_config"]["use_full_rank_gate"] = json!(false);
+        assert!(!KimiConfig::from_hf_json(&v).unwrap().kda.use_full_rank_gate);
+    }
+
     fn error_with(edit: impl FnOnce(&mut Map<String, Value>)) -> String {
         let mut v = kimi_linear_json();
         edit(v.as_object_mut().unwrap());
@@ -654,5 +767,14 @@ mod tests {
             o.insert("hidden_size".into(), json!("wide"));
         });
         assert!(e.contains("hidden_size") && e.contains("wide"), "{e}");
+        let e = error_with(|o| {
+            o.insert("topk_method".into(), json!("group_limited_greedy"));
+            o.insert("num_expert_group".into(), json!(8));
+            o.insert("topk_group".into(), json!(4));
+        });
+        assert!(
+            e.contains("topk_method") && e.contains("group_limited_greedy") && e.contains("8"),
+            "{e}"
+        );
     }
 }
