@@ -153,7 +153,11 @@ impl LatentMoeConfig {
                     .with_epsilon(self.rms_norm_eps)
                     .init(device)
             }),
-            balance: BalanceState::new(self.n_experts, self.balancer, device)?,
+            balance: {
+                let balance = BalanceState::new(self.n_experts, self.balancer, device)?;
+                balance.set_top_k(self.top_k);
+                balance
+            },
         })
     }
 

@@ -282,6 +282,46 @@ fn summed_balance_packets_give_every_replica_the_global_bias() {
     assert!(err.contains("layer 1"), "{err}");
 }
 
+/// A replica without a share of a step (a last batch smaller than the replica count) still
+/// takes part in the balance step: the others' counts reach it, and its update gives the bias
+/// they get, also in its very first step (it knows its routers' top-k without routing).
+#[test]
+fn a_replica_that_routed_nothing_updates_to_the_others_bias() {
+    type B = CpuAd;
+    let device = Default::default();
+    let (task, config) = small_mqar();
+    let mut models = identical_models::<B>(&config, &device, 3);
+    let single = models.pop().expect("three models");
+    let mut rng = SeededRng::new(22);
+    for step in 0..3 {
+        // Step 1: both replicas route a batch; steps 0 and 2: only the first.
+        let busy = if step == 1 { 2 } else { 1 };
+        for replica in &models[..busy] {
+            let (inputs, _) = task.sample_batch(4, &mut rng).to_tensors::<B>(&device);
+            let _ = replica.forward(inputs.clone());
+            let _ = single.forward(inputs);
+        }
+        let summed = models
+            .iter()
+            .map(|m| m.balance_packet().unwrap())
+            .reduce(|a, b| a + b)
+            .unwrap();
+        for replica in &models {
+            assert_eq!(replica.apply_balance_packet(summed.clone()).unwrap(), 2);
+            replica.update_balance();
+        }
+        single.update_balance();
+        let want = moe_biases(&single);
+        assert!(
+            want.iter().flatten().any(|&b| b != 0.0),
+            "QB moved the biases"
+        );
+        for (r, replica) in models.iter().enumerate() {
+            assert_eq!(moe_biases(replica), want, "replica {r}, step {step}");
+        }
+    }
+}
+
 /// Survive a kill (`kimi_burn::checkpoint`): a run that checkpoints every 2 steps and dies after
 /// step 5 (everything in memory dropped), resumed from its latest checkpoint (step 4) and run to
 /// step 6, ends with the same parameters and balance biases as an uninterrupted 6-step run, bit

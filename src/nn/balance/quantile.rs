@@ -326,6 +326,34 @@ impl QuantileBalancer {
         Ok(())
     }
 
+    /// The top-k of the batches to come, where none has been observed yet (a later batch with
+    /// another `k` is an error, as between any two batches).
+    pub(crate) fn set_top_k(&mut self, k: usize) {
+        self.k.get_or_insert(k);
+    }
+
+    /// Counts merged from other replicas into a balancer that observed no batch since its last
+    /// update (a replica without a share of this step) are pooled over `bias`, which every
+    /// replica routed with (the balance packet checks it), and the `k` of this balancer's earlier
+    /// batches, so that its [`update`](Balancer::update) gives the others' bias.
+    ///
+    /// # Errors
+    /// When this balancer never observed a batch: its `k` is unknown.
+    pub(crate) fn adopt_merged(&mut self, bias: &[f32]) -> Result<()> {
+        if self.bounds.is_some() || self.tokens() == 0 {
+            return Ok(());
+        }
+        if self.k.is_none() {
+            return Err(Error::argument(
+                "balance counts",
+                "merged into a QB balancer that knows no top-k (built alone, never given a batch); \
+                 a LatentMoe's balancer knows its router's",
+            ));
+        }
+        self.bounds = Some(bounds_for_bias(bias));
+        Ok(())
+    }
+
     /// Checks that a batch routed with `bias` and `k` may be pooled with the counts so far, and
     /// records both.
     pub(crate) fn begin(&mut self, bias: &[f32], k: usize) -> Result<(f32, f32)> {

@@ -10,7 +10,7 @@ use burn::module::{
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 
-use super::{AnyBalancer, BalancerKind, DriftMemory, HistogramSpec, RoutedBatch};
+use super::{AnyBalancer, Balancer, BalancerKind, DriftMemory, HistogramSpec, RoutedBatch};
 use crate::error::{Error, Result};
 use crate::ops::moe::route::to_host_f32;
 
@@ -428,10 +428,27 @@ impl<B: Backend> BalanceState<B> {
         }
     }
 
+    /// Gives a QB balancer the router's top-k before its first batch, so that counts merged
+    /// from other replicas pool even before this replica has routed anything (see
+    /// [`merge`](Self::merge)). No-op for the other balancers.
+    pub(crate) fn set_top_k(&self, k: usize) {
+        if let Some(AnyBalancer::Quantile(q)) = self.lock().as_mut() {
+            q.set_top_k(k);
+        }
+    }
+
     /// Adds another replica's counts (one integer all-reduce) before [`update`](Self::update).
+    ///
+    /// A replica that routed nothing since its last update (no share of this step's batch) then
+    /// updates to the same bias as the others, provided it has routed some batch before.
     pub fn merge(&self, counts: &[u64]) -> Result<()> {
         self.flush()?;
+        let bias = self.bias.host();
         match self.lock().as_mut() {
+            Some(AnyBalancer::Quantile(q)) => {
+                q.merge(counts)?;
+                q.adopt_merged(&bias)
+            }
             Some(b) => b.inner().merge(counts),
             None => Ok(()),
         }
