@@ -147,8 +147,9 @@ type HeadMuonRecord<M, B> = AdaptorRecordOf<HeadMuon<<B as AutodiffBackend>::Inn
 ///
 /// The record is the tuple `(muon, head_muon, adamw)` of per-parameter states, in the formats of
 /// Burn's `Muon`, [`HeadMuon`] and `AdamW` adaptors (the AdamW states are Burn's `AdamWState`);
-/// [`Optimizer::load_record`] keeps the Muon states of parameters whose role is still Muon (states
-/// of parameters now under AdamW are dropped).
+/// [`Optimizer::load_record`] keeps the Muon states of parameters whose role is still Muon, also
+/// where a parameter moved between whole-matrix and per-head Muon (the momentum has the
+/// parameter's shape either way); states of parameters now under AdamW are dropped.
 pub struct KimiOptimizer<M: AutodiffModule<B>, B: AutodiffBackend> {
     /// Momentum states of whole 2-D matrices.
     whole: WholeRecord<M, B>,
@@ -413,9 +414,14 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModuleVisitor<B> for Collector<'_
         let Some((grad, device)) = self.grads.remove::<B::InnerBackend, D>(id) else {
             return;
         };
+        // The momentum has the parameter's shape under either route, so a state saved under the
+        // other one (the role changed between a save and a load) carries over; both are removed,
+        // so that no stale state stays in the record.
+        let whole = self.whole.remove(&id).map(|r| r.into_state());
+        let blocks = self.blocks.remove(&id).map(|r| r.into_state());
         let previous: Option<MuonState<B::InnerBackend, D>> = match route {
-            Route::Whole => self.whole.remove(&id).map(|r| r.into_state()),
-            Route::Blocks(_) => self.blocks.remove(&id).map(|r| r.into_state()),
+            Route::Whole => whole.or(blocks),
+            Route::Blocks(_) => blocks.or(whole),
         };
         let previous = previous.map(|state| state.momentum.to_device(&device));
         let (m, velocity) = self.momentum.transform(grad, previous);

@@ -552,6 +552,51 @@ fn records_survive_a_save_and_load() {
     }
 }
 
+/// A parameter that moves between whole-matrix and per-head Muon across a save and load keeps
+/// its momentum (the parameter's shape either way): the reloaded optimiser steps as one that
+/// took the first step with the new roles, and not as a fresh one.
+#[test]
+fn muon_momentum_survives_a_change_between_whole_and_per_head() {
+    let device = Default::default();
+    let mut rng = rng(34);
+    let module = Tiny::<CpuAd>::new(&mut rng, &device);
+    let config = KimiOptimizerConfig::new();
+    // `matrix` whole and `q_proj` per head, then the other way round.
+    let swapped = |m: &Tiny<CpuAd>| {
+        ParamRoles::from_module(m).with(
+            m.matrix.id,
+            ParamRole::muon_per_head(HeadSplit::columns(HEADS)),
+        )
+    };
+    let mut first = config.init(&module, roles_for(&module)).unwrap();
+    let mut reference = config.init(&module, swapped(&module)).unwrap();
+    let grads = grads_of(&module, &mut rng);
+    let g = copy_grads(&module, &grads);
+    let _ = reference.step(LR, module.clone(), g);
+    let module = first.step(LR, module, grads);
+
+    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+    let bytes = recorder.record(first.to_record(), ()).unwrap();
+    let mut restored = config
+        .init(&module, swapped(&module))
+        .unwrap()
+        .load_record(recorder.load(bytes, &device).unwrap());
+    let mut fresh = config.init(&module, swapped(&module)).unwrap();
+
+    let grads = grads_of(&module, &mut rng);
+    let (g1, g2) = (copy_grads(&module, &grads), copy_grads(&module, &grads));
+    let want = params(&reference.step(LR, module.clone(), grads));
+    let reloaded = params(&restored.step(LR, module.clone(), g1));
+    let from_scratch = params(&fresh.step(LR, module, g2));
+    for i in 0..2 {
+        assert_close(&format!("param {i}"), &want[i], &reloaded[i], 1e-6);
+        assert!(
+            rel_err(&want[i], &from_scratch[i]) > 1e-6,
+            "param {i}: the momentum should matter"
+        );
+    }
+}
+
 #[test]
 fn step_multi_with_one_device_equals_step() {
     let device = Default::default();
