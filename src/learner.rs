@@ -11,6 +11,14 @@
 //! a module record and starts afresh on resume there (a few steps of plain QB), while
 //! [`crate::checkpoint`] keeps it.
 //!
+//! burn-train's gradient accumulation sums the gradients of its micro-batches' *mean* losses:
+//! `n` micro-batches give `n` times the gradient of the step's mean loss when each scores as
+//! many targets, and weigh the micro-batches equally when they do not.
+//! [`accumulate_gradients`](crate::train::accumulate_gradients) instead weighs each by its share
+//! of the step's scored targets (the exact gradient of the step's mean loss). Muon's update does
+//! not depend on the gradient's scale and AdamW's only through its ε, but a gradient-clipping
+//! threshold does: scale it with `n` when moving between the two.
+//!
 //! burn-train's DDP strategy is not offered here: in Burn 0.21 it needs Burn's `distributed`
 //! feature, under which `Autodiff<B>` is an autodiff backend only for backends with a
 //! `DistributedBackend` (CUDA through NCCL), so a build with it cannot train on the CPU backend at
