@@ -167,12 +167,14 @@ impl<B: Backend> DecoderLayer<B> {
         x: Tensor<B, 3>,
         res: &mut Residual<B>,
         padding: Option<Tensor<B, 2, Bool>>,
+        kda_padding: Option<&[bool]>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Result<(Tensor<B, 3>, Option<MoeLoads<B>>)> {
         let Some(size) = res.block_size else {
             let h = x.clone().add(self.mixer(
                 self.input_layernorm.forward(x),
                 padding.clone(),
+                kda_padding,
                 cache,
             )?);
             let (f, stats) = self.ffn(self.post_attention_layernorm.forward(h.clone()), padding)?;
@@ -194,7 +196,12 @@ impl<B: Backend> DecoderLayer<B> {
             res.blocks.push(x);
             partial = None;
         }
-        let a = self.mixer(self.input_layernorm.forward(h), padding.clone(), cache)?;
+        let a = self.mixer(
+            self.input_layernorm.forward(h),
+            padding.clone(),
+            kda_padding,
+            cache,
+        )?;
         let partial = match partial {
             Some(p) => p.add(a),
             None => a,
@@ -204,15 +211,25 @@ impl<B: Backend> DecoderLayer<B> {
         Ok((partial.add(f), stats))
     }
 
+    /// The token mixer. KDA layers take the padding as a host mask (`kda_padding`, read where
+    /// there is a cache to continue, [`KimiForCausalLM::try_forward`]); without it they run over
+    /// every position, which leaves the tokens before right padding as they are.
     fn mixer(
         &self,
         x: Tensor<B, 3>,
         padding: Option<Tensor<B, 2, Bool>>,
+        kda_padding: Option<&[bool]>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Result<Tensor<B, 3>> {
         match (&self.mixer, cache) {
-            (Mixer::Kda(kda), None) => kda.try_forward(x, None, None),
-            (Mixer::Kda(kda), Some(LayerCache::Kda(c))) => kda.try_forward(x, None, Some(c)),
+            (Mixer::Kda(kda), None) => match kda_padding {
+                Some(mask) => kda.try_forward_padded(x, mask, None),
+                None => kda.try_forward(x, None, None),
+            },
+            (Mixer::Kda(kda), Some(LayerCache::Kda(c))) => match kda_padding {
+                Some(mask) => kda.try_forward_padded(x, mask, Some(c)),
+                None => kda.try_forward(x, None, Some(c)),
+            },
             (Mixer::Mla(mla), None) => mla.try_forward(x, padding),
             (Mixer::Mla(mla), Some(LayerCache::Mla(c))) if c.is_empty() => {
                 mla.try_prefill(x, padding, c)
@@ -278,8 +295,22 @@ impl<B: Backend> KimiForCausalLM<B> {
     /// The full forward pass.
     ///
     /// `ids: [B, T]`; `padding: [B, T]` (`true` = padding: never attended to by MLA, never routed
-    /// or counted by the MoE; KDA layers are causal, so right padding cannot affect valid tokens);
-    /// `cache`: continue the cached sequences and advance the cache (prefill, then decode).
+    /// or counted by the MoE); `cache`: continue the cached sequences and advance the cache
+    /// (prefill, then decode).
+    ///
+    /// KDA layers and padding: without a cache they run over every position, padding included.
+    /// They are causal, so right padding (the training batches' layout) leaves the tokens before
+    /// it as they are, and the pass reads nothing back. With a cache, the mask is read back once
+    /// per call (a prefill of prompts of different lengths, not a training step) and the KDA
+    /// layers skip the padding wherever it lies
+    /// ([`try_forward_padded`](crate::nn::KimiDeltaAttention::try_forward_padded)): it neither
+    /// enters their state nor their convolutions' tails, so the decode steps after a padded
+    /// prefill give every row what it gets alone.
+    ///
+    /// # Errors
+    /// On ids outside the vocabulary, a `padding` that is not `[B, T]`, a cache built for another
+    /// model or batch, or invalid layer input. The checks that can fail run before any layer
+    /// writes to the cache; a layer's own error may leave the cache partly advanced.
     ///
     /// On the CPU backends the pass runs on rayon's pool as one piece
     /// ([`on_cpu_pool`](crate::ops::backend::on_cpu_pool)).
@@ -304,9 +335,25 @@ impl<B: Backend> KimiForCausalLM<B> {
             return Err(Error::shape("ids", "[B ≥ 1, T ≥ 1]", [batch, t]));
         }
         self.check_ids(&ids)?;
+        if let Some(p) = &padding {
+            if p.dims() != [batch, t] {
+                return Err(Error::shape(
+                    "padding",
+                    format!("[B, T] = [{batch}, {t}]"),
+                    p.dims(),
+                ));
+            }
+        }
         if let Some(c) = cache.as_deref_mut() {
             c.check(&self.config)?;
         }
+        let has_kda = self.layers.iter().any(|l| matches!(l.mixer, Mixer::Kda(_)));
+        let kda_padding: Option<Vec<bool>> = match (&padding, &cache) {
+            (Some(p), Some(_)) if has_kda => {
+                Some(crate::sync::read(p.clone()).iter::<bool>().collect())
+            }
+            _ => None,
+        };
         let mut x = self.embed_tokens.forward(ids);
         let mut res = Residual {
             blocks: Vec::new(),
@@ -315,7 +362,14 @@ impl<B: Backend> KimiForCausalLM<B> {
         let mut moe_loads = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            let (next, loads) = layer.forward(i, x, &mut res, padding.clone(), layer_cache)?;
+            let (next, loads) = layer.forward(
+                i,
+                x,
+                &mut res,
+                padding.clone(),
+                kda_padding.as_deref(),
+                layer_cache,
+            )?;
             x = next;
             moe_loads.extend(loads);
         }

@@ -6,7 +6,7 @@ use crate::ops::linear::{linear, matmul_last};
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::Linear;
-use burn::tensor::{backend::Backend, Distribution, Tensor};
+use burn::tensor::{backend::Backend, Distribution, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::norm::{RmsNorm, RmsNormConfig};
 use crate::error::{Error, Result};
@@ -497,4 +497,118 @@ impl<B: Backend> KimiDeltaAttention<B> {
         }
         Tensor::cat(projections.map(|l| linear(l, x.clone())).to_vec(), 2)
     }
+}
+
+impl<B: Backend> KimiDeltaAttention<B> {
+    /// `x: [B, T, d]` whose `padding` (`[B, T]` row-major on the host, `true` = padding) marks
+    /// the positions that are not part of their row's sequence → `[B, T, d]`, zero at padding.
+    ///
+    /// Each row's sequence is its tokens that are not padding, in order, wherever the padding
+    /// lies (left, right or in between): the padding neither enters the short convolutions nor
+    /// moves the recurrent state. With a cache, the rows continue the cached sequences (`N = B`)
+    /// and only their tokens advance it; a row that is all padding keeps its cached state as it
+    /// is. So a prefill of prompts of different lengths, padded to one `T`, and the decode steps
+    /// after it give each row what it gets alone.
+    ///
+    /// The rows' tokens run as packed sequences ([`forward_packed`](Self::forward_packed)); the
+    /// mask is a host slice because the packing is planned on the host. Without padding this is
+    /// [`try_forward`](Self::try_forward).
+    ///
+    /// # Errors
+    /// As [`try_forward`](Self::try_forward), and when `padding` does not hold `B·T` values.
+    pub fn try_forward_padded(
+        &self,
+        x: Tensor<B, 3>,
+        padding: &[bool],
+        cache: Option<&mut KdaCache<B>>,
+    ) -> Result<Tensor<B, 3>> {
+        let [b, t, d] = x.dims();
+        if padding.len() != b * t {
+            return Err(Error::shape(
+                "padding",
+                format!("B·T = {b}·{t} = {} values", b * t),
+                padding.len(),
+            ));
+        }
+        if !padding.contains(&true) {
+            return self.try_forward(x, None, cache);
+        }
+        let d_model = self.q_proj.weight.dims()[0];
+        if d != d_model {
+            return Err(Error::shape(
+                "x",
+                format!("[B, T, d_model] = [B ≥ 1, T ≥ 1, {d_model}]"),
+                [b, t, d],
+            ));
+        }
+        self.check_cache(cache.as_deref(), b)?;
+        // The flat positions of every row's tokens, row after row; the rows that have any.
+        let mut index = Vec::new();
+        let mut cu = vec![0];
+        let mut rows = Vec::new();
+        for (row, mask) in padding.chunks_exact(t).enumerate() {
+            let before = index.len();
+            index.extend((0..t).filter(|&i| !mask[i]).map(|i| (row * t + i) as i64));
+            if index.len() > before {
+                rows.push(row);
+                cu.push(index.len());
+            }
+        }
+        let tokens = index.len();
+        if tokens == 0 {
+            return Ok(x.zeros_like());
+        }
+        let device = x.device();
+        let index = Tensor::<B, 1, Int>::from_data(TensorData::new(index, [tokens]), &device);
+        let packed = x
+            .clone()
+            .reshape([b * t, d])
+            .select(0, index.clone())
+            .reshape([1, tokens, d]);
+        let y = match cache {
+            Some(c) if rows.len() < b => {
+                // Only the rows with tokens run; the others keep their cached state.
+                let picked = Tensor::<B, 1, Int>::from_data(
+                    TensorData::new(rows.iter().map(|&r| r as i64).collect(), [rows.len()]),
+                    &device,
+                );
+                let mut part = KdaCache {
+                    state: c.state.clone().map(|s| s.select(0, picked.clone())),
+                    conv: c.conv.clone().map(|s| s.select(0, picked)),
+                };
+                let y = self.try_forward(packed, Some(&cu), Some(&mut part))?;
+                c.state = merge_rows(c.state.take(), part.state, &rows, b);
+                c.conv = merge_rows(c.conv.take(), part.conv, &rows, b);
+                y
+            }
+            cache => self.try_forward(packed, Some(&cu), cache)?,
+        };
+        Ok(x.zeros_like()
+            .reshape([b * t, d])
+            .select_assign(0, index, y.reshape([tokens, d]), IndexingUpdateOp::Add)
+            .reshape([b, t, d]))
+    }
+}
+
+/// A cache tensor of `b` rows: row `rows[i]` from `new`'s row `i`, every other row from `old`
+/// (zeros where `old` is `None`, as for an empty cache).
+fn merge_rows<B: Backend, const D: usize>(
+    old: Option<Tensor<B, D>>,
+    new: Option<Tensor<B, D>>,
+    rows: &[usize],
+    b: usize,
+) -> Option<Tensor<B, D>> {
+    let Some(new) = new else {
+        return old;
+    };
+    let parts = (0..b)
+        .map(|r| match rows.iter().position(|&p| p == r) {
+            Some(i) => new.clone().narrow(0, i, 1),
+            None => match &old {
+                Some(old) => old.clone().narrow(0, r, 1),
+                None => new.clone().narrow(0, 0, 1).zeros_like(),
+            },
+        })
+        .collect();
+    Some(Tensor::cat(parts, 0))
 }

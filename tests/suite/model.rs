@@ -105,6 +105,159 @@ on_backends!(
     check_prefill_then_decode_equals_one_pass
 );
 
+/// Prompts of different lengths prefilled as one padded batch into a cache, then decoded token by
+/// token: every row's logits equal those of its own tokens run alone, with the padding on the
+/// right, on the left, in between, or absent (the KDA layers skip it, MLA never attends to it, the
+/// MoE does not route it). A decode step in which a row is padding leaves that row's sequence as
+/// it was.
+pub(crate) fn check_padded_prefill_then_decode_equals_each_row_alone<B: AutodiffBackend>(
+    device: &B::Device,
+) {
+    type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+    let mut r = rng(57);
+    let config = small();
+    let vocab = config.vocab_size;
+    let model = config.init::<Inner<B>>(device);
+    let (batch, t) = (4, 7);
+    let prompt_pad: Vec<bool> = [
+        [false, false, false, false, true, true, true],
+        [true, true, false, false, false, false, false],
+        [false, true, false, false, true, false, false],
+        [false; 7],
+    ]
+    .concat();
+    // Row 0 is padding in the second decode step, row 2 in the third.
+    let step_pad = [
+        [false; 4],
+        [true, false, false, false],
+        [false, false, true, false],
+    ];
+    let prompt: Vec<i64> = (0..batch * t)
+        .map(|_| r.random_range(0..vocab as i64))
+        .collect();
+    let steps: Vec<Vec<i64>> = step_pad
+        .iter()
+        .map(|_| {
+            (0..batch)
+                .map(|_| r.random_range(0..vocab as i64))
+                .collect()
+        })
+        .collect();
+    let ids = |v: Vec<i64>, shape: [usize; 2]| {
+        Tensor::<Inner<B>, 2, Int>::from_data(TensorData::new(v, shape), device)
+    };
+    let mask = |v: &[bool], shape: [usize; 2]| {
+        Tensor::<Inner<B>, 2, burn::tensor::Bool>::from_data(
+            TensorData::new(v.to_vec(), shape),
+            device,
+        )
+    };
+
+    // The batch: a padded prefill, then the decode steps, each with its padding.
+    let mut cache = model.new_cache();
+    let mut batched = vec![host(
+        model
+            .try_forward(
+                ids(prompt.clone(), [batch, t]),
+                Some(mask(&prompt_pad, [batch, t])),
+                Some(&mut cache),
+            )
+            .unwrap()
+            .logits,
+    )];
+    for (tokens, pad) in steps.iter().zip(&step_pad) {
+        batched.push(host(
+            model
+                .try_forward(
+                    ids(tokens.clone(), [batch, 1]),
+                    Some(mask(pad, [batch, 1])),
+                    Some(&mut cache),
+                )
+                .unwrap()
+                .logits,
+        ));
+    }
+    let tol = matmul_tol::<B>(device, 1e-4);
+    for row in 0..batch {
+        // The row alone: its prompt tokens, then its decode tokens, with no padding anywhere.
+        let keep: Vec<usize> = (0..t).filter(|&i| !prompt_pad[row * t + i]).collect();
+        let own: Vec<i64> = keep.iter().map(|&i| prompt[row * t + i]).collect();
+        let mut alone_cache = model.new_cache();
+        let alone = host(
+            model
+                .try_forward(ids(own, [1, keep.len()]), None, Some(&mut alone_cache))
+                .unwrap()
+                .logits,
+        );
+        let at = |logits: &[f64], rows: usize, pos: usize, width: usize| {
+            logits[(rows * width + pos) * vocab..][..vocab].to_vec()
+        };
+        for (j, &i) in keep.iter().enumerate() {
+            assert_close(
+                &format!("row {row}, prompt token {i}"),
+                &at(&alone, 0, j, keep.len()),
+                &at(&batched[0], row, i, t),
+                tol,
+            );
+        }
+        for (s, (tokens, pad)) in steps.iter().zip(&step_pad).enumerate() {
+            if pad[row] {
+                continue;
+            }
+            let alone = host(
+                model
+                    .try_forward(ids(vec![tokens[row]], [1, 1]), None, Some(&mut alone_cache))
+                    .unwrap()
+                    .logits,
+            );
+            assert_close(
+                &format!("row {row}, decode step {s}"),
+                &alone,
+                &at(&batched[s + 1], row, 0, 1),
+                tol,
+            );
+        }
+    }
+}
+on_backends!(
+    padded_prefill_then_decode_equals_each_row_alone,
+    check_padded_prefill_then_decode_equals_each_row_alone
+);
+
+/// A padding mask of the wrong shape is refused before any layer writes to the cache: the same
+/// call with the right mask then gives what a fresh cache gives.
+#[test]
+fn a_refused_padding_leaves_the_cache_untouched() {
+    let device = Default::default();
+    let mut r = rng(58);
+    let config = small();
+    let model = config.init::<Cpu>(&device);
+    let prompt = ids::<Cpu>(&mut r, 2, 5, config.vocab_size, &device);
+    let pad = |t: usize| {
+        Tensor::<Cpu, 2, burn::tensor::Bool>::from_data(
+            TensorData::new(vec![false; 2 * t], [2, t]),
+            &device,
+        )
+    };
+    let mut cache = model.new_cache();
+    let err = model
+        .try_forward(prompt.clone(), Some(pad(4)), Some(&mut cache))
+        .map(|_| ())
+        .expect_err("a [2, 4] mask for [2, 5] ids");
+    assert!(err.to_string().contains("padding"), "{err}");
+    let retried = model
+        .try_forward(prompt.clone(), Some(pad(5)), Some(&mut cache))
+        .unwrap()
+        .logits;
+    let mut fresh = model.new_cache();
+    let expected = model
+        .try_forward(prompt, Some(pad(5)), Some(&mut fresh))
+        .unwrap()
+        .logits;
+    assert_eq!(cache.len(), 5);
+    assert_eq!(host(retried), host(expected));
+}
+
 /// Streaming generation hands each step's tokens to the callback as they are produced, stops a
 /// sequence at its first stop token (padding it with that token) and ends when every sequence
 /// has stopped; before a stop it equals plain generation.
