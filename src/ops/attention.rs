@@ -109,13 +109,20 @@ impl WithSimd for Softmax<'_> {
                     max = max_in(seen);
                 }
                 Some(pad) => {
+                    let mut nan = false;
                     for (s, &masked) in seen.iter_mut().zip(pad) {
                         if masked {
                             *s = f32::NEG_INFINITY;
                         } else {
                             *s *= scale;
+                            nan |= s.is_nan();
                             max = max.max(*s);
                         }
+                    }
+                    // A NaN score makes the row NaN, as without padding (`f32::max` skips it,
+                    // which would leave a row of NaN scores looking wholly masked).
+                    if nan {
+                        max = f32::NAN;
                     }
                 }
             }

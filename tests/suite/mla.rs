@@ -835,3 +835,69 @@ fn mla_helpers_on_the_host_are_their_tensor_ops() {
     }
     assert!(ours[0].iter().take(9 * 2).skip(9).all(|p| *p == 0.0));
 }
+
+/// The CPU host kernel of `causal_attention` keeps a NaN in its output where the tensor ops do,
+/// also in rows with padded keys (a query whose visible scores are all NaN is not a query that
+/// sees nothing), and an empty sequence gives an empty output on both paths.
+#[test]
+fn host_attention_keeps_nan_and_takes_empty_sequences() {
+    use kimi_burn::ops::mla::causal_attention;
+    use kimi_burn::ops::with_kernels;
+    let device = Default::default();
+    let mut rng = rng(82);
+    let [b, h, t, d] = [1, 2, 8, 4];
+    let mut q = host(randn::<Cpu, 4>(&mut rng, [b, h, t, d], 1.0, &device));
+    // Query 5 of head 0 is NaN: every score of its row is NaN.
+    q[(5 * d)..(6 * d)].fill(f64::NAN);
+    let q = Tensor::<Cpu, 4>::from_data(
+        TensorData::new(q.iter().map(|x| *x as f32).collect(), [b, h, t, d]),
+        &device,
+    );
+    let k = randn::<Cpu, 4>(&mut rng, [b, h, t, d], 1.0, &device);
+    let v = randn::<Cpu, 4>(&mut rng, [b, h, t, d], 1.0, &device);
+    let pad: Vec<bool> = (0..t).map(|i| i == t - 1).collect();
+    let run = |kernels: bool| {
+        with_kernels(kernels, || {
+            host(causal_attention(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                Some(mask::<Cpu>(&pad, [b, t], &device)),
+                AttentionKind::Plain,
+            ))
+        })
+    };
+    let (ours, reference) = (run(true), run(false));
+    let row = &ours[5 * d..6 * d];
+    assert!(row.iter().all(|x| x.is_nan()), "host kernel: {row:?}");
+    assert!(reference[5 * d..6 * d].iter().all(|x| x.is_nan()));
+    let finite = |o: &[f64]| o.iter().filter(|x| x.is_finite()).count();
+    assert_eq!(finite(&ours), b * h * t * d - d);
+    assert_eq!(finite(&reference), finite(&ours));
+
+    let empty = Tensor::<Cpu, 4>::zeros([b, h, 0, d], &device);
+    for kernels in [true, false] {
+        let o = with_kernels(kernels, || {
+            causal_attention(
+                empty.clone(),
+                empty.clone(),
+                empty.clone(),
+                None,
+                AttentionKind::Plain,
+            )
+        });
+        assert_eq!(o.dims(), [b, h, 0, d], "kernels {kernels}");
+        // MLA's layouts: q [B, T, H, dqk], kv [B, T, H, dn + dv], k_pe [B, T, dqk − dn].
+        let o = with_kernels(kernels, || {
+            kimi_burn::ops::mla::mla_attention(
+                Tensor::<Cpu, 4>::zeros([b, 0, h, 6], &device),
+                Tensor::<Cpu, 4>::zeros([b, 0, h, 4 + 5], &device),
+                Tensor::<Cpu, 3>::zeros([b, 0, 2], &device),
+                4,
+                None,
+                AttentionKind::Plain,
+            )
+        });
+        assert_eq!(o.dims(), [b, 0, h, 5], "MLA, kernels {kernels}");
+    }
+}

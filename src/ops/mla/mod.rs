@@ -174,6 +174,10 @@ pub fn causal_attention<B: Backend>(
         v.dims()
     );
     check_key_padding("causal_attention", key_padding.as_ref(), batch, t);
+    if batch * heads * t == 0 {
+        // No query: the output is as empty as `v`, whose shape it has.
+        return v;
+    }
     if let Some(o) = host_attention(&q, &k, &v, key_padding.as_ref()) {
         return o;
     }
@@ -242,6 +246,10 @@ pub fn mla_attention<B: Backend>(
         k_pe.dims()
     );
     check_key_padding("mla_attention", key_padding.as_ref(), batch, t);
+    if batch * heads * t == 0 {
+        // No query: the output `[B, T, H, dv]` is as empty as the values.
+        return kv.narrow(3, dn, dv);
+    }
     if let Some(o) = host_mla_attention(&q, &kv, &k_pe, dn, key_padding.as_ref()) {
         return o;
     }
