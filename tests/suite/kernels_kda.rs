@@ -393,6 +393,51 @@ mod chunked {
         }
     }
 
+    /// f64 inputs (CUDA has f64; wgpu has not) keep f64: the kernels compute in f32, so the op
+    /// takes its tensor ops, whose output and final state match the naive recurrence in f64 on
+    /// ndarray far below f32's rounding.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn f64_inputs_keep_f64() {
+        use crate::common::{from_f64, Cpu64};
+        let device = Default::default();
+        let dims = [1, 70, 2, 32, 32];
+        let x = Inputs::<Gpu>::new(&mut rng(230), dims, 1, Gates::Safe, &device);
+        let wide = |t: &Tensor<Gpu, 4>| t.clone().cast(FloatDType::F64);
+        let x64 = Inputs {
+            q: wide(&x.q),
+            k: wide(&x.k),
+            v: wide(&x.v),
+            g: wide(&x.g),
+            beta: x.beta.clone().cast(FloatDType::F64),
+            h0: wide(&x.h0),
+        };
+        let before = kernel_calls(FusedOp::KdaChunk);
+        let (o, s) = with_kernels(true, || run(chunk_kda, &x64, x64.opts()));
+        assert_eq!(
+            kernel_calls(FusedOp::KdaChunk),
+            before,
+            "f64 took the kernels"
+        );
+        assert_eq!((o.dtype(), s.dtype()), (DType::F64, DType::F64));
+        let cpu = Default::default();
+        let on_cpu = |t: &Tensor<Gpu, 4>| from_f64::<Cpu64, 4>(&host(t.clone()), t.dims(), &cpu);
+        let (o_naive, s_naive) = naive_recurrent_kda(
+            on_cpu(&x.q),
+            on_cpu(&x.k),
+            on_cpu(&x.v),
+            on_cpu(&x.g),
+            from_f64::<Cpu64, 3>(&host(x.beta.clone()), x.beta.dims(), &cpu),
+            KdaOptions::default()
+                .with_initial_state(on_cpu(&x.h0))
+                .with_final_state(true)
+                .with_qk_l2norm(true),
+        );
+        let s_naive = s_naive.expect("final state requested");
+        assert!(rel_err(&host(o_naive), &host(o)) < 1e-10, "o");
+        assert!(rel_err(&host(s_naive), &host(s)) < 1e-10, "S_T");
+    }
+
     /// Packed sequences of lengths 1, 15, 63, 64, 65, 130 against per-sequence naive runs (design
     /// §4.4), per-sequence initial and final states.
     #[test]

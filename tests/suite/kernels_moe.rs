@@ -544,6 +544,33 @@ mod dispatch {
         }
     }
 
+    /// Each weight's gradient comes back in that weight's dtype, also where the three differ (the
+    /// kernels compute in the input's dtype and cast the gradients back).
+    #[test]
+    fn weight_gradients_keep_each_weights_dtype() {
+        let device = Default::default();
+        let c = case(41, 6, 3, 9, 20, false, 5);
+        let (h, p) = (c.h.clone().require_grad(), c.p.clone().require_grad());
+        let (w1, w3) = (c.w1.clone().require_grad(), c.w3.clone().require_grad());
+        let w2 = c.w2.clone().cast(FloatDType::F16).require_grad();
+        let idx = c.sel.to_tensor::<GpuAd>(&device);
+        let experts = StackedExperts {
+            w1: w1.clone(),
+            w3: w3.clone(),
+            w2: w2.clone(),
+            activation: c.act,
+            hidden_quant: None,
+        };
+        let grads = on_kernel(FusedOp::MoeExpertsBackward, 1, || {
+            dispatch_fused(&h, &idx, &p, None, &experts)
+                .expect("kernel path")
+                .sum()
+                .backward()
+        });
+        let dtypes = [&w1, &w3, &w2].map(|w| w.grad(&grads).expect("a gradient").dtype());
+        assert_eq!(dtypes, [DType::F32, DType::F32, DType::F16]);
+    }
+
     /// The grouped-matmul dispatch against the per-expert reference `dispatch`: output and every
     /// gradient. Segments longer than one tile, widths past one tile and the K slice, an expert with
     /// no token, padding.

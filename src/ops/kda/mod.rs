@@ -475,13 +475,19 @@ pub(crate) fn cpu_kda<B: Backend>(
 
 /// A KDA CubeCL kernel ([`KdaKernels`]) on prepared inputs, when the backend has one (the chunked
 /// kernels also under autodiff, with their fused backward; the recurrent kernel only when no input
-/// is tracked). Hands the inputs back otherwise.
+/// is tracked). Hands the inputs back otherwise, and for f64 inputs (CUDA has f64): the kernels
+/// compute in f32, and the op promises f64 arithmetic and an f64 state there.
 #[allow(clippy::type_complexity)]
 pub(crate) fn kernel_forward<B: Backend>(
     p: Prepared<B>,
     form: KdaForm,
 ) -> std::result::Result<(Tensor<B, 4>, Option<Tensor<B, 4>>), Prepared<B>> {
-    if !backend::kernels_available::<B>() {
+    let f32s = [&p.q, &p.k, &p.v, &p.g]
+        .iter()
+        .all(|t| t.dtype() == DType::F32)
+        && p.beta.dtype() == DType::F32
+        && p.h0.as_ref().is_none_or(|s| s.dtype() == DType::F32);
+    if !f32s || !backend::kernels_available::<B>() {
         return Err(p);
     }
     let seq_starts = sequence_starts(&p);

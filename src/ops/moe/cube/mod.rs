@@ -363,7 +363,7 @@ fn moe_backward<R: CubeRuntime>(
 ) -> MoeExpertsGrads<CubeBackendOf<R>> {
     let ex = experts(&input);
     let weights_dtype = input.weights.dtype;
-    let w_dtype = input.w1.dtype;
+    let (w1_dtype, w3_dtype, w2_dtype) = (input.w1.dtype, input.w3.dtype, input.w2.dtype);
     let grad = contiguous_as(grad, ex.h.dtype);
     // The plan is recomputed (a few small launches); the gate/up projections come from the
     // forward when it kept them (autodiff does), and are recomputed otherwise.
@@ -400,9 +400,9 @@ fn moe_backward<R: CubeRuntime>(
             (act, dg, du, dp)
         }
     };
-    let dw2 = grouped_wgrad(&act, &grad, &plan, (false, true), me, l, w_dtype);
-    let dw1 = grouped_wgrad(&ex.h, &dg, &plan, (true, false), l, me, w_dtype);
-    let dw3 = grouped_wgrad(&ex.h, &du, &plan, (true, false), l, me, w_dtype);
+    let dw2 = grouped_wgrad(&act, &grad, &plan, (false, true), me, l, w2_dtype);
+    let dw1 = grouped_wgrad(&ex.h, &dg, &plan, (true, false), l, me, w1_dtype);
+    let dw3 = grouped_wgrad(&ex.h, &du, &plan, (true, false), l, me, w3_dtype);
     let dx = grouped_matmul(&dg, &ex.w1, &plan, false, true, None, me, l);
     let dx = grouped_matmul(&du, &ex.w3, &plan, false, true, Some(dx), me, l);
     let dh = combine(&dx, &plan, l);
