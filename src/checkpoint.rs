@@ -103,10 +103,9 @@ impl Checkpoints {
         let name = format!("step-{:08}", state.step);
         let tmp = self.dir.join(format!("{name}.tmp"));
         let done = self.dir.join(&name);
-        for stale in [&tmp, &done] {
-            if stale.exists() {
-                std::fs::remove_dir_all(stale).map_err(io(stale))?;
-            }
+        let aside = self.dir.join(format!("{name}{ASIDE}"));
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
         }
         std::fs::create_dir(&tmp).map_err(io(&tmp))?;
         let recorder = Rec::new();
@@ -126,10 +125,21 @@ impl Checkpoints {
         for file in ["model.mpk", "optimizer.mpk"] {
             sync_file(&tmp.join(file))?;
         }
+        // An earlier save of this step (which `latest` may name) gives way only now that the new
+        // one is complete: it moves aside, where `latest` still finds it, for the two renames.
+        if done.exists() {
+            if aside.exists() {
+                std::fs::remove_dir_all(&aside).map_err(io(&aside))?;
+            }
+            std::fs::rename(&done, &aside).map_err(io(&aside))?;
+        }
         std::fs::rename(&tmp, &done).map_err(io(&done))?;
         let latest_tmp = self.dir.join("latest.tmp");
         write_synced(&latest_tmp, name.as_bytes())?;
         std::fs::rename(&latest_tmp, self.dir.join("latest")).map_err(io(&self.dir))?;
+        if aside.exists() {
+            std::fs::remove_dir_all(&aside).map_err(io(&aside))?;
+        }
         self.remove_older_than(&name)?;
         Ok(done)
     }
@@ -140,8 +150,12 @@ impl Checkpoints {
         match std::fs::read_to_string(&pointer) {
             Ok(name) => {
                 let folder = self.dir.join(name.trim());
+                let aside = self.dir.join(format!("{}{ASIDE}", name.trim()));
                 if folder.is_dir() {
                     Ok(Some(folder))
+                } else if aside.is_dir() {
+                    // A save of the same step stopped between its renames: the earlier copy.
+                    Ok(Some(aside))
                 } else {
                     Err(Error::Checkpoint(format!(
                         "{} names {}, which is missing",
@@ -213,6 +227,9 @@ impl Checkpoints {
         Ok(())
     }
 }
+
+/// The suffix of a checkpoint folder set aside while a new save of its step replaces it.
+const ASIDE: &str = ".old";
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     std::fs::write(path, bytes).map_err(io(path))?;

@@ -340,6 +340,64 @@ fn a_resumed_run_with_qb_drift_compensation_ends_bit_identical() {
     resume_matches_the_whole_run(BalancerKind::quantile_trend(), "qb-trend");
 }
 
+/// Saving a step that is already saved (a run that checkpoints on an interval and again at its
+/// end) replaces it without a moment in which `latest` names nothing: the earlier copy stays
+/// readable until the new one has its name, also when a save stops between the two.
+#[test]
+fn saving_a_step_again_keeps_a_readable_latest() {
+    use kimi_burn::checkpoint::{Checkpoints, LoopState};
+    type B = CpuAd;
+    let device = Default::default();
+    let (_, config) = small_mqar();
+    let dir = std::env::temp_dir().join(format!("kimi-burn-resave-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let checkpoints = Checkpoints::new(&dir);
+    let listing = || {
+        let mut v: Vec<String> = std::fs::read_dir(&dir)
+            .expect("listing")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    let biases = |folder: &std::path::Path| {
+        let model = Checkpoints::load_model(folder, config.init::<B>(&device), &device);
+        moe_biases(&model.expect("a loadable checkpoint"))
+    };
+    let models = identical_models::<B>(&config, &device, 2);
+    let (first, second) = (&models[0], &models[1]);
+    let mut bias = moe_biases(second)[0].clone();
+    bias[0] += 0.5;
+    match &second.layers[1].ffn {
+        Ffn::Moe(moe) => moe.balance.set_bias(&bias),
+        Ffn::Dense(_) => panic!("layer 1 is a MoE layer"),
+    }
+    let rng = SeededRng::new(3);
+    let save = |model: &KimiForCausalLM<B>| {
+        checkpoints
+            .save(model, &kimi_optim(model), &LoopState::new(2, &rng))
+            .expect("checkpoint")
+    };
+    save(first);
+    let again = save(second);
+    assert_eq!(checkpoints.latest().expect("readable"), Some(again.clone()));
+    assert_eq!(biases(&again), moe_biases(second));
+    assert_eq!(listing(), ["latest", "step-00000002"]);
+    // Stopped between the renames: the earlier copy is aside and `latest` finds it there.
+    let aside = dir.join("step-00000002.old");
+    std::fs::rename(&again, &aside).expect("rename");
+    let found = checkpoints
+        .latest()
+        .expect("readable")
+        .expect("a checkpoint");
+    assert_eq!(found, aside);
+    assert_eq!(biases(&found), moe_biases(second));
+    save(first);
+    assert_eq!(listing(), ["latest", "step-00000002"]);
+    assert_eq!(biases(&again), moe_biases(first));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn resume_matches_the_whole_run(balancer: BalancerKind, tag: &str) {
     use kimi_burn::checkpoint::{Checkpoints, LoopState};
     use kimi_burn::optim::KimiOptimizer;
