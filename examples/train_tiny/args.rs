@@ -231,7 +231,8 @@ pub struct Args {
     /// steps it pools the steps so far.
     #[arg(long, default_value_t = 4)]
     pub load_window: usize,
-    /// Held-out sequences for the final test accuracy.
+    /// Held-out sequences for the final test accuracy (`--task bytes`: windows of the corpus's
+    /// last tenth, which training never sees).
     #[arg(long, default_value_t = 256)]
     pub test_sequences: usize,
     /// Quantisation-aware training of the routed experts (MX formats, design §9).

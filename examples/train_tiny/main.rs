@@ -131,7 +131,29 @@ fn feature(backend: BackendKind) -> &'static str {
     }
 }
 
+/// The share of the byte corpus kept out of training for `--task bytes`' test accuracy.
+const BYTES_HOLDOUT: f64 = 0.1;
+
+/// The training task.
 fn make_task(args: &Args) -> Result<Box<dyn Task>, String> {
+    Ok(make_tasks(args)?.0)
+}
+
+/// The training task and the task the test accuracy is measured on: for the generated tasks the
+/// same generator (the test draws from another seed, [`test_rng_of`]); for `--task bytes` the
+/// corpus's first 90% and its last 10%, so that no test window was seen in training.
+fn make_tasks(args: &Args) -> Result<(Box<dyn Task>, Box<dyn Task>), String> {
+    if args.task == TaskKind::Bytes {
+        let (train, test) = ByteLm::builtin(args.seq_len)
+            .and_then(|task| task.split(BYTES_HOLDOUT))
+            .map_err(|e| e.to_string())?;
+        return Ok((Box::new(train), Box::new(test)));
+    }
+    Ok((generated_task(args)?, generated_task(args)?))
+}
+
+/// `--task mqar` or `--task palindrome`.
+fn generated_task(args: &Args) -> Result<Box<dyn Task>, String> {
     let task: Box<dyn Task> = match args.task {
         TaskKind::Mqar => Box::new(
             Mqar::new(args.vocab, args.seq_len, args.pairs)
@@ -148,7 +170,7 @@ fn make_task(args: &Args) -> Result<Box<dyn Task>, String> {
             }
             Box::new(Palindrome::new(args.vocab, args.seq_len / 2).map_err(|e| e.to_string())?)
         }
-        TaskKind::Bytes => Box::new(ByteLm::builtin(args.seq_len).map_err(|e| e.to_string())?),
+        TaskKind::Bytes => unreachable!("make_tasks splits the byte corpus"),
     };
     Ok(task)
 }
@@ -220,7 +242,7 @@ fn learning_rate(args: &Args, step: usize) -> f64 {
 
 fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(), String> {
     check_args(args)?;
-    let task = make_task(args)?;
+    let (task, test_task) = make_tasks(args)?;
     let config = model_config(args, task.vocab_size())?;
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
@@ -231,7 +253,7 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
         Some(path) => {
             let model = KimiForCausalLM::from_safetensors(&config, path, &device)
                 .map_err(|e| format!("--init {}: {e}", path.display()))?;
-            report_init(&model, &config, path, task.as_ref(), args, &device)?;
+            report_init(&model, &config, path, test_task.as_ref(), args, &device)?;
             model
         }
     };
@@ -248,6 +270,7 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
         model,
         rows,
         train_time,
+        steps_run,
     } = if devices.len() * args.nodes == 1 {
         train_loop(args, model, &device, None)?.ok_or("the only replica reports")?
     } else {
@@ -259,7 +282,7 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
 
     // Held-out sequences, evaluated without autodiff.
     let eval = model.valid();
-    let test = held_out_accuracy(&eval, task.as_ref(), args, &mut test_rng, &device)?;
+    let test = held_out_accuracy(&eval, test_task.as_ref(), args, &mut test_rng, &device)?;
     let write = |name: &str, text: &str| {
         let path = args.out.join(name);
         std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
@@ -277,7 +300,13 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
         // The packed file must give the model that was evaluated.
         let back = KimiForCausalLM::<B::InnerBackend>::from_safetensors(&config, &packed, &device)
             .map_err(|e| e.to_string())?;
-        let again = held_out_accuracy(&back, task.as_ref(), args, &mut test_rng_of(args), &device)?;
+        let again = held_out_accuracy(
+            &back,
+            test_task.as_ref(),
+            args,
+            &mut test_rng_of(args),
+            &device,
+        )?;
         println!(
             "packed MX export {} ({} bytes, f32 {} bytes): test accuracy {:.4} loaded back",
             packed.display(),
@@ -289,7 +318,14 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
     let labelled = font::register_font();
     plot::write_plots(&args.out, &rows, labelled, args.load_window)?;
 
-    report(args, &rows, train_time, tokens_per_step, &test, labelled);
+    report(
+        args,
+        &rows,
+        (steps_run, train_time),
+        tokens_per_step,
+        &test,
+        labelled,
+    );
     Ok(())
 }
 
@@ -310,7 +346,10 @@ fn latest_checkpoint(checkpoints: &Checkpoints) -> Result<PathBuf, String> {
 struct Trained<B: AutodiffBackend> {
     model: KimiForCausalLM<B>,
     rows: Vec<plot::Row>,
+    /// Seconds of the steps this run took (after `--resume`, only the steps it resumed with).
     train_time: f64,
+    /// The steps this run took.
+    steps_run: usize,
 }
 
 /// One replica's data-parallel membership in the training loop (see `parallel.rs`).
@@ -528,6 +567,7 @@ fn train_loop<B: AutodiffBackend>(
         model,
         rows,
         train_time,
+        steps_run: args.steps - first_step,
     }))
 }
 

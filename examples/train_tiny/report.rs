@@ -174,16 +174,21 @@ pub fn report_init<B: AutodiffBackend>(
 pub fn report(
     args: &Args,
     rows: &[plot::Row],
-    train_time: f64,
+    (steps_run, train_time): (usize, f64),
     tokens_per_step: f64,
     test: &Accuracy,
     labelled: bool,
 ) {
     let last = rows.last().map_or(Vec::new(), |r| r.load.clone());
+    let resumed = if steps_run < args.steps {
+        format!(", {steps_run} of them in this run")
+    } else {
+        String::new()
+    };
     println!(
-        "finished {} steps in {train_time:.0} s ({:.0} tokens/s)",
+        "finished {} steps{resumed} in {train_time:.0} s ({:.0} tokens/s)",
         args.steps,
-        args.steps as f64 * tokens_per_step / train_time
+        steps_run as f64 * tokens_per_step / train_time
     );
     println!(
         "test accuracy {:.4} on {} scored tokens of {} held-out sequences",
