@@ -79,8 +79,11 @@ impl<T: Task + Send + Sync> Dataset<Sequence> for TaskDataset<T> {
         if index >= self.len {
             return None;
         }
-        // SplitMix64 decorrelates nearby seeds, so seed + index is a stream of its own.
-        let mut rng = SeededRng::new(self.seed.wrapping_add(index as u64));
+        // Item `i` draws from the seed's hash plus `i` (SplitMix64 decorrelates nearby seeds, so
+        // each item is a stream of its own). Hashing the seed first keeps datasets of nearby
+        // seeds apart: with `seed + i` alone, seeds 3 and 4 would share all but one item.
+        let base = SeededRng::new(self.seed).next_u64();
+        let mut rng = SeededRng::new(base.wrapping_add(index as u64));
         let batch = self.task.sample_batch(1, &mut rng);
         Some(Sequence {
             inputs: batch.inputs,

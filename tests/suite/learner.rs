@@ -77,3 +77,23 @@ fn the_learner_trains_like_the_crates_own_loop() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Datasets of nearby seeds (a training set and a validation set, say) share no sequence, and a
+/// dataset reads the same items whatever the order.
+#[test]
+fn datasets_of_nearby_seeds_are_disjoint() {
+    let (task, _) = small_mqar();
+    let train = TaskDataset::new(task.clone(), 48, 3);
+    let valid = TaskDataset::new(task, 8, 4);
+    let items = |d: &TaskDataset<_>| {
+        (0..d.len())
+            .map(|i| d.get(i).expect("an item"))
+            .collect::<Vec<_>>()
+    };
+    let (t, v) = (items(&train), items(&valid));
+    assert!(
+        v.iter().all(|s| !t.contains(s)),
+        "a validation item is a training item"
+    );
+    assert_eq!(train.get(7), Some(t[7].clone()));
+}
