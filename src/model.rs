@@ -307,13 +307,13 @@ impl<B: Backend> KimiForCausalLM<B> {
     /// enters their state nor their convolutions' tails, so the decode steps after a padded
     /// prefill give every row what it gets alone.
     ///
+    /// On the CPU backends the pass runs on rayon's pool as one piece
+    /// ([`on_cpu_pool`](crate::ops::backend::on_cpu_pool)).
+    ///
     /// # Errors
     /// On ids outside the vocabulary, a `padding` that is not `[B, T]`, a cache built for another
     /// model or batch, or invalid layer input. The checks that can fail run before any layer
     /// writes to the cache; a layer's own error may leave the cache partly advanced.
-    ///
-    /// On the CPU backends the pass runs on rayon's pool as one piece
-    /// ([`on_cpu_pool`](crate::ops::backend::on_cpu_pool)).
     pub fn try_forward(
         &self,
         ids: Tensor<B, 2, Int>,

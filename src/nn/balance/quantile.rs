@@ -338,7 +338,8 @@ impl QuantileBalancer {
     /// batches, so that its [`update`](Balancer::update) gives the others' bias.
     ///
     /// # Errors
-    /// When this balancer never observed a batch: its `k` is unknown.
+    /// When this balancer knows no `k` (never given one by [`set_top_k`](Self::set_top_k), never
+    /// given a batch).
     pub(crate) fn adopt_merged(&mut self, bias: &[f32]) -> Result<()> {
         if self.bounds.is_some() || self.tokens() == 0 {
             return Ok(());

@@ -440,7 +440,8 @@ impl<B: Backend> BalanceState<B> {
     /// Adds another replica's counts (one integer all-reduce) before [`update`](Self::update).
     ///
     /// A replica that routed nothing since its last update (no share of this step's batch) then
-    /// updates to the same bias as the others, provided it has routed some batch before.
+    /// updates to the same bias as the others. A QB balancer needs its router's top-k for that: a
+    /// `LatentMoe`'s knows it from the start, one built alone once it has observed a batch.
     pub fn merge(&self, counts: &[u64]) -> Result<()> {
         self.flush()?;
         let bias = self.bias.host();
