@@ -134,6 +134,9 @@ fn feature(backend: BackendKind) -> &'static str {
 /// The share of the byte corpus kept out of training for `--task bytes`' test accuracy.
 const BYTES_HOLDOUT: f64 = 0.1;
 
+/// The task trained on and the task the test accuracy is measured on.
+type TrainAndTest = (Box<dyn Task>, Box<dyn Task>);
+
 /// The training task.
 fn make_task(args: &Args) -> Result<Box<dyn Task>, String> {
     Ok(make_tasks(args)?.0)
@@ -142,7 +145,7 @@ fn make_task(args: &Args) -> Result<Box<dyn Task>, String> {
 /// The training task and the task the test accuracy is measured on: for the generated tasks the
 /// same generator (the test draws from another seed, [`test_rng_of`]); for `--task bytes` the
 /// corpus's first 90% and its last 10%, so that no test window was seen in training.
-fn make_tasks(args: &Args) -> Result<(Box<dyn Task>, Box<dyn Task>), String> {
+fn make_tasks(args: &Args) -> Result<TrainAndTest, String> {
     if args.task == TaskKind::Bytes {
         let (train, test) = ByteLm::builtin(args.seq_len)
             .and_then(|task| task.split(BYTES_HOLDOUT))

@@ -208,31 +208,7 @@ fn summed_balance_packets_give_every_replica_the_global_bias() {
     let mut replicas = identical_models::<B>(&config, &device, 4);
     let single = replicas.pop().expect("four models");
     let mut rng = SeededRng::new(21);
-    for step in 0..2 {
-        for replica in &replicas {
-            let (inputs, _) = task.sample_batch(4, &mut rng).to_tensors::<B>(&device);
-            let _ = replica.forward(inputs.clone());
-            let _ = single.forward(inputs);
-        }
-        let summed = replicas
-            .iter()
-            .map(|m| m.balance_packet().unwrap())
-            .reduce(|a, b| a + b)
-            .unwrap();
-        for replica in &replicas {
-            assert_eq!(replica.apply_balance_packet(summed.clone()).unwrap(), 3);
-            replica.update_balance();
-        }
-        single.update_balance();
-        let want = moe_biases(&single);
-        assert!(
-            want.iter().flatten().any(|&b| b != 0.0),
-            "QB moved the biases"
-        );
-        for (r, replica) in replicas.iter().enumerate() {
-            assert_eq!(moe_biases(replica), want, "replica {r}, step {step}");
-        }
-    }
+    balance_steps_give_the_pooled_bias(&replicas, &single, &mut rng, 2, |_| 3);
 
     // A replica that routed with another bias.
     let moe = |m: &KimiForCausalLM<B>, i: usize| match &m.layers[i].ffn {
@@ -287,36 +263,50 @@ fn summed_balance_packets_give_every_replica_the_global_bias() {
 /// they get, also in its very first step (it knows its routers' top-k without routing).
 #[test]
 fn a_replica_that_routed_nothing_updates_to_the_others_bias() {
-    type B = CpuAd;
     let device = Default::default();
-    let (task, config) = small_mqar();
-    let mut models = identical_models::<B>(&config, &device, 3);
+    let (_, config) = small_mqar();
+    let mut models = identical_models::<CpuAd>(&config, &device, 3);
     let single = models.pop().expect("three models");
-    let mut rng = SeededRng::new(22);
-    for step in 0..3 {
-        // Step 1: both replicas route a batch; steps 0 and 2: only the first.
-        let busy = if step == 1 { 2 } else { 1 };
-        for replica in &models[..busy] {
-            let (inputs, _) = task.sample_batch(4, &mut rng).to_tensors::<B>(&device);
+    // Step 1: both replicas route a batch; steps 0 and 2: only the first.
+    let busy = |step| if step == 1 { 2 } else { 1 };
+    balance_steps_give_the_pooled_bias(&models, &single, &mut SeededRng::new(22), 3, busy);
+}
+
+/// `steps` global balance steps of `replicas`: in step `s` the first `busy(s)` of them route a
+/// batch each (and `single` routes them all), then every replica applies the summed balance
+/// packets and updates its biases, which must then be `single`'s, and moved by QB.
+fn balance_steps_give_the_pooled_bias(
+    replicas: &[KimiForCausalLM<CpuAd>],
+    single: &KimiForCausalLM<CpuAd>,
+    rng: &mut SeededRng,
+    steps: usize,
+    busy: impl Fn(usize) -> usize,
+) {
+    let device = Default::default();
+    let (task, _) = small_mqar();
+    for step in 0..steps {
+        for replica in &replicas[..busy(step)] {
+            let (inputs, _) = task.sample_batch(4, rng).to_tensors::<CpuAd>(&device);
             let _ = replica.forward(inputs.clone());
             let _ = single.forward(inputs);
         }
-        let summed = models
+        let summed = replicas
             .iter()
             .map(|m| m.balance_packet().unwrap())
             .reduce(|a, b| a + b)
             .unwrap();
-        for replica in &models {
-            assert_eq!(replica.apply_balance_packet(summed.clone()).unwrap(), 2);
+        for replica in replicas {
+            let count = replica.apply_balance_packet(summed.clone()).unwrap();
+            assert_eq!(count, replicas.len() as u64);
             replica.update_balance();
         }
         single.update_balance();
-        let want = moe_biases(&single);
+        let want = moe_biases(single);
         assert!(
             want.iter().flatten().any(|&b| b != 0.0),
             "QB moved the biases"
         );
-        for (r, replica) in models.iter().enumerate() {
+        for (r, replica) in replicas.iter().enumerate() {
             assert_eq!(moe_biases(replica), want, "replica {r}, step {step}");
         }
     }
