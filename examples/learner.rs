@@ -9,8 +9,9 @@
 //! cargo run --release --features learner --example learner -- --epochs 4 --accum 2
 //! ```
 //!
-//! In a terminal burn-train draws its UI; otherwise it prints the metrics. Checkpoints and logs go
-//! to `--out` (default `runs/learner`).
+//! In a terminal burn-train draws its UI; otherwise it prints the metrics. Logs go to `--out`
+//! (default `runs/learner`), burn-train's checkpoints of the model and the optimiser after each
+//! epoch to its `checkpoint/` folder.
 // Reading tensors back is this program's business: the crate's read counter covers the library.
 #![allow(clippy::disallowed_methods)]
 
@@ -19,6 +20,7 @@ use std::path::PathBuf;
 use burn::backend::{Autodiff, NdArray};
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::module::Module;
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn::train::metric::LossMetric;
 use burn::train::{Learner, SupervisedTraining};
 use clap::Parser;
@@ -108,6 +110,8 @@ fn run(args: &Args) -> Result<(), String> {
             ExpertLoadMetric::default(),
         ))
         .num_epochs(args.epochs)
+        // Full precision: the records keep the MoE balance biases (f32 buffers) exactly.
+        .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new())
         .summary();
     if args.accum > 1 {
         training = training.grads_accumulation(args.accum);

@@ -230,7 +230,12 @@ pub fn run<B: Backend>(
         prompt_ids,
         generated,
         text,
-        prefill_tokens_per_s: n as f64 / prefill.max(1e-9),
+        // No token generated (`--max-new-tokens 0`): no prefill ran either.
+        prefill_tokens_per_s: if first_token_at.is_none() {
+            0.0
+        } else {
+            n as f64 / prefill.max(1e-9)
+        },
         decode_tokens_per_s: if decoded == 0 {
             0.0
         } else {

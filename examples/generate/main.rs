@@ -6,7 +6,8 @@
 //! cargo run --release --features tokenizer --example generate -- --model DIR --prompt "Hello"
 //! cargo run --release --features tokenizer --example generate -- --model DIR --prompt "Hello" \
 //!     --temperature 0.8 --top-k 50 --top-p 0.95 --seed 7 --max-new-tokens 200
-//! cargo run --release --features tokenizer,wgpu --example generate -- --model DIR --backend wgpu
+//! cargo run --release --features tokenizer,wgpu --example generate -- --model DIR --prompt "Hello" \
+//!     --backend wgpu
 //! ```
 // Reading tensors back is this program's business: the crate's read counter covers the library.
 #![allow(clippy::disallowed_methods)]
