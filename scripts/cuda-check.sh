@@ -6,12 +6,17 @@
 #                                       copy them, stripped and xz-compressed, to DIR (default:
 #                                       cuda-bin/)
 #   scripts/cuda-check.sh run [DIR] [PART]
-#                                       on the GPU machine: run them from DIR; logs and a summary
-#                                       go to $OUT (default: ./cuda-out). PART: `tests` (about 5
-#                                       minutes on an H200), `bench` (the benches, the kernels'
-#                                       shares of KDA and of the MoE layer, train_tiny and its
-#                                       profile, about 7 minutes), or `all` (default; over 10
-#                                       minutes, so two calls where one command is limited to 10)
+#                                       on the GPU machine: run them from DIR; the summary
+#                                       (summary-PART.txt, written as the run goes) and the logs
+#                                       (logs-PART.tar.gz) go to $OUT (default: ./cuda-out). PART:
+#                                       `tests` (about 5 minutes on an H200), `bench` (every bench
+#                                       group below, most wanted first), `all` (both), or a comma-
+#                                       separated list of groups: `moe` (the MoE bench and its
+#                                       kernels' shares), `train` (train_tiny plain and under fusion,
+#                                       and one step's kernels), `kda`, `attention`, `loss`
+#   Time: the whole `run` keeps within BUDGET_S seconds (default 540, for a command limited to
+#   600): every step's timeout is cut to what is left, a step that no longer fits is skipped (the
+#   summary says which), and the logs are packed in any case. Rerun the skipped groups by name.
 #   scripts/cuda-check.sh               both, on a machine that has the GPU and the toolchain
 #
 # Before spending GPU time: `scripts/cuda-codegen.sh` compiles every kernel configuration for
@@ -50,6 +55,11 @@ mode="${1:-all}"
 dir="${2:-cuda-bin}"
 part="${3:-all}"
 out="${OUT:-cuda-out}"
+# The bench groups of `run`, most wanted first; `groups`, `deadline` and `summary` are set there.
+bench_groups=moe,train,kda,attention,loss
+groups=""
+deadline=0
+summary=/dev/null
 features=cuda,autodiff,shared-instances
 # cudarc picks its CUDA API version from `nvcc` at build time, or the newest it knows (13.4) where
 # there is none. Binaries built for a newer API than the GPU machine's driver may ask it for entry
@@ -81,6 +91,14 @@ build() {
     strip "${bins[@]}"
     xz -T0 -6 -f "${bins[@]}"
     ls -la "$dir"
+    # What a device call carries is at most 64 MiB with the working tree (a few MiB).
+    local size
+    size=$(du -cb "$dir"/*.xz | tail -n 1 | cut -f 1)
+    echo "compressed binaries: $((size / 1048576)) MiB"
+    if [ "$size" -gt $((58 * 1048576)) ]; then
+        echo "cuda-check: the binaries take $((size / 1048576)) MiB, over the 58 MiB that leave room for the tree" >&2
+        return 1
+    fi
 }
 
 # cudarc opens NVRTC (`libnvrtc.so.13`) at run time and CubeCL compiles its kernels with CUDA's
@@ -88,14 +106,17 @@ build() {
 # toolkit, NVIDIA's Python wheels) and add its folder to LD_LIBRARY_PATH; CUDA_PATH names the toolkit.
 cuda_libraries() {
     local major="${CUDARC_CUDA_VERSION:0:2}" d
-    export CUDA_PATH="${CUDA_PATH:-/usr/local/cuda}"
+    # Left to CubeCL's own search (/usr/local/cuda, /opt/cuda, beside nvcc) unless set or present.
+    if [ -z "${CUDA_PATH:-}" ] && [ -d /usr/local/cuda ]; then
+        export CUDA_PATH=/usr/local/cuda
+    fi
     if ! ldconfig -p | grep -q "libnvrtc.so.$major"; then
-        for d in $(find "$CUDA_PATH/" /usr/local /opt /usr/lib -name "libnvrtc.so.$major*" -printf '%h\n' 2>/dev/null | sort -u); do
+        for d in $(find "${CUDA_PATH:-/usr/local/cuda}/" /usr/local /opt /usr/lib -name "libnvrtc.so.$major*" -printf '%h\n' 2>/dev/null | sort -u); do
             LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
         done
         export LD_LIBRARY_PATH
     fi
-    echo "CUDA_PATH=$CUDA_PATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+    echo "CUDA_PATH=${CUDA_PATH:-} LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 }
 
 # The failing tests' messages as they happen (`--nocapture`), so that a run stopped by its timeout
@@ -158,19 +179,48 @@ PY
 # profile_bench LABEL BENCH FILTER: a short criterion run of the benches of `bench_BENCH` that
 # FILTER selects, profiled; the kernels' shares go to the summary.
 profile_bench() {
-    local log="$out/profile_$1.log"
-    CUBECL_DEBUG_LOG="$log" CUBECL_DEBUG_OPTION=profile timeout 45 \
+    local log="$out/profile_$1.log" limit
+    limit=$(within 45 "profile $1") || return 0
+    CUBECL_DEBUG_LOG="$log" CUBECL_DEBUG_OPTION=profile timeout "$limit" \
         "$bin/bench_$2" --bench --profile-time 2 "$3" >/dev/null 2>&1 ||
-        echo "profile $1 exit status: $?" >>"$out/summary.txt"
-    echo "kernel shares, $1 ($3):" >>"$out/summary.txt"
-    kernel_shares "$log" >>"$out/summary.txt" 2>&1 || true
+        echo "profile $1 exit status: $?" >>"$summary"
+    echo "kernel shares, $1 ($3):" >>"$summary"
+    if [ -s "$log" ]; then
+        kernel_shares "$log" >>"$summary" 2>&1 || true
+    else
+        echo "no profile written" >>"$summary"
+    fi
+}
+
+# within SECONDS WHAT: SECONDS, or less where the run's budget (BUDGET_S) has less left, keeping
+# 20 s for packing the logs; fails (and says so in the summary) when under 10 s would be left.
+within() {
+    local left=$((deadline - SECONDS - 20))
+    if [ "$left" -lt 10 ]; then
+        echo "skipped (budget spent): $2" >>"$summary"
+        return 1
+    fi
+    if [ "$left" -lt "$1" ]; then
+        echo "$left"
+    else
+        echo "$1"
+    fi
+}
+
+# wants GROUP: whether this run's PART includes GROUP.
+wants() {
+    case ",$groups," in
+    *",$1,"*) return 0 ;;
+    *) return 1 ;;
+    esac
 }
 
 # split_run JOBS SECONDS LOG ARGS…: the suite's tests that ARGS select (filters, `--skip`), shared
 # round-robin among JOBS processes of one test thread each, all started at once, each stopped after
 # SECONDS; their output appended to LOG one process after the other. Non-zero if any process was.
 split_run() {
-    local jobs=$1 limit=$2 log=$3
+    local jobs=$1 limit log=$3
+    limit=$(within "$2" "tests: $*") || return 1
     shift 3
     local list
     list=$(mktemp -d)
@@ -199,12 +249,30 @@ split_run() {
 }
 
 run() {
-    # Everything is written under $out/w, then packed into $out/logs-$part.tar.gz beside the summary.
-    local final bin work status=0
+    # The summary goes to $OUT/summary-PART.txt as the run goes, so that a run stopped from
+    # outside still brings it back; the logs are written beside the compilation cache and packed
+    # into $OUT/logs-PART.tar.gz at the end (at most 8 files come back from $OUT).
+    local final bin work status=0 tag g
+    deadline=$((SECONDS + ${BUDGET_S:-540}))
+    case "$part" in
+    all) groups="tests,$bench_groups" ;;
+    bench) groups=$bench_groups ;;
+    *) groups=$part ;;
+    esac
+    for g in ${groups//,/ }; do
+        case ",tests,$bench_groups," in
+        *",$g,"*) ;;
+        *)
+            echo "cuda-check: unknown part '$g': tests, bench, all, or groups among $bench_groups" >&2
+            return 2
+            ;;
+        esac
+    done
+    tag=${part//,/_}
     final=$(realpath -m "$out")
     mkdir -p "$final"
-    out="$final/w"
-    mkdir -p "$out"
+    summary="$final/summary-$tag.txt"
+    : >"$summary"
     bin=$(mktemp -d)
     for f in "$dir"/*; do
         local name
@@ -215,18 +283,19 @@ run() {
         esac
         chmod +x "$bin/$name"
     done
-    nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
-    cuda_libraries >>"$out/nvidia-smi.txt"
     # NVRTC compiles every kernel variant once per process, about 0.1 s each (about 30 s before
     # train_tiny's first step): keep compiled kernels and autotune results on disk, in one folder
     # for every call on this machine, so the processes after the first (also those of a later
     # `run … bench`) reuse them.
     work="${TMPDIR:-/tmp}/kimi-burn-cuda-check"
-    mkdir -p "$work"
+    out="$work/logs-$tag"
+    rm -rf "$out"
+    mkdir -p "$out"
+    nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
+    cuda_libraries >>"$out/nvidia-smi.txt"
     printf '[compilation]\ncache = "local"\n\n[autotune]\ncache = "local"\n' >"$work/cubecl.toml"
     cd "$work"
-    : >"$out/summary.txt"
-    if [ "$part" = all ] || [ "$part" = tests ]; then
+    if wants tests; then
         # First the checks that decide a default (the tensor-core path of the grouped matmuls,
         # `tensor_cores_enabled`), so that they run whatever happens to the rest; then the rest:
         # about 5 minutes on an H200 as 12 threads of one process, most of it NVRTC and Burn's
@@ -245,47 +314,77 @@ run() {
             scaled_sum_kernel the_optimiser_on_the_gpu gpu_sigmoid_kernels \
             --skip "${first[0]}" --skip "${first[1]}" ||
             status=$?
-        echo "kernel tests exit status: $status" >>"$out/summary.txt"
-        grep -E "^test .*(FAILED|ignored)|panicked|exceeds|^assertion|test result" "$out/kernels.log" >>"$out/summary.txt" || true
-        grep -cE "^test .* ok$" "$out/kernels.log" | sed 's/$/ tests passed/' >>"$out/summary.txt" || true
+        echo "kernel tests exit status: $status" >>"$summary"
+        grep -E "^test .*(FAILED|ignored)|panicked|exceeds|^assertion|test result" "$out/kernels.log" >>"$summary" || true
+        # From the `test result` lines: with --nocapture a test's own output can split its `ok` line.
+        awk '/^test result:/ { for (i = 1; i < NF; i++) if ($(i + 1) ~ /^passed;?$/) n += $i }
+            END { print n + 0 " tests passed" }' "$out/kernels.log" >>"$summary"
     fi
-    if [ "$part" = all ] || [ "$part" = bench ]; then
-        # Criterion: short measurements, only the CUDA groups.
-        for bench in moe kda attention loss; do
-            timeout "$(case $bench in moe) echo 90 ;; kda) echo 150 ;; loss) echo 45 ;; *) echo 60 ;; esac)" "$bin/bench_$bench" --bench cuda --warm-up-time 1 --measurement-time 2 \
-                >"$out/bench_$bench.log" 2>&1 || echo "bench $bench exit status: $?" >>"$out/summary.txt"
-            grep -E "^Benchmarking .*: Analyzing|time:" "$out/bench_$bench.log" | sed 's/^Benchmarking \(.*\): Analyzing/\1/' >>"$out/summary.txt" || true
-        done
-        # Where the time goes at the data-centre shapes: each kernel's share of the KDA forward and
-        # forward + backward at H = 64, K = V = 128, T = 16384 and of the MoE layer forward, from
-        # CubeCL's profile (every launch synced and timed) of a short criterion run.
-        profile_bench kda_fwd kda chunk_kda_fwd_h64_k128_state/cuda-kernel
-        profile_bench kda_fwd_bwd kda chunk_kda_fwd_bwd_h64_k128_state/cuda-kernel
+    # The bench groups, most wanted first (criterion: short measurements, only the CUDA groups).
+    if wants moe; then
+        # The layer forward against the sum of its matmuls (#19: at most 1.3×), then each kernel's
+        # share of the layer forward with the tensor cores on and off (CubeCL's profile: every
+        # launch synced and timed, on a short criterion run).
+        bench_group moe 90
         profile_bench moe_tensor_cores moe layer_forward_tensor_cores
         profile_bench moe_scalar moe 'layer_forward$'
-        profile_bench attention attention mla_1x16x4096_192x128/forward_backward/kernel
-        # The tiny model's training step; then one step's kernels from the profile (6 minus 2 steps).
+    fi
+    if wants train; then
+        # The tiny model's training step, plain and under Burn's fusion backend (what `Cuda` is in
+        # a project with Burn's default features: the plain step was bound by its 2864 launches);
+        # then one step's kernels from the profile (6 minus 2 steps).
         local tt=(--backend cuda --checkpoint-every 0 --short-fraction 0 --test-sequences 16)
-        timeout 60 "$bin/train_tiny" "${tt[@]}" --steps 40 --out "$out/tt40" >"$out/train_tiny.log" 2>&1 ||
-            echo "train_tiny exit status: $?" >>"$out/summary.txt"
-        tail -n 5 "$out/train_tiny.log" >>"$out/summary.txt" || true
-        # The same under Burn's fusion backend (what `Cuda` is in a project with Burn's default
-        # features): the plain step was bound by its 2864 launches.
-        timeout 60 "$bin/train_tiny" --backend cuda-fusion "${tt[@]:2}" --steps 40 --out "$out/tt40f" \
-            >"$out/train_tiny_fusion.log" 2>&1 || echo "train_tiny fusion exit status: $?" >>"$out/summary.txt"
-        tail -n 5 "$out/train_tiny_fusion.log" >>"$out/summary.txt" || true
+        train_tiny train_tiny 60 "${tt[@]}" --steps 40 --out "$out/tt40"
+        train_tiny train_tiny_fusion 60 --backend cuda-fusion "${tt[@]:2}" --steps 40 --out "$out/tt40f"
+        local steps limit
         for steps in 2 6; do
-            CUBECL_DEBUG_LOG="$out/profile_$steps.log" CUBECL_DEBUG_OPTION=profile timeout 60 \
+            limit=$(within 60 "train_tiny profile of $steps steps") || continue
+            CUBECL_DEBUG_LOG="$out/profile_$steps.log" CUBECL_DEBUG_OPTION=profile timeout "$limit" \
                 "$bin/train_tiny" "${tt[@]}" --steps "$steps" --out "$out/tt$steps" >/dev/null 2>&1 ||
-                echo "profile $steps exit status: $?" >>"$out/summary.txt"
+                echo "profile $steps exit status: $?" >>"$summary"
         done
-        step_profile "$out/profile_2.log" "$out/profile_6.log" >>"$out/summary.txt" 2>&1 || true
+        if [ -s "$out/profile_2.log" ] && [ -s "$out/profile_6.log" ]; then
+            step_profile "$out/profile_2.log" "$out/profile_6.log" >>"$summary" 2>&1 || true
+        fi
+    fi
+    if wants kda; then
+        # Where the time goes at the data-centre shapes: each kernel's share of the KDA forward and
+        # forward + backward at H = 64, K = V = 128, T = 16384.
+        bench_group kda 150
+        profile_bench kda_fwd kda chunk_kda_fwd_h64_k128_state/cuda-kernel
+        profile_bench kda_fwd_bwd kda chunk_kda_fwd_bwd_h64_k128_state/cuda-kernel
+    fi
+    if wants attention; then
+        bench_group attention 75
+        profile_bench attention attention mla_1x16x4096_192x128/forward_backward/kernel
+    fi
+    if wants loss; then
+        bench_group loss 75
     fi
     cd - >/dev/null
-    cp "$out/summary.txt" "$final/summary-$part.txt"
-    (cd "$out" && tar czf "$final/logs-$part.tar.gz" .) && rm -rf "$out"
-    cat "$final/summary-$part.txt"
+    (cd "$out" && tar czf "$final/logs-$tag.tar.gz" .)
+    cat "$summary"
     return "$status"
+}
+
+# bench_group BENCH SECONDS: the CUDA group of `bench_BENCH`, its times to the summary.
+bench_group() {
+    local limit
+    limit=$(within "$2" "bench $1") || return 0
+    timeout "$limit" "$bin/bench_$1" --bench cuda --warm-up-time 1 --measurement-time 2 \
+        >"$out/bench_$1.log" 2>&1 || echo "bench $1 exit status: $?" >>"$summary"
+    grep -E "^Benchmarking .*: Analyzing|time:" "$out/bench_$1.log" |
+        sed 's/^Benchmarking \(.*\): Analyzing/\1/' >>"$summary" || true
+}
+
+# train_tiny LOG SECONDS ARGS…: one train_tiny run, the end of its output to the summary.
+train_tiny() {
+    local log=$1 limit
+    limit=$(within "$2" "$log") || return 0
+    shift 2
+    timeout "$limit" "$bin/train_tiny" "$@" >"$out/$log.log" 2>&1 ||
+        echo "$log exit status: $?" >>"$summary"
+    tail -n 5 "$out/$log.log" >>"$summary" || true
 }
 
 case "$mode" in
