@@ -211,9 +211,9 @@ impl<B: Backend> DecoderLayer<B> {
         Ok((partial.add(f), stats))
     }
 
-    /// The token mixer. KDA layers take the padding as a host mask (`kda_padding`, read where
-    /// there is a cache to continue, [`KimiForCausalLM::try_forward`]); without it they run over
-    /// every position, which leaves the tokens before right padding as they are.
+    /// The token mixer. KDA layers with a cache take the padding as a host mask (`kda_padding`,
+    /// read only then, [`KimiForCausalLM::try_forward`]); without a cache they run over every
+    /// position, which leaves the tokens before right padding as they are.
     fn mixer(
         &self,
         x: Tensor<B, 3>,
@@ -222,10 +222,7 @@ impl<B: Backend> DecoderLayer<B> {
         cache: Option<&mut LayerCache<B>>,
     ) -> Result<Tensor<B, 3>> {
         match (&self.mixer, cache) {
-            (Mixer::Kda(kda), None) => match kda_padding {
-                Some(mask) => kda.try_forward_padded(x, mask, None),
-                None => kda.try_forward(x, None, None),
-            },
+            (Mixer::Kda(kda), None) => kda.try_forward(x, None, None),
             (Mixer::Kda(kda), Some(LayerCache::Kda(c))) => match kda_padding {
                 Some(mask) => kda.try_forward_padded(x, mask, Some(c)),
                 None => kda.try_forward(x, None, Some(c)),
