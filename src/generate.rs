@@ -1,8 +1,15 @@
 //! Incremental generation: prefill the prompt through a [`KimiCache`], then decode one token at a
-//! time, greedily or by temperature / top-k / nucleus (top-p) sampling on the host, optionally
-//! streaming each step's tokens to a callback and stopping at end-of-sequence tokens.
+//! time, greedily or by temperature / top-k / nucleus (top-p) sampling, optionally streaming each
+//! step's tokens to a callback and stopping at end-of-sequence tokens.
+//!
+//! Where the token is picked: on the CPU backends on the host, from the last position's logits
+//! (read in place on ndarray); on every other backend on the device
+//! ([`Sampling::pick_on_device`]), so that a step reads back only its `[batch]` token ids, not the
+//! `[batch, vocab]` logits (the decode step itself reads nothing). Both follow one rule
+//! ([`Sampling::pick`]) and pick the same token from the same logits and seed, up to f32
+//! rounding at a boundary.
 
-use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, Bool, DType, FloatDType, Int, Tensor, TensorData};
 
 use crate::data::SeededRng;
 use crate::error::{Error, Result};
@@ -15,7 +22,8 @@ pub enum Sampling {
     /// The most likely token (ties: the lower id).
     Greedy,
     /// Sample from `softmax(logits / temperature)` restricted to the smallest set of most likely
-    /// tokens whose probability reaches `top_p`.
+    /// tokens whose probability reaches `top_p` (with every token tied with the least likely of
+    /// them).
     TopP {
         /// Softmax temperature, > 0.
         temperature: f32,
@@ -25,7 +33,8 @@ pub enum Sampling {
         seed: u64,
     },
     /// Sample from `softmax(logits / temperature)` restricted to the `top_k` most likely tokens
-    /// (all when 0), then to the smallest set of those whose probability reaches `top_p`.
+    /// (all when 0; with every token tied with the `k`-th), then to the smallest set of those
+    /// whose probability reaches `top_p` (again with ties).
     TopKTopP {
         /// Softmax temperature, > 0.
         temperature: f32,
@@ -76,59 +85,217 @@ impl Sampling {
     }
 }
 
-/// Picks one token from a row of logits.
-fn pick(logits: &[f32], sampling: Sampling, rng: &mut SeededRng) -> i64 {
-    let argmax = || {
-        logits
+/// Scaled logits `(l − max) / temperature` are clamped from below at this value before
+/// sampling: `exp` of it is 0 in f32, so such tokens (and `−∞` logits) are never drawn, and the
+/// threshold searches of [`Sampling::pick_on_device`] have a finite range.
+const FLOOR: f32 = -110.0;
+
+/// Halvings of the threshold searches on the device: they bracket a threshold of the scaled
+/// logits (in `[FLOOR − 1, 2⁻¹⁰]`) to within `111 · 2⁻³⁶ ≈ 1.6·10⁻⁹`.
+const BISECTIONS: usize = 36;
+
+/// The index of the largest value (ties: the lower index; NaN never wins).
+fn argmax(values: &[f32]) -> usize {
+    values
+        .iter()
+        .enumerate()
+        .fold((0usize, f32::NEG_INFINITY), |best, (i, &v)| {
+            if v > best.1 {
+                (i, v)
+            } else {
+                best
+            }
+        })
+        .0
+}
+
+impl Sampling {
+    /// Picks the next token from one row of `logits`, on the host; `u` is a uniform number in
+    /// `[0, 1)` (ignored by [`Greedy`](Self::Greedy)).
+    ///
+    /// The rule, which [`pick_on_device`](Self::pick_on_device) follows too: with scaled logits
+    /// `s = (l − max) / temperature` and probabilities `p ∝ exp(s)`, the candidates are the
+    /// `top_k` most likely tokens and every token tied with the `k`-th (all tokens when `top_k`
+    /// is 0 or at least the vocabulary); of those, the nucleus is the most likely tokens whose
+    /// probability reaches `top_p` of the candidates' mass, again with every token tied with the
+    /// least likely of them. The token is drawn from the nucleus by inverting its cumulative
+    /// distribution **in id order** at `u` (the same token as the device draws for the same `u`,
+    /// up to f32 rounding at the boundaries).
+    pub fn pick(&self, logits: &[f32], u: f64) -> usize {
+        let Some((temperature, top_k, top_p, _)) = self.parts() else {
+            return argmax(logits);
+        };
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        // NaN scaled logits (NaN logits) become FLOOR: f32::max keeps the number.
+        let s: Vec<f32> = logits
             .iter()
-            .enumerate()
-            .fold((0usize, f32::NEG_INFINITY), |best, (i, &v)| {
-                if v > best.1 {
-                    (i, v)
-                } else {
-                    best
-                }
-            })
-            .0 as i64
-    };
-    match sampling.parts() {
-        None => argmax(),
-        Some((temperature, top_k, top_p, _)) => {
-            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut probs: Vec<(f64, usize)> = logits
-                .iter()
-                .enumerate()
-                .map(|(i, &l)| ((((l - max) / temperature) as f64).exp(), i))
-                .collect();
-            probs.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-            if top_k > 0 {
-                probs.truncate(top_k);
+            .map(|&l| ((l - max) / temperature).max(FLOOR))
+            .collect();
+        let p = |v: f32| f64::from(v.exp());
+        let mut sorted = s.clone();
+        sorted.sort_unstable_by(|a, b| b.total_cmp(a));
+        let kth = match top_k {
+            k if k > 0 && k < sorted.len() => sorted[k - 1],
+            _ => FLOOR,
+        };
+        let candidates = sorted.iter().copied().take_while(|&v| v >= kth);
+        let target = top_p as f64 * candidates.clone().map(p).sum::<f64>();
+        let mut kept = 0.0;
+        let mut threshold = kth;
+        for v in candidates {
+            kept += p(v);
+            if kept >= target {
+                threshold = v;
+                break;
             }
-            // The nucleus is taken of the top-k tokens' renormalised distribution.
-            let total: f64 = probs.iter().map(|p| p.0).sum();
-            let mut kept = 0.0;
-            let mut cut = probs.len();
-            for (n, p) in probs.iter().enumerate() {
-                kept += p.0 / total;
-                if kept >= top_p as f64 {
-                    cut = n + 1;
-                    break;
-                }
-            }
-            let nucleus = &probs[..cut];
-            let mass: f64 = nucleus.iter().map(|p| p.0).sum();
-            let mut u = rng.unit_f64() * mass;
-            for &(p, i) in nucleus {
-                if u < p {
-                    return i as i64;
-                }
-                u -= p;
-            }
-            nucleus.last().map_or_else(argmax, |p| p.1 as i64)
         }
+        let mass: f64 = s.iter().filter(|&&v| v >= threshold).map(|&v| p(v)).sum();
+        let mut x = u * mass;
+        let mut last = argmax(logits);
+        for (i, &v) in s.iter().enumerate() {
+            if v >= threshold && p(v) > 0.0 {
+                if x < p(v) {
+                    return i;
+                }
+                x -= p(v);
+                last = i;
+            }
+        }
+        last
+    }
+
+    /// [`pick`](Self::pick) for every row of `logits: [rows, vocab]` at once, on the logits'
+    /// device: `u` holds one uniform number in `[0, 1)` per row (ignored by
+    /// [`Greedy`](Self::Greedy)). Returns the `[rows]` token ids, so that a generation loop
+    /// reads back only those.
+    ///
+    /// Plain tensor ops, any backend: greedy is one `argmax`; sampling finds the top-k and the
+    /// nucleus thresholds of the scaled logits by bisection ([`BISECTIONS`] halvings each: a
+    /// token within about `1.6·10⁻⁹` below a threshold counts as tied with it) and draws in id
+    /// order through the cumulative sums of `√vocab`-sized blocks. Computed in f32 whatever the
+    /// logits' dtype.
+    ///
+    /// # Panics
+    /// If `u` does not have one number per row.
+    pub fn pick_on_device<B: Backend>(&self, logits: Tensor<B, 2>, u: &[f64]) -> Tensor<B, 1, Int> {
+        let [rows, vocab] = logits.dims();
+        if rows == 0 {
+            return Tensor::empty([0], &logits.device());
+        }
+        let Some((temperature, top_k, top_p, _)) = self.parts() else {
+            return logits.argmax(1).reshape([rows]);
+        };
+        assert_eq!(u.len(), rows, "one uniform number per row of logits");
+        let device = logits.device();
+        let f32_on = (&device, DType::F32);
+        let column = |v: f32| Tensor::<B, 2>::full([rows, 1], v, f32_on);
+        let logits = logits.cast(FloatDType::F32);
+        let max = logits.clone().max_dim(1);
+        let s = ((logits - max) / temperature).clamp_min(FLOOR);
+        let p = s.clone().exp();
+        // The largest threshold `t` for which `holds(s ≥ t)` is true, per row; `holds` must be
+        // true at `lo` and turn false as `t` grows (it is false above the maximum, 0).
+        let bisect =
+            |lo: Tensor<B, 2>, holds: &dyn Fn(Tensor<B, 2, Bool>) -> Tensor<B, 2, Bool>| {
+                let mut lo = lo;
+                let mut hi = column(2f32.powi(-10));
+                for _ in 0..BISECTIONS {
+                    let mid = (lo.clone() + hi.clone()) * 0.5;
+                    let above = s.clone().greater_equal(mid.clone().expand([rows, vocab]));
+                    let ok = holds(above);
+                    lo = lo.mask_where(ok.clone(), mid.clone());
+                    hi = mid.mask_where(ok, hi);
+                }
+                lo
+            };
+        let kth = if top_k > 0 && top_k < vocab {
+            bisect(column(FLOOR - 1.0), &|above| {
+                above.float().sum_dim(1).greater_equal_elem(top_k as f32)
+            })
+        } else {
+            column(FLOOR - 1.0)
+        };
+        let threshold = if top_p < 1.0 {
+            let inside = s.clone().greater_equal(kth.clone().expand([rows, vocab]));
+            let target = p.clone().mask_fill(inside.bool_not(), 0.0).sum_dim(1) * top_p;
+            bisect(kth, &|above| {
+                p.clone()
+                    .mask_fill(above.bool_not(), 0.0)
+                    .sum_dim(1)
+                    .greater_equal(target.clone())
+            })
+        } else {
+            kth
+        };
+        let outside = s.lower(threshold.expand([rows, vocab]));
+        let q = p.mask_fill(outside, 0.0);
+        let u: Vec<f32> = u
+            .iter()
+            .map(|&u| (u as f32).min(1.0 - f32::EPSILON / 2.0))
+            .collect();
+        let u = Tensor::<B, 2>::from_data(TensorData::new(u, [rows, 1]), f32_on);
+        draw_in_id_order(q, u)
     }
 }
 
+/// The id drawn from each row of the non-negative weights `q: [rows, vocab]` (every row with a
+/// positive weight) by inverting their cumulative sum, in id order, at `u · Σq` (`u: [rows, 1]`
+/// in `[0, 1)`). Two levels of `√vocab`-sized blocks, as Burn's cumulative sum on the CubeCL
+/// backends costs the square of its length. The id returned has a positive weight, whatever
+/// the rounding: the sums are taken in order, so they never decrease.
+fn draw_in_id_order<B: Backend>(q: Tensor<B, 2>, u: Tensor<B, 2>) -> Tensor<B, 1, Int> {
+    let [rows, vocab] = q.dims();
+    let device = q.device();
+    let f32_on = (&device, DType::F32);
+    let width = (vocab as f64).sqrt().ceil() as usize;
+    let blocks = vocab.div_ceil(width);
+    let q = match blocks * width - vocab {
+        0 => q,
+        pad => Tensor::cat(vec![q, Tensor::zeros([rows, pad], f32_on)], 1),
+    }
+    .reshape([rows, blocks, width]);
+    let through = q.clone().sum_dim(2).reshape([rows, blocks]).cumsum(1);
+    let total = through.clone().narrow(1, blocks - 1, 1);
+    let x = u * total.clone();
+    let block = count_below(through.clone(), x.clone(), total);
+    let before = match blocks {
+        1 => Tensor::zeros([rows, 1], f32_on),
+        _ => Tensor::cat(
+            vec![
+                Tensor::zeros([rows, 1], f32_on),
+                through.narrow(1, 0, blocks - 1),
+            ],
+            1,
+        )
+        .gather(1, block.clone()),
+    };
+    let within = q
+        .gather(
+            1,
+            block.clone().reshape([rows, 1, 1]).expand([rows, 1, width]),
+        )
+        .reshape([rows, width])
+        .cumsum(1);
+    let end = within.clone().narrow(1, width - 1, 1);
+    let offset = count_below(within, (x - before).clamp_min(0.0), end);
+    (block * width as i64 + offset).reshape([rows])
+}
+
+/// Per row, how many of the non-decreasing `cumulative: [rows, n]` are at most `x: [rows, 1]`,
+/// not counting those that reach `end: [rows, 1]` (the row's last sum): the index of the entry
+/// in which `x` falls, and at most that of the first entry reaching `end`.
+fn count_below<B: Backend>(
+    cumulative: Tensor<B, 2>,
+    x: Tensor<B, 2>,
+    end: Tensor<B, 2>,
+) -> Tensor<B, 2, Int> {
+    let shape = cumulative.dims();
+    let at_or_below = cumulative.clone().lower_equal(x.expand(shape));
+    at_or_below
+        .bool_and(cumulative.lower(end.expand(shape)))
+        .int()
+        .sum_dim(1)
+}
 /// The most new tokens a generation allocates its MLA caches for up front; beyond them the caches
 /// grow by doubling, so a generation bounded only by its stop tokens (`max_new_tokens =
 /// usize::MAX`) allocates what it uses.
@@ -220,20 +387,41 @@ impl<B: Backend> KimiForCausalLM<B> {
         for _ in 0..options.max_new_tokens {
             let logits = self.try_forward(input, None, Some(&mut cache))?.logits;
             let [_, t, vocab] = logits.dims();
-            let last = logits.narrow(1, t - 1, 1);
-            // On ndarray the last position's logits are read where they lie (Burn's own read
-            // walks them element by element: about a twentieth of a tiny model's decode step).
-            let last: Vec<f32> = crate::ops::backend::host::read_in_place(&last, <[f32]>::to_vec)
-                .unwrap_or_else(|| crate::sync::read(last).iter::<f32>().collect());
-            let next: Vec<i64> = last
-                .chunks_exact(vocab)
+            let last = logits.narrow(1, t - 1, 1).reshape([batch, vocab]);
+            // One uniform number per sequence still going, drawn in order whichever path picks.
+            let u: Vec<f64> = ended
+                .iter()
+                .map(|end| match (end, sampling) {
+                    (None, Sampling::Greedy) | (Some(_), _) => 0.0,
+                    (None, _) => rng.unit_f64(),
+                })
+                .collect();
+            let on_host = |logits: &[f32]| -> Vec<i64> {
+                logits
+                    .chunks_exact(vocab)
+                    .zip(&u)
+                    .map(|(row, &u)| sampling.pick(row, u) as i64)
+                    .collect()
+            };
+            // On ndarray the logits are read where they lie; on the other CPU backends they are
+            // copied; elsewhere only the picked ids come back.
+            let picked = match crate::ops::backend::host::read_in_place(&last, on_host) {
+                Some(ids) => ids,
+                None if crate::ops::backend::host::is_cpu_backend::<B>() => {
+                    on_host(&crate::sync::read(last).iter::<f32>().collect::<Vec<_>>())
+                }
+                None => crate::sync::read(sampling.pick_on_device(last, &u))
+                    .iter::<i64>()
+                    .collect(),
+            };
+            let next: Vec<i64> = picked
+                .into_iter()
                 .zip(&mut ended)
-                .map(|(row, end)| {
-                    // An ended sequence is padded with its stop token and draws nothing.
+                .map(|(id, end)| {
+                    // An ended sequence is padded with its stop token.
                     if let Some(stop) = *end {
                         return stop;
                     }
-                    let id = pick(row, sampling, &mut rng);
                     if options.stop_tokens.contains(&id) {
                         *end = Some(id);
                     }
@@ -259,7 +447,7 @@ mod tests {
     fn top_p_keeps_only_the_nucleus_and_greedy_takes_the_first_maximum() {
         let mut rng = SeededRng::new(1);
         let logits = [0.0f32, 3.0, 3.0, 1.0, -2.0];
-        assert_eq!(pick(&logits, Sampling::Greedy, &mut rng), 1);
+        assert_eq!(Sampling::Greedy.pick(&logits, rng.unit_f64()), 1);
         // Tokens 1 and 2 hold ~0.92 of the mass: with top_p = 0.9 nothing else may appear.
         let s = Sampling::TopP {
             temperature: 1.0,
@@ -268,7 +456,7 @@ mod tests {
         };
         let mut seen = [0usize; 5];
         for _ in 0..2000 {
-            seen[pick(&logits, s, &mut rng) as usize] += 1;
+            seen[s.pick(&logits, rng.unit_f64())] += 1;
         }
         assert_eq!(seen[0] + seen[3] + seen[4], 0, "{seen:?}");
         assert!(seen[1] > 800 && seen[2] > 800, "{seen:?}");
@@ -280,7 +468,7 @@ mod tests {
         };
         let mut seen = [0usize; 5];
         for _ in 0..20000 {
-            seen[pick(&logits, s, &mut rng) as usize] += 1;
+            seen[s.pick(&logits, rng.unit_f64())] += 1;
         }
         let p3 = (1.0f64).exp() / (1.0 + 2.0 * 3.0f64.exp() + 1.0f64.exp() + (-2.0f64).exp());
         assert!((seen[3] as f64 / 20000.0 - p3).abs() < 0.01, "{seen:?}");
@@ -299,7 +487,7 @@ mod tests {
             };
             let mut seen = [0usize; 5];
             for _ in 0..20000 {
-                seen[pick(&logits, s, rng) as usize] += 1;
+                seen[s.pick(&logits, rng.unit_f64())] += 1;
             }
             seen
         };
@@ -321,5 +509,113 @@ mod tests {
         // k = 0 means every token.
         let seen = draw(0, 1.0, &mut rng);
         assert!(seen.iter().all(|&n| n > 0), "{seen:?}");
+    }
+
+    /// The device sampler draws the host sampler's token for the same uniform number, row by
+    /// row: rows with many ties (at the k-th token and at the nucleus boundary), `−∞` logits,
+    /// vocabularies that are not a square (padded blocks) and of one token, every top-k regime.
+    #[test]
+    fn the_device_sampler_picks_the_host_samplers_token() {
+        use burn::backend::NdArray;
+        type B = NdArray<f32>;
+        let device = Default::default();
+        let mut rng = SeededRng::new(11);
+        let mut compared = 0;
+        for vocab in [1usize, 2, 7, 50, 301] {
+            for tied in [true, false] {
+                let rows = 6;
+                let logits: Vec<f32> = (0..rows * vocab)
+                    .map(|i| {
+                        if i % 13 == 5 {
+                            f32::NEG_INFINITY
+                        } else if tied {
+                            (rng.unit_f64() * 12.0).floor() as f32 * 0.5 - 3.0
+                        } else {
+                            (rng.unit_f64() * 8.0 - 4.0) as f32
+                        }
+                    })
+                    .collect();
+                let tensor = Tensor::<B, 2>::from_data(
+                    TensorData::new(logits.clone(), [rows, vocab]),
+                    &device,
+                );
+                for top_k in [0, 1, 3, vocab.saturating_sub(1), vocab, vocab + 4] {
+                    for (temperature, top_p) in [(1.0, 1.0), (0.7, 0.9), (1.6, 0.5), (1.0, 0.02)] {
+                        let s = Sampling::TopKTopP {
+                            temperature,
+                            top_k,
+                            top_p,
+                            seed: 0,
+                        };
+                        for _ in 0..3 {
+                            let u: Vec<f64> = (0..rows).map(|_| rng.unit_f64()).collect();
+                            let device_ids: Vec<i64> = s
+                                .pick_on_device(tensor.clone(), &u)
+                                .into_data()
+                                .iter::<i64>()
+                                .collect();
+                            for (r, row) in logits.chunks(vocab).enumerate() {
+                                let want = s.pick(row, u[r]);
+                                assert_eq!(
+                                    device_ids[r], want as i64,
+                                    "vocab {vocab}, tied {tied}, {s:?}, row {r}, u {}: {row:?}",
+                                    u[r]
+                                );
+                                // (a row of only −∞ has nothing better to give)
+                                assert!(
+                                    row[want] > f32::NEG_INFINITY
+                                        || row.iter().all(|&l| l == f32::NEG_INFINITY)
+                                );
+                                compared += 1;
+                            }
+                        }
+                    }
+                }
+                let greedy: Vec<i64> = Sampling::Greedy
+                    .pick_on_device(tensor, &[0.0; 6])
+                    .into_data()
+                    .iter::<i64>()
+                    .collect();
+                for (r, row) in logits.chunks(vocab).enumerate() {
+                    assert_eq!(greedy[r], Sampling::Greedy.pick(row, 0.0) as i64);
+                }
+            }
+        }
+        assert_eq!(compared, 5 * 2 * 6 * 4 * 3 * 6);
+    }
+
+    /// Ties are kept whole: at the k-th most likely token and at the nucleus boundary.
+    #[test]
+    fn tied_tokens_are_all_kept_or_all_dropped() {
+        let mut rng = SeededRng::new(3);
+        let logits = [1.0f32, 3.0, 0.0, 3.0, 3.0];
+        let draw = |s: Sampling, rng: &mut SeededRng| {
+            let mut seen = [0usize; 5];
+            for _ in 0..6000 {
+                seen[s.pick(&logits, rng.unit_f64())] += 1;
+            }
+            seen
+        };
+        // k = 1 keeps the three tied maxima, in equal shares.
+        let one = Sampling::TopKTopP {
+            temperature: 1.0,
+            top_k: 1,
+            top_p: 1.0,
+            seed: 0,
+        };
+        let seen = draw(one, &mut rng);
+        assert_eq!(seen[0] + seen[2], 0, "{seen:?}");
+        assert!([1, 3, 4].iter().all(|&i| seen[i] > 1800), "{seen:?}");
+        // A nucleus reached inside the tie (a third of the mass) keeps the whole tie.
+        let seen = draw(
+            Sampling::TopP {
+                temperature: 1.0,
+                top_p: 0.1,
+                seed: 0,
+            },
+            &mut rng,
+        );
+        assert_eq!(seen[0] + seen[2], 0, "{seen:?}");
+        assert!([1, 3, 4].iter().all(|&i| seen[i] > 1800), "{seen:?}");
     }
 }

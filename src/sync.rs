@@ -24,12 +24,20 @@ use burn::tensor::{backend::Backend, BasicOps, Tensor, TensorData};
 
 thread_local! {
     static READS: Cell<u64> = const { Cell::new(0) };
+    static READ_BYTES: Cell<u64> = const { Cell::new(0) };
     static EAGER: Cell<Option<bool>> = const { Cell::new(None) };
 }
 
 /// The number of device-to-host reads the crate has made on this thread so far.
 pub fn device_reads() -> u64 {
     READS.with(Cell::get)
+}
+
+/// The number of bytes the crate's device-to-host reads have brought back on this thread so far
+/// (a generation step on a GPU backend reads its `[batch]` token ids: a few bytes, not the
+/// `[batch, vocab]` logits).
+pub fn device_read_bytes() -> u64 {
+    READ_BYTES.with(Cell::get)
 }
 
 /// Runs `f` and returns its result with the number of device-to-host reads the crate made on
@@ -54,13 +62,17 @@ pub fn set_eager_checks(on: bool) {
 
 /// This thread's read count and [`eager_checks`] setting, as the pool carries them between a
 /// caller and the pool thread that runs its work.
-pub(crate) fn thread_state() -> (u64, Option<bool>) {
-    (READS.with(Cell::get), EAGER.with(Cell::get))
+pub(crate) fn thread_state() -> ([u64; 2], Option<bool>) {
+    (
+        [READS.with(Cell::get), READ_BYTES.with(Cell::get)],
+        EAGER.with(Cell::get),
+    )
 }
 
-/// Makes `(reads, eager)` this thread's state (see [`thread_state`]).
-pub(crate) fn set_thread_state((reads, eager): (u64, Option<bool>)) {
+/// Makes `([reads, bytes], eager)` this thread's state (see [`thread_state`]).
+pub(crate) fn set_thread_state(([reads, bytes], eager): ([u64; 2], Option<bool>)) {
     READS.with(|c| c.set(reads));
+    READ_BYTES.with(|c| c.set(bytes));
     EAGER.with(|c| c.set(eager));
 }
 
@@ -69,7 +81,9 @@ pub(crate) fn set_thread_state((reads, eager): (u64, Option<bool>)) {
 pub(crate) fn read<B: Backend, const D: usize, K: BasicOps<B>>(t: Tensor<B, D, K>) -> TensorData {
     READS.with(|c| c.set(c.get() + 1));
     #[allow(clippy::disallowed_methods)]
-    t.into_data()
+    let data = t.into_data();
+    READ_BYTES.with(|c| c.set(c.get() + data.as_bytes().len() as u64));
+    data
 }
 
 /// Reads a one-element tensor back as `f64` (NaN for an empty one), counting the read.
@@ -85,8 +99,10 @@ mod tests {
     #[test]
     fn reads_are_counted_per_thread() {
         let t = Tensor::<NdArray<f32>, 1>::from_floats([1.0, 2.0], &Default::default());
+        let bytes = device_read_bytes();
         let (data, n) = count_reads(|| read(t.clone()));
         assert_eq!(n, 1);
+        assert_eq!(device_read_bytes() - bytes, 8, "two f32");
         assert_eq!(data.to_vec::<f32>().unwrap(), vec![1.0, 2.0]);
         let other = std::thread::spawn(move || {
             read(t);

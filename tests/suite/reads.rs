@@ -100,3 +100,77 @@ fn a_decode_step_with_a_cache_reads_nothing_back() {
     });
     assert_eq!(reads, 0, "reads in the prefill and four decode steps");
 }
+
+/// Generation on a GPU backend picks each token on the device and reads back only the picked
+/// ids: one `[batch]` read per step, greedy or sampled, and the tokens are those the host
+/// sampler picks from the same logits with the same uniform numbers.
+#[test]
+fn generation_reads_back_only_the_picked_ids() {
+    use kimi_burn::generate::{GenerateOptions, Sampling};
+    use kimi_burn::sync::device_read_bytes;
+    type B = Gpu;
+    let device = Default::default();
+    set_eager_checks(false);
+    let (task, config) = small_mqar();
+    let model: KimiForCausalLM<B> = config.try_init(&device).expect("tiny preset");
+    let batch = task.sample_batch(2, &mut SeededRng::new(4));
+    let (inputs, _) = batch.to_tensors::<B>(&device);
+    let [b, t] = inputs.dims();
+    let prompt = inputs.narrow(1, 0, t / 2);
+    let steps = 6;
+    let sampled = Sampling::TopKTopP {
+        temperature: 0.8,
+        top_k: 12,
+        top_p: 0.7,
+        seed: 7,
+    };
+    for sampling in [Sampling::Greedy, sampled] {
+        let options = GenerateOptions::new(steps).with_sampling(sampling);
+        let bytes = device_read_bytes();
+        let (out, reads) = count_reads(|| {
+            model
+                .generate_stream(prompt.clone(), &options, |_| true)
+                .expect("generate")
+        });
+        assert_eq!(reads, steps as u64, "{sampling:?}: one read per step");
+        assert_eq!(
+            device_read_bytes() - bytes,
+            (steps * b * prompt.dtype().size()) as u64,
+            "{sampling:?}: each read is the step's ids"
+        );
+        let out: Vec<i64> = out.into_data().iter::<i64>().collect();
+
+        // The host sampler on the same logits, step by step.
+        let mut rng = SeededRng::new(7);
+        let mut cache = model.new_cache();
+        let mut input = prompt.clone();
+        let width = t / 2 + steps;
+        for step in 0..steps {
+            let logits = model
+                .try_forward(input, None, Some(&mut cache))
+                .expect("decode")
+                .logits;
+            let [_, len, vocab] = logits.dims();
+            let last: Vec<f32> = logits
+                .narrow(1, len - 1, 1)
+                .into_data()
+                .iter::<f32>()
+                .collect();
+            let mut ids = Vec::new();
+            for (row, logits) in last.chunks(vocab).enumerate() {
+                let u = match sampling {
+                    Sampling::Greedy => 0.0,
+                    _ => rng.unit_f64(),
+                };
+                let id = sampling.pick(logits, u) as i64;
+                assert_eq!(
+                    out[row * width + t / 2 + step],
+                    id,
+                    "{sampling:?}: row {row}, step {step}"
+                );
+                ids.push(id);
+            }
+            input = Tensor::from_data(TensorData::new(ids, [b, 1]), &device);
+        }
+    }
+}

@@ -270,7 +270,7 @@ impl Drop for Claim {
 #[derive(Clone, Copy)]
 struct ThreadState {
     paths: PathState,
-    reads: u64,
+    reads: [u64; 2],
     eager: Option<bool>,
     skeleton: bool,
 }
@@ -305,7 +305,7 @@ impl ThreadState {
         let _restore = Restore(Self::current());
         Self {
             paths: self.paths.switches_only(),
-            reads: 0,
+            reads: [0; 2],
             ..self
         }
         .install();
@@ -317,7 +317,10 @@ impl ThreadState {
     fn merge(self, records: &Self) -> Self {
         Self {
             paths: self.paths.merge(&records.paths),
-            reads: self.reads + records.reads,
+            reads: [
+                self.reads[0] + records.reads[0],
+                self.reads[1] + records.reads[1],
+            ],
             ..self
         }
     }
