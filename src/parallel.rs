@@ -95,6 +95,23 @@ fn collective_error(op: &str, e: impl std::fmt::Debug) -> Error {
     }
 }
 
+/// Whether every peer of `B` in a process is on one device (the CPU backends), so that
+/// burn-collective cannot order their tensors by device (see `Peer::all_reduce_in_rank_order`).
+fn shares_one_device<B: Backend>() -> bool {
+    use std::any::TypeId;
+    let device = TypeId::of::<B::Device>();
+    #[cfg(feature = "ndarray")]
+    if device == TypeId::of::<burn::backend::ndarray::NdArrayDevice>() {
+        return true;
+    }
+    #[cfg(any(feature = "flex", feature = "learner"))]
+    if device == TypeId::of::<burn::backend::flex::FlexDevice>() {
+        return true;
+    }
+    let _ = device;
+    false
+}
+
 impl<B: AutodiffBackend> Peer<B> {
     /// Registers peer `index` of `peers` in this process, on `device`. Blocks until all `peers`
     /// have registered.
@@ -168,13 +185,28 @@ impl<B: AutodiffBackend> Peer<B> {
     }
 
     /// The element-wise sum of `tensor: [n]` over all replicas (one all-reduce); every replica
-    /// must pass the same `n`.
+    /// must pass the same `n`. The same bits on every replica and in every run: on the CPU
+    /// backends with three or more replicas the tensors are added in rank order (burn-collective
+    /// alone adds peers of one device in an order that changes from call to call), which costs
+    /// `replicas` times the traffic there.
     ///
     /// In global mode each call is a session of its own (register, all-reduce, leave):
     /// burn-collective 0.21's nodes complete only one global all-reduce per session (after the
     /// first, `SyncService::sync` keeps the peers of the previous sync and never sees the next
     /// one complete), so a fresh session per operation is what works.
     pub fn all_reduce_sum(
+        &self,
+        tensor: Tensor<B::InnerBackend, 1>,
+    ) -> Result<Tensor<B::InnerBackend, 1>> {
+        if self.replicas > 2 && shares_one_device::<B::InnerBackend>() {
+            self.all_reduce_in_rank_order(tensor)
+        } else {
+            self.collective_sum(tensor)
+        }
+    }
+
+    /// burn-collective's all-reduce (`Sum`) of `tensor`.
+    fn collective_sum(
         &self,
         tensor: Tensor<B::InnerBackend, 1>,
     ) -> Result<Tensor<B::InnerBackend, 1>> {
@@ -193,6 +225,39 @@ impl<B: AutodiffBackend> Peer<B> {
                 .map_err(|e| collective_error("finish", e))?;
         }
         Ok(Tensor::from_primitive(TensorPrimitive::Float(summed?)))
+    }
+
+    /// [`all_reduce_sum`](Self::all_reduce_sum) with the replicas' tensors added in rank order.
+    ///
+    /// burn-collective adds the peers' tensors in the order of their devices' ids and, among
+    /// peers of one id (every CPU peer), in a hash map's order, which changes from call to call:
+    /// with three or more such peers, f32 rounding then made two runs (or a run and its resume)
+    /// differ. Here each replica all-reduces `[replicas, n]` with its tensor in its own row and
+    /// zeros elsewhere (a sum of one value and zeros is exact in any order) and adds the rows in
+    /// rank order itself: the same sum on every replica and in every run, for `replicas`
+    /// times the traffic (the CPU backends only).
+    fn all_reduce_in_rank_order(
+        &self,
+        tensor: Tensor<B::InnerBackend, 1>,
+    ) -> Result<Tensor<B::InnerBackend, 1>> {
+        let [n] = tensor.dims();
+        if n == 0 {
+            return Ok(tensor);
+        }
+        let (rank, replicas) = (self.rank(), self.replicas);
+        let options = (&self.device, tensor.dtype());
+        let mut rows = Vec::with_capacity(3);
+        if rank > 0 {
+            rows.push(Tensor::zeros([rank * n], options));
+        }
+        rows.push(tensor);
+        if rank + 1 < replicas {
+            rows.push(Tensor::zeros([(replicas - rank - 1) * n], options));
+        }
+        let rows = self.collective_sum(Tensor::cat(rows, 0))?;
+        Ok((1..replicas).fold(rows.clone().narrow(0, 0, n), |sum, r| {
+            sum + rows.clone().narrow(0, r * n, n)
+        }))
     }
 
     /// The global step of data parallelism, in one all-reduce: sums `grads` (this replica's, of

@@ -7,7 +7,7 @@ use crate::common::*;
 use crate::train::{identical_models, kimi_optim, moe_biases, small_mqar};
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, Optimizer};
-use burn::tensor::ElementConversion;
+use burn::tensor::{ElementConversion, Tensor};
 use kimi_burn::data::{masked_cross_entropy, SeededRng, Task};
 use kimi_burn::model::{Ffn, KimiForCausalLM};
 use kimi_burn::parallel::Peer;
@@ -43,6 +43,40 @@ fn run_peers<T: Send + 'static>(
         .collect();
     burn::collective::reset_collective::<Cpu>();
     out
+}
+
+/// Three CPU peers sum in rank order, every call: burn-collective alone adds peers of one device
+/// in a hash map's order, so `1 + (−1) + 2⁻²⁴` came out as `2⁻²⁴` or `0` from call to call.
+#[test]
+fn three_cpu_peers_sum_in_rank_order_every_time() {
+    let _one = COLLECTIVE.lock().unwrap_or_else(|e| e.into_inner());
+    let tiny = 2f32.powi(-24);
+    let handles: Vec<_> = [1.0f32, -1.0, tiny]
+        .into_iter()
+        .enumerate()
+        .map(|(i, value)| {
+            std::thread::spawn(move || {
+                let device = Default::default();
+                let me = Peer::<B>::local(i, 3, &device).expect("register");
+                (0..32)
+                    .map(|_| {
+                        let t = Tensor::<Cpu, 1>::from_floats([value, 2.0 * value], &device);
+                        me.all_reduce_sum(t)
+                            .expect("all-reduce")
+                            .into_data()
+                            .to_vec::<f32>()
+                            .unwrap()
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for (peer, h) in handles.into_iter().enumerate() {
+        for (call, sum) in h.join().expect("a peer panicked").into_iter().enumerate() {
+            assert_eq!(sum, [tiny, 2.0 * tiny], "peer {peer}, call {call}");
+        }
+    }
+    burn::collective::reset_collective::<Cpu>();
 }
 
 /// Data parallelism changes nothing but where the micro-batches run. From one start, 5 steps of
