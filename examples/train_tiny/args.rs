@@ -141,9 +141,9 @@ pub struct Args {
     pub accum: usize,
     /// Data-parallel replicas (build with `--features collective`): threads of this process,
     /// each on its own device (`--backend wgpu`: discrete GPU i, `cuda`: GPU i; `ndarray`: all on
-    /// the CPU). Every step trains on `--batch × --accum × --devices` sequences, each replica on
-    /// its share; one burn-collective all-reduce per step sums the gradients, the QB histograms
-    /// and the metrics, so every replica applies the same update and the same bias.
+    /// the CPU). Every step trains on `--batch × --accum × --devices × --nodes` sequences, each
+    /// replica on its share; one burn-collective all-reduce per step sums the gradients, the QB
+    /// histograms and the metrics, so every replica applies the same update and the same bias.
     #[arg(long, default_value_t = 1)]
     pub devices: usize,
     /// With --devices: after every step, check that all replicas hold the same parameters and
@@ -203,8 +203,8 @@ pub struct Args {
     /// QB balancers: when the short phase ends, fit every MoE layer's bias to fresh
     /// full-length sequences in this many sweeps before the first full-length step
     /// (`KimiForCausalLM::calibrate_balance`; 0: no calibration). The calibration batches are
-    /// `--accum × --devices` batches of `--batch` sequences from their own generator, the same on
-    /// every replica.
+    /// `--accum × --devices × --nodes` batches of `--batch` sequences from their own generator,
+    /// the same on every replica.
     #[arg(long, default_value_t = 0)]
     pub calibrate: usize,
     /// Optimiser.
@@ -243,9 +243,11 @@ pub struct Args {
     /// the last complete one (see `kimi_burn::checkpoint`).
     #[arg(long, default_value_t = 100)]
     pub checkpoint_every: usize,
-    /// Continue the run in `--out` from its latest checkpoint, with the same options: it ends as
-    /// the uninterrupted run would (bit for bit on the CPU), and `metrics.csv` keeps the rows
-    /// before the checkpoint.
+    /// Continue the run in `--out` from its latest checkpoint, with the same options (the
+    /// checkpoint records those that shape the run, and other values are refused by name): it
+    /// ends as the uninterrupted run would (bit for bit on the CPU), and `metrics.csv` keeps the
+    /// rows before the checkpoint. Every node of `--nodes` must resume from a checkpoint of the
+    /// same step (the first step checks it).
     #[arg(long)]
     pub resume: bool,
     /// Start from these weights (a `model.safetensors` of an earlier run with the same model

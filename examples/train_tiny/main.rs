@@ -31,6 +31,7 @@
 mod args;
 #[path = "../common/font.rs"]
 mod font;
+mod options;
 #[cfg_attr(not(feature = "collective"), path = "no_parallel.rs")]
 mod parallel;
 mod plot;
@@ -263,6 +264,15 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
     let model = if args.resume {
         let folder = latest_checkpoint(&Checkpoints::new(args.out.join("checkpoints")))?;
         let state = Checkpoints::state(&folder).map_err(|e| e.to_string())?;
+        options::check_options(&state.extra["options"], args)?;
+        if state.step >= args.steps {
+            return Err(format!(
+                "--resume: the checkpoint in {} is at step {}, --steps {} leaves nothing to train",
+                folder.display(),
+                state.step,
+                args.steps
+            ));
+        }
         println!("resuming from {} (step {})", folder.display(), state.step);
         Checkpoints::load_model(&folder, model, &device).map_err(|e| e.to_string())?
     } else {
@@ -317,6 +327,17 @@ fn train<B: AutodiffBackend>(args: &Args, devices: Vec<B::Device>) -> Result<(),
             file_len(&args.out.join("model.safetensors")),
             again.fraction().unwrap_or(0.0)
         );
+        if (again.correct, again.total) != (test.correct, test.total) {
+            return Err(format!(
+                "the packed export {} scores {} of {} held-out targets loaded back, the model \
+                 it was written from {} of {}",
+                packed.display(),
+                again.correct,
+                again.total,
+                test.correct,
+                test.total
+            ));
+        }
     }
     let labelled = font::register_font();
     plot::write_plots(&args.out, &rows, labelled, args.load_window)?;
@@ -379,8 +400,8 @@ type SyncFn<B> = Box<
 type CheckFn<B> = Box<dyn Fn(&KimiForCausalLM<B>) -> Result<(), String>>;
 
 /// The training loop of one replica (the only one without `--devices`): every replica samples
-/// the same global batch of `--batch × --accum × --devices` sequences and trains on its shard;
-/// replica 0 logs, and returns what it trained. The others return `None`.
+/// the same global batch of `--batch × --accum × --devices × --nodes` sequences and trains on
+/// its shard; replica 0 logs, and returns what it trained. The others return `None`.
 fn train_loop<B: AutodiffBackend>(
     args: &Args,
     mut model: KimiForCausalLM<B>,
@@ -479,7 +500,18 @@ fn train_loop<B: AutodiffBackend>(
                     local.accuracy.total as f32,
                 ];
                 extra.extend(local.loads.iter().flatten().map(|&l| l as f32));
+                // Every replica's step, summed: replicas (nodes) that resumed from checkpoints
+                // of different steps are an error here rather than a silent mix of two models.
+                extra.push(step as f32);
                 let (grads, summed) = (dp.sync)(&model, local.grads, &extra)?;
+                let steps = summed[summed.len() - 1];
+                if steps != (step * replicas) as f32 {
+                    return Err(format!(
+                        "step {step}: the replicas are at different steps (their steps sum to \
+                         {steps}, not {replicas} × {step}); did every node resume from a \
+                         checkpoint of the same step?"
+                    ));
+                }
                 let acc = Accuracy {
                     correct: summed[1] as usize,
                     total: summed[2] as usize,
@@ -558,7 +590,10 @@ fn train_loop<B: AutodiffBackend>(
             && step + 1 < args.steps
         {
             let mut state = LoopState::new(step + 1, &rng);
-            state.extra = serde_json::json!({ "recent_loads": recent_loads });
+            state.extra = serde_json::json!({
+                "recent_loads": recent_loads,
+                "options": options::run_options(args),
+            });
             checkpoints
                 .save(&model, &optim, &state)
                 .map_err(|e| format!("checkpoint after step {}: {e}", step + 1))?;

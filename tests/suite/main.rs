@@ -36,3 +36,4 @@ mod scale;
 #[cfg(feature = "tokenizer")]
 mod tokenizer;
 mod train;
+mod train_tiny;

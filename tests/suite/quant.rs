@@ -510,6 +510,18 @@ fn qat_round_trips_through_the_hf_config() {
         KimiConfig::from_hf_json(&json).unwrap().moe.qat,
         Some(QatConfig::new(Some(MxSpec::mxfp4()), None))
     );
+    // SPEC §9 calls the no-clip rule "rceil"; an explicit null is no quantisation.
+    json["quantization_config"] = serde_json::json!({"quant_method": "mx", "weight_format": "e2m1",
+        "weight_scale_rule": "rceil", "activation_format": null});
+    assert_eq!(
+        KimiConfig::from_hf_json(&json).unwrap().moe.qat,
+        Some(QatConfig::new(
+            Some(MxSpec::new(MxFormat::Fp4E2M1, MxScaleRule::Ceil)),
+            None
+        ))
+    );
+    json["quantization_config"] = serde_json::Value::Null;
+    assert_eq!(KimiConfig::from_hf_json(&json).unwrap().moe.qat, None);
     json["quantization_config"] = serde_json::json!({"quant_method": "gptq"});
     let err = KimiConfig::from_hf_json(&json).unwrap_err().to_string();
     assert!(
