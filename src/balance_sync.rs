@@ -184,7 +184,11 @@ pub(crate) fn unpack<B: Backend>(layers: &[(usize, &BalanceState<B>)], got: &[f3
 
 fn to_tensor<B: Backend>(packet: Vec<f32>, device: &B::Device) -> Tensor<B, 1> {
     let n = packet.len();
-    Tensor::from_data(TensorData::new(packet, [n]), device)
+    // f32 whatever the backend's default float: the packet's digits are exact in f32 only.
+    Tensor::from_data(
+        TensorData::new(packet, [n]),
+        (device, burn::tensor::DType::F32),
+    )
 }
 
 fn read<B: Backend>(summed: Tensor<B, 1>) -> Result<Vec<f32>> {

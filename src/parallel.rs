@@ -40,7 +40,7 @@ use burn::collective::{self, CollectiveConfig, PeerId, ReduceOperation};
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
 
 use crate::balance_sync::{self, BalancedModule};
 use crate::error::{Error, Result};
@@ -298,7 +298,10 @@ impl<B: AutodiffBackend> Peer<B> {
         let extra_at = tail.len();
         tail.extend_from_slice(extra);
         let n = tail.len();
-        parts.push(Tensor::from_data(TensorData::new(tail, [n]), &self.device));
+        parts.push(Tensor::from_data(
+            TensorData::new(tail, [n]),
+            (&self.device, DType::F32),
+        ));
         let summed = self.all_reduce_sum(Tensor::cat(parts, 0))?;
 
         let tail: Vec<f32> = crate::sync::read(summed.clone().slice(numel..numel + n))
@@ -325,7 +328,7 @@ impl<B: AutodiffBackend> Peer<B> {
                     ),
                 });
             }
-            keep.push(count != 0);
+            keep.push((count != 0).then_some(p.dtype));
         }
         let mut unflatten = Unflatten::<B> {
             grads: &mut grads,
@@ -387,7 +390,7 @@ impl<B: AutodiffBackend> Peer<B> {
         }
         let summed = self.all_reduce_sum(Tensor::from_data(
             TensorData::new(packet, [9]),
-            &self.device,
+            (&self.device, DType::F32),
         ))?;
         let got: Vec<f32> = crate::sync::read(summed)
             .convert::<f32>()
@@ -447,6 +450,8 @@ struct Slot {
     dims: Vec<usize>,
     numel: usize,
     present: bool,
+    /// The gradient's dtype (it travels as f32, so that the counts beside it stay exact).
+    dtype: DType,
 }
 
 /// Takes every float parameter's gradient out of `grads` (zeros where it has none), flattened,
@@ -464,15 +469,17 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Flatten<B> {
         let numel: usize = dims.iter().product();
         let grad = self.grads.remove::<B::InnerBackend, D>(param.id);
         let present = grad.is_some();
+        let dtype = grad.as_ref().map_or(DType::F32, Tensor::dtype);
         self.parts.push(match grad {
-            Some(g) => g.reshape([numel]),
-            None => Tensor::zeros([numel], &self.device),
+            Some(g) => g.reshape([numel]).cast(FloatDType::F32),
+            None => Tensor::zeros([numel], (&self.device, DType::F32)),
         });
         self.params.push(Slot {
             id: param.id,
             dims,
             numel,
             present,
+            dtype,
         });
     }
 }
@@ -482,7 +489,8 @@ struct Unflatten<'a, B: AutodiffBackend> {
     grads: &'a mut GradientsParams,
     summed: Tensor<B::InnerBackend, 1>,
     at: usize,
-    keep: std::vec::IntoIter<bool>,
+    /// Per parameter, the dtype to register its gradient in, or `None` when it has none.
+    keep: std::vec::IntoIter<Option<DType>>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Unflatten<'_, B> {
@@ -491,8 +499,8 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Unflatten<'_, B> {
         let numel: usize = dims.iter().product();
         let range = self.at..self.at + numel;
         self.at += numel;
-        if self.keep.next().unwrap_or(false) {
-            let grad = self.summed.clone().slice(range).reshape(dims);
+        if let Some(dtype) = self.keep.next().flatten() {
+            let grad = self.summed.clone().slice(range).reshape(dims).cast(dtype);
             self.grads.register::<B::InnerBackend, D>(param.id, grad);
         }
     }

@@ -3,7 +3,7 @@
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::Linear;
-use burn::tensor::{activation::softmax, backend::Backend, Int, Tensor};
+use burn::tensor::{activation::softmax, backend::Backend, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -231,7 +231,11 @@ impl<B: Backend> Router<B> {
                 }
             };
         let source = if self.options.weights_from_biased_scores {
-            let b = Tensor::<B, 1>::from_floats(bias, &device).unsqueeze::<2>();
+            let b = Tensor::<B, 1>::from_data(
+                TensorData::new(bias.to_vec(), [bias.len()]),
+                (&device, scores.dtype()),
+            )
+            .unsqueeze::<2>();
             scores.clone().add(b)
         } else {
             scores.clone()

@@ -140,3 +140,157 @@ fn decoding_on_fusion_takes_the_recurrent_kernel_and_matches_one_pass() {
         "decode did not run the recurrent kernel"
     );
 }
+
+/// Marks the child process of [`a_half_default_backend_keeps_f32_where_the_design_says`].
+const HALF_CHILD: &str = "KIMI_BURN_HALF_DEFAULT_CHILD";
+
+/// On a backend whose default float is half (`Wgpu<f16>` under `Fusion`, as a Burn user with
+/// `burn::backend::Wgpu<half::f16>` has it), tensors the crate creates for f32 values stay f32:
+/// the QB bias decides between equal scores by 2⁻¹², which f16 would round away; routing with
+/// `weights_from_biased_scores`, the reference dispatch, a training step and sampled generation
+/// do not mix f16 and f32 tensors (a `Fusion` panic). Burn fixes a device's default dtype at its
+/// first tensor, so this runs in a process of its own.
+#[test]
+fn a_half_default_backend_keeps_f32_where_the_design_says() {
+    let out = std::process::Command::new(std::env::current_exe().expect("the test binary"))
+        .args([
+            "--exact",
+            "fusion::half_default_child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(HALF_CHILD, "1")
+        .output()
+        .expect("the child process runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("half-default checks passed"),
+        "the child failed or did not run: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+#[ignore = "the child process of a_half_default_backend_keeps_f32_where_the_design_says"]
+fn half_default_child() {
+    use burn::module::{AutodiffModule, Param};
+    use burn::tensor::{Int, Tensor, TensorData};
+    use kimi_burn::generate::{GenerateOptions, Sampling};
+    use kimi_burn::nn::{RouterConfig, RouterOptions};
+    use kimi_burn::ops::with_kernels;
+    assert!(
+        std::env::var_os(HALF_CHILD).is_some(),
+        "run by its parent test, in a process of its own"
+    );
+    type H = WgpuFusion<half::f16>;
+    let device = Default::default();
+    let x_of = |m: usize, d: usize| {
+        let x: Vec<f32> = (0..m * d).map(|i| (i % 7) as f32 * 0.1 - 0.3).collect();
+        Tensor::<H, 2>::from_data(TensorData::new(x, [m, d]), &device)
+    };
+
+    // Experts 0 and 1 have the same gate column, so the same scores: the bias decides.
+    let (m, d, n) = (4, 8, 3);
+    let w: Vec<f32> = (0..d * n)
+        .map(|i| match i % n {
+            2 => -1.0,
+            _ => 0.1 * (i / n) as f32,
+        })
+        .collect();
+    let bias = [0.5, 0.5 + 2f32.powi(-12), 0.0];
+    for biased_weights in [false, true] {
+        let options = RouterOptions {
+            weights_from_biased_scores: biased_weights,
+            ..Default::default()
+        };
+        let mut router = RouterConfig::new(d, n, 1)
+            .with_options(options)
+            .init::<H>(&device);
+        router.gate.weight = Param::from_tensor(Tensor::from_data(
+            TensorData::new(w.clone(), [d, n]),
+            &device,
+        ));
+        for kernels in [true, false] {
+            let routing = with_kernels(kernels, || router.route(x_of(m, d), &bias).unwrap());
+            let chosen: Vec<i64> = routing.indices.into_data().iter::<i64>().collect();
+            assert_eq!(
+                chosen,
+                vec![1; m],
+                "kernels {kernels}: the exact bias decides"
+            );
+            let weights: Vec<f32> = routing.weights.into_data().iter::<f32>().collect();
+            assert!(weights.iter().all(|w| w.is_finite()), "{weights:?}");
+        }
+    }
+
+    // The small model: a training step with the kernels on `Fusion` and on both paths on the
+    // plain backend (the tensor-op reference on `Fusion<Wgpu<f16>>` fails inside Burn's fusion
+    // compiler: `x · 1/mean(x²)` over the last dim, in f16, panics in burn-cubecl-fusion 0.21),
+    // then sampled generation on `Fusion`.
+    let config = crate::model::small();
+    let ids: Vec<i64> = (0..2 * 9)
+        .map(|i| (i * 7 % config.vocab_size) as i64)
+        .collect();
+    let dir = std::env::temp_dir().join(format!("kimi-burn-half-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("model.safetensors");
+    config
+        .init::<WgpuCube<half::f16>>(&device)
+        .save_safetensors(&file)
+        .unwrap();
+    let step = |kernels: bool, fused: bool| {
+        fn run<B: burn::tensor::backend::AutodiffBackend>(
+            config: &KimiConfig,
+            file: &std::path::Path,
+            ids: &[i64],
+            kernels: bool,
+            device: &B::Device,
+        ) -> (KimiForCausalLM<B>, Vec<f64>) {
+            let model = KimiForCausalLM::<B>::from_safetensors(config, file, device).unwrap();
+            let (logits, grads) = with_kernels(kernels, || {
+                crate::model::logits_and_grads(&model, ids, [2, 9], device)
+            });
+            assert!(logits.iter().all(|l| l.is_finite()), "kernels {kernels}");
+            assert!(grads.iter().any(|g| g.2.is_some()), "kernels {kernels}");
+            (model, logits)
+        }
+        if fused {
+            let (model, logits) =
+                run::<burn::backend::Autodiff<H>>(&config, &file, &ids, kernels, &device);
+            (Some(model), logits)
+        } else {
+            let plain = run::<burn::backend::Autodiff<WgpuCube<half::f16>>>;
+            (None, plain(&config, &file, &ids, kernels, &device).1)
+        }
+    };
+    let (_, reference) = step(false, false);
+    let (_, kernels) = step(true, false);
+    let (model, fused) = step(true, true);
+    let model = model.expect("the fused model");
+    std::fs::remove_dir_all(&dir).ok();
+    // f16 activations: the paths agree to f16's rounding of logits of size ~1.
+    assert_close("kernels vs reference, f16", &reference, &kernels, 3e-2);
+    assert_close("Fusion vs plain, f16", &kernels, &fused, 3e-2);
+    let model = model.valid();
+    let prompt =
+        Tensor::<H, 2, Int>::from_data(TensorData::new(ids[..8].to_vec(), [2, 4]), &device);
+    let sampling = Sampling::TopKTopP {
+        temperature: 0.9,
+        top_k: 20,
+        top_p: 0.8,
+        seed: 3,
+    };
+    let out = model
+        .generate_stream(
+            prompt,
+            &GenerateOptions::new(4).with_sampling(sampling),
+            |_| true,
+        )
+        .expect("generate");
+    let out: Vec<i64> = out.into_data().iter::<i64>().collect();
+    assert!(out
+        .iter()
+        .all(|&id| (0..config.vocab_size as i64).contains(&id)));
+    println!("half-default checks passed");
+}

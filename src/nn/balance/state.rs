@@ -8,7 +8,7 @@ use burn::module::{
     ModuleVisitor, Param, ParamId,
 };
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, DType, FloatDType, Int, Tensor, TensorData};
 
 use super::{AnyBalancer, Balancer, BalancerKind, DriftMemory, HistogramSpec, RoutedBatch};
 use crate::error::{Error, Result};
@@ -47,7 +47,7 @@ impl<B: Backend> BiasState<B> {
         Self {
             id: ParamId::new(),
             inner: Arc::new(Mutex::new(BiasInner {
-                device: Tensor::from_data(TensorData::new(host.clone(), [n]), device),
+                device: Tensor::from_data(TensorData::new(host.clone(), [n]), (device, DType::F32)),
                 host,
                 pending: None,
             })),
@@ -83,7 +83,10 @@ impl<B: Backend> BiasState<B> {
     fn set(&self, bias: &[f32]) {
         let mut inner = self.lock();
         let device = inner.device.device();
-        inner.device = Tensor::from_data(TensorData::new(bias.to_vec(), [bias.len()]), &device);
+        inner.device = Tensor::from_data(
+            TensorData::new(bias.to_vec(), [bias.len()]),
+            (&device, DType::F32),
+        );
         inner.host = bias.to_vec();
     }
 
@@ -177,7 +180,9 @@ impl<B: Backend> Module<B> for BiasState<B> {
 
     fn load_record(mut self, record: Self::Record) -> Self {
         let device = self.lock().device.device();
-        let value = record.val().to_device(&device);
+        // A record's float tensor comes back in the backend's float type: on a half backend
+        // the bias has been rounded to it (the crate's safetensors files keep it exact).
+        let value = record.val().to_device(&device).cast(FloatDType::F32);
         {
             let mut inner = self.lock();
             inner.host = to_host_f32(value.clone());

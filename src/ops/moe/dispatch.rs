@@ -332,11 +332,9 @@ pub fn dispatch_stacked<B: Backend>(
         None => a,
     };
     let y = a.matmul(experts.w2.clone()).reshape([n * cap, width]);
-    let p = Tensor::cat(
-        vec![weights.reshape([m * k]), Tensor::zeros([1], &device)],
-        0,
-    )
-    .select(0, int_tensor::<B>(&slot_pair, &device));
+    let zero = Tensor::zeros([1], (&device, weights.dtype()));
+    let p = Tensor::cat(vec![weights.reshape([m * k]), zero], 0)
+        .select(0, int_tensor::<B>(&slot_pair, &device));
     let y = y.mul(restore(p, dtype).unsqueeze_dim::<2>(1));
     Tensor::<B, 2>::zeros([m + 1, width], (&device, dtype))
         .select_assign(0, slot_token, y, IndexingUpdateOp::Add)

@@ -349,7 +349,11 @@ pub fn route_top_k_fused<B: Backend>(
     let device = scores.device();
     let op = crate::ops::moe::kernels::RouteOp {
         scores: scores.clone(),
-        bias: Tensor::<B, 1>::from_data(TensorData::new(bias.to_vec(), [n]), &device),
+        // f32 whatever the backend's default float (SPEC §0: the QB bias is an f32 island).
+        bias: Tensor::<B, 1>::from_data(
+            TensorData::new(bias.to_vec(), [n]),
+            (&device, burn::tensor::DType::F32),
+        ),
         valid: valid.map(|v| v.device(&device)),
         k: opts.k,
         histogram,
