@@ -451,6 +451,65 @@ fn qat_quantises_each_matmul_along_its_reduction_dimension() {
     assert_eq!(bits_of(ffn.forward(x)), bits_of(want), "SiTU-GLU with QAT");
 }
 
+/// With full QAT (MXFP4 weights, MXFP8 activations) the routed experts quantise their input and
+/// their hidden activations as a standalone QAT SiTU-GLU does: the MoE equals
+/// `Σ_k p_k · expert_k(x)` with each expert cut out of the stack as its own QAT FFN, on both
+/// paths; dropping either activation quantisation moves the output far beyond the tolerance
+/// (checked against the weight-only layer).
+#[test]
+fn qat_routed_experts_quantise_their_activations_like_a_qat_ffn() {
+    use kimi_burn::nn::{LatentMoeConfig, MoeLayout};
+    let d = Default::default();
+    let (m, width, n, k) = (18, 64, 6, 2);
+    let cfg = LatentMoeConfig::new(width, n, k, 40)
+        .with_layout(MoeLayout::Standard)
+        .with_n_shared(0);
+    let full = cfg
+        .clone()
+        .with_qat(Some(QatConfig::mxfp4()))
+        .init::<Cpu>(&d);
+    let mut weights_only = full.clone();
+    weights_only.experts.qat = Some(QatConfig::new(Some(MxSpec::mxfp4()), None));
+    let x = randn::<Cpu, 3>(&mut rng(79), [2, 9, width], 1.0, &d);
+    let flat = x.clone().reshape([m, width]);
+    let routing = full
+        .router
+        .route(flat.clone(), &full.balance.bias_host())
+        .unwrap();
+    let chosen: Vec<i64> = routing.indices.into_data().iter::<i64>().collect();
+    let p = host(routing.weights);
+    let mut want = vec![0.0f64; m * width];
+    for e in 0..n {
+        let out = host(full.experts.expert(e).forward(flat.clone()));
+        for (slot, _) in chosen.iter().enumerate().filter(|(_, &c)| c == e as i64) {
+            let t = slot / k;
+            for j in 0..width {
+                want[t * width + j] += p[slot] * out[t * width + j];
+            }
+        }
+    }
+    for kernels in [true, false] {
+        let got = with_kernels(kernels, || host(full.forward(x.clone()).output));
+        assert_close(
+            &format!("full QAT MoE, kernels {kernels}"),
+            &want,
+            &got,
+            1e-5,
+        );
+    }
+    let without = host(weights_only.forward(x).output);
+    let gap = want
+        .iter()
+        .zip(&without)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    let scale = want.iter().map(|v| v.abs()).fold(0.0, f64::max);
+    assert!(
+        gap > 1e-3 * scale,
+        "activation quantisation changes the output: {gap} of {scale}"
+    );
+}
+
 /// The whole small model with MXFP4 weights everywhere (routed and shared experts, dense FFNs) on
 /// wgpu, with the kernels and on the reference, against ndarray: logits and every gradient. Both
 /// backends load the same weights, so their quantised values agree to the bit and the model keeps
