@@ -8,6 +8,10 @@
 //! `[batch, vocab]` logits (the decode step itself reads nothing). Both follow one rule
 //! ([`Sampling::pick`]) and pick the same token from the same logits and seed, up to f32
 //! rounding at a boundary.
+//!
+//! A QAT model fake-quantises its experts' weights on every forward; call
+//! [`with_quantized_weights`](KimiForCausalLM::with_quantized_weights) once before generating
+//! so that a decode step does not pass over every expert's weights.
 
 use burn::tensor::{backend::Backend, Bool, DType, FloatDType, Int, Tensor, TensorData};
 

@@ -269,6 +269,29 @@ impl<B: Backend> KimiForCausalLM<B> {
         copy
     }
 
+    /// The model with its QAT weight quantisation applied once, for inference: every weight
+    /// QAT quantises (routed experts; shared experts and dense FFNs when the config says so)
+    /// holds its quantised values, and forwards quantise only the activations. A QAT model
+    /// otherwise fake-quantises all its experts' weights on every forward, which in a decode
+    /// step is a pass over every expert of every MoE layer for one token. Logits are unchanged
+    /// (quantisation is idempotent); a packed export ([`save_safetensors_packed`](Self::save_safetensors_packed))
+    /// still packs them. Training the result would update the quantised values in full
+    /// precision: keep it for inference. Unchanged without QAT.
+    pub fn with_quantized_weights(mut self) -> Self {
+        self.layers = self
+            .layers
+            .into_iter()
+            .map(|mut layer| {
+                layer.ffn = match layer.ffn {
+                    Ffn::Dense(f) => Ffn::Dense(f.with_quantized_weights()),
+                    Ffn::Moe(m) => Ffn::Moe(m.with_quantized_weights()),
+                };
+                layer
+            })
+            .collect();
+        self
+    }
+
     /// The config the model was built from.
     pub fn config(&self) -> &KimiConfig {
         &self.config

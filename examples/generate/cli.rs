@@ -138,7 +138,10 @@ pub fn run<B: Backend>(
         ));
     }
     let stop = eos_ids(&config_path, &tokenizer)?;
-    let model = KimiForCausalLM::<B>::from_safetensors(&config, dir, device)?;
+    // A QAT model (an MX-packed folder, say) would quantise every expert's weights again on each
+    // decode step: quantise them once here.
+    let model =
+        KimiForCausalLM::<B>::from_safetensors(&config, dir, device)?.with_quantized_weights();
 
     let mut prompt_ids: Vec<i64> = Vec::new();
     if args.bos {

@@ -156,4 +156,18 @@ impl<B: Backend> RoutedExperts<B> {
             hidden_quant: self.qat.and_then(|q| q.activations),
         }
     }
+
+    /// These experts with their QAT weight quantisation applied once, for inference: the
+    /// stacks hold their quantised values and [`stacked`](Self::stacked) no longer quantises
+    /// every expert's weights on each forward (a decode step then costs the routed experts'
+    /// work, not a pass over all of them). Unchanged without a weight format.
+    pub fn with_quantized_weights(mut self) -> Self {
+        if let Some(q) = self.qat.filter(QatConfig::quantizes_weights) {
+            for stack in [&mut self.w1, &mut self.w3, &mut self.w2] {
+                *stack = stack.clone().map(|w| q.weight(w, 1));
+            }
+            self.qat = Some(q.with_weights_quantized());
+        }
+        self
+    }
 }

@@ -375,6 +375,14 @@ impl<B: Backend> LatentMoe<B> {
         })
     }
 
+    /// This layer with its experts' QAT weight quantisation applied once (routed and shared),
+    /// for inference ([`RoutedExperts::with_quantized_weights`]).
+    pub fn with_quantized_weights(mut self) -> Self {
+        self.experts = self.experts.with_quantized_weights();
+        self.shared = self.shared.map(SituGlu::with_quantized_weights);
+        self
+    }
+
     /// Applies the balancer to the bias from the statistics accumulated since the last call
     /// (once per optimiser step, after all micro-batches). Returns the new bias.
     pub fn update_balance(&self) -> Vec<f32> {

@@ -99,12 +99,29 @@ impl<B: Backend> SituGlu<B> {
             Some(q) => {
                 // Quantise the input once for both projections.
                 let x = q.activation(x);
-                let plain = QatConfig::new(q.weights, None);
+                let plain = QatConfig {
+                    activations: None,
+                    ..*q
+                };
                 (plain.linear(&self.w1, x.clone()), plain.linear(&self.w3, x))
             }
             None => (linear(&self.w1, x.clone()), linear(&self.w3, x)),
         };
         self.activation.apply(gate, up)
+    }
+
+    /// This FFN with its QAT weight quantisation applied once: the weights hold their quantised
+    /// values and forwards no longer quantise them (the activations still are), for inference
+    /// (see [`KimiForCausalLM::with_quantized_weights`](crate::model::KimiForCausalLM::with_quantized_weights)).
+    /// Unchanged without a weight format.
+    pub fn with_quantized_weights(mut self) -> Self {
+        if let Some(q) = self.qat.filter(QatConfig::quantizes_weights) {
+            for linear in [&mut self.w1, &mut self.w3, &mut self.w2] {
+                linear.weight = linear.weight.clone().map(|w| q.weight(w, 0));
+            }
+            self.qat = Some(q.with_weights_quantized());
+        }
+        self
     }
 
     /// Hidden width.

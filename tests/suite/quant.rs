@@ -510,6 +510,57 @@ fn qat_routed_experts_quantise_their_activations_like_a_qat_ffn() {
     );
 }
 
+/// `with_quantized_weights` quantises once what QAT quantised on every forward: the same logits
+/// bit for bit (ndarray and wgpu), and a forward then runs only the activations' fake
+/// quantisations: three fewer per QAT FFN (its `W1`, `W3`, `W2`), counted on wgpu where each is
+/// a kernel launch. Applying it twice changes nothing more.
+#[test]
+fn quantized_weights_give_the_same_logits_without_requantising() {
+    use burn::tensor::Int;
+    use kimi_burn::model::{Ffn, KimiForCausalLM};
+    fn logits<B: Backend>(model: &KimiForCausalLM<B>, device: &B::Device) -> (Vec<u32>, u64) {
+        let ids: Vec<i64> = (0..14).map(|i| (i * 5 % 64) as i64).collect();
+        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [2, 7]), device);
+        let before = kimi_burn::ops::kernel_calls(FusedOp::MxFakeQuant);
+        let bits = bits_of(model.forward(ids));
+        (
+            bits,
+            kimi_burn::ops::kernel_calls(FusedOp::MxFakeQuant) - before,
+        )
+    }
+    fn check<B: Backend>(kernel_launches: bool) {
+        let device = Default::default();
+        let mut config = crate::model::small();
+        config.moe.qat = Some(
+            QatConfig::mxfp4()
+                .with_shared_experts(true)
+                .with_dense_ffn(true),
+        );
+        let model = config.init::<B>(&device);
+        let ffns: u64 = model
+            .layers
+            .iter()
+            .map(|l| match &l.ffn {
+                Ffn::Dense(_) => 1,
+                Ffn::Moe(m) => 1 + u64::from(m.shared.is_some()),
+            })
+            .sum();
+        let (want, calls) = logits(&model, &device);
+        let once = model.with_quantized_weights();
+        let (got, calls_once) = logits(&once, &device);
+        assert_eq!(want, got, "the same logits");
+        let (again, calls_twice) = logits(&once.with_quantized_weights(), &device);
+        assert_eq!(want, again, "the same logits, quantised twice");
+        if kernel_launches {
+            assert_eq!(calls - calls_once, 3 * ffns, "{calls} vs {calls_once}");
+            assert_eq!(calls_once, calls_twice);
+        }
+    }
+    check::<Cpu>(false);
+    #[cfg(feature = "wgpu")]
+    check::<Gpu>(true);
+}
+
 /// The whole small model with MXFP4 weights everywhere (routed and shared experts, dense FFNs) on
 /// wgpu, with the kernels and on the reference, against ndarray: logits and every gradient. Both
 /// backends load the same weights, so their quantised values agree to the bit and the model keeps

@@ -64,6 +64,13 @@ pub struct QatConfig {
     /// Also quantise the dense FFN layers.
     #[serde(default)]
     pub dense_ffn: bool,
+    /// The weights already hold their quantised values
+    /// ([`KimiForCausalLM::with_quantized_weights`](crate::model::KimiForCausalLM::with_quantized_weights)):
+    /// [`weight`](Self::weight) passes them through instead of quantising them again on every
+    /// forward. A property of a module's weights, not of the recipe: configs neither write nor
+    /// read it.
+    #[serde(skip)]
+    pub weights_quantized: bool,
 }
 
 impl QatConfig {
@@ -74,6 +81,7 @@ impl QatConfig {
             activations,
             shared_experts: false,
             dense_ffn: false,
+            weights_quantized: false,
         }
     }
 
@@ -99,8 +107,21 @@ impl QatConfig {
     /// `[d_in, d_out]`; 1 for stacked experts `[n, d_in, d_out]`); unchanged without a weight format.
     pub fn weight<B: Backend, const D: usize>(&self, w: Tensor<B, D>, axis: usize) -> Tensor<B, D> {
         match self.weights {
-            Some(spec) => spec.fake_quant(w, axis),
-            None => w,
+            Some(spec) if !self.weights_quantized => spec.fake_quant(w, axis),
+            _ => w,
+        }
+    }
+
+    /// Whether [`weight`](Self::weight) quantises (a weight format, weights not yet quantised).
+    pub(crate) fn quantizes_weights(&self) -> bool {
+        self.weights.is_some() && !self.weights_quantized
+    }
+
+    /// This config for weights that already hold their quantised values.
+    pub(crate) fn with_weights_quantized(self) -> Self {
+        Self {
+            weights_quantized: true,
+            ..self
         }
     }
 
