@@ -95,23 +95,6 @@ fn collective_error(op: &str, e: impl std::fmt::Debug) -> Error {
     }
 }
 
-/// Whether every peer of `B` in a process is on one device (the CPU backends), so that
-/// burn-collective cannot order their tensors by device (see `Peer::all_reduce_in_rank_order`).
-fn shares_one_device<B: Backend>() -> bool {
-    use std::any::TypeId;
-    let device = TypeId::of::<B::Device>();
-    #[cfg(feature = "ndarray")]
-    if device == TypeId::of::<burn::backend::ndarray::NdArrayDevice>() {
-        return true;
-    }
-    #[cfg(any(feature = "flex", feature = "learner"))]
-    if device == TypeId::of::<burn::backend::flex::FlexDevice>() {
-        return true;
-    }
-    let _ = device;
-    false
-}
-
 impl<B: AutodiffBackend> Peer<B> {
     /// Registers peer `index` of `peers` in this process, on `device`. Blocks until all `peers`
     /// have registered.
@@ -198,7 +181,7 @@ impl<B: AutodiffBackend> Peer<B> {
         &self,
         tensor: Tensor<B::InnerBackend, 1>,
     ) -> Result<Tensor<B::InnerBackend, 1>> {
-        if self.replicas > 2 && shares_one_device::<B::InnerBackend>() {
+        if self.replicas > 2 && crate::ops::backend::host::is_host_device::<B::InnerBackend>() {
             self.all_reduce_in_rank_order(tensor)
         } else {
             self.collective_sum(tensor)
@@ -231,7 +214,7 @@ impl<B: AutodiffBackend> Peer<B> {
     ///
     /// burn-collective adds the peers' tensors in the order of their devices' ids and, among
     /// peers of one id (every CPU peer), in a hash map's order, which changes from call to call:
-    /// with three or more such peers, f32 rounding then made two runs (or a run and its resume)
+    /// with three or more such peers (every peer of a CPU backend shares its one device), f32 rounding then made two runs (or a run and its resume)
     /// differ. Here each replica all-reduces `[replicas, n]` with its tensor in its own row and
     /// zeros elsewhere (a sum of one value and zeros is exact in any order) and adds the rows in
     /// rank order itself: the same sum on every replica and in every run, for `replicas`
@@ -258,6 +241,35 @@ impl<B: AutodiffBackend> Peer<B> {
         Ok((1..replicas).fold(rows.clone().narrow(0, 0, n), |sum, r| {
             sum + rows.clone().narrow(0, r * n, n)
         }))
+    }
+
+    /// Errors unless every replica passes the same `value` (one small all-reduce; every replica
+    /// must call it): e.g. the step a resumed run continues from, which a node resumed from an
+    /// older checkpoint than the others would not share. The error lists each replica's value,
+    /// named `what`. Values up to 2²⁴ (they travel as f32).
+    pub fn check_same(&self, what: &str, value: u32) -> Result<()> {
+        let mut slots = vec![0.0f32; self.replicas];
+        slots[self.rank()] = value as f32;
+        let summed = self.all_reduce_sum(Tensor::from_data(
+            TensorData::new(slots, [self.replicas]),
+            (&self.device, DType::F32),
+        ))?;
+        let values: Vec<f32> = crate::sync::read(summed)
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| collective_error("agreement check", e))?;
+        if values.iter().all(|&v| v == value as f32) {
+            return Ok(());
+        }
+        let each: Vec<String> = values
+            .iter()
+            .enumerate()
+            .map(|(r, v)| format!("replica {r}: {v}"))
+            .collect();
+        Err(Error::Collective {
+            op: "agreement check".into(),
+            reason: format!("the replicas differ in {what} ({})", each.join(", ")),
+        })
     }
 
     /// The global step of data parallelism, in one all-reduce: sums `grads` (this replica's, of
@@ -354,7 +366,7 @@ impl<B: AutodiffBackend> Peer<B> {
         let n = packet.len();
         let summed = self.all_reduce_sum(Tensor::from_data(
             TensorData::new(packet, [n]),
-            &self.device,
+            (&self.device, DType::F32),
         ))?;
         let got = crate::sync::read(summed)
             .convert::<f32>()

@@ -90,6 +90,7 @@ fn replica_thread<B: AutodiffBackend>(
     let (rank, replicas) = (peer.rank(), peer.replicas());
     let sync_peer = peer.clone();
     let check_peer = peer.clone();
+    let step_peer = peer.clone();
     let dp = Replication {
         rank,
         replicas,
@@ -102,6 +103,11 @@ fn replica_thread<B: AutodiffBackend>(
         }),
         check: args.check_replicas.then(|| -> crate::CheckFn<B> {
             Box::new(move |model| check_peer.check_replicas(model).map_err(|e| e.to_string()))
+        }),
+        same_step: Box::new(move |step| {
+            step_peer
+                .check_same("the checkpoint step they resume from", step as u32)
+                .map_err(|e| format!("--resume: {e}; every node must resume from the same step"))
         }),
     };
     let trained = train_loop(args, model, device, Some(dp))?;

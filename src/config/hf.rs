@@ -153,11 +153,10 @@ impl KimiConfig {
         let mla = mla_of(&f)?;
         let mut moe = moe;
         // `quantization_config` sits at the top level of a Hugging Face config, also for K3.
-        // An explicit `null` means none, as an absent key does.
-        let quant = root
-            .get("quantization_config")
-            .or_else(|| obj.get("quantization_config"))
-            .filter(|v| !v.is_null());
+        // An explicit `null` means none, as an absent key does (and does not hide a nested one).
+        let quant = [root, obj]
+            .into_iter()
+            .find_map(|o| o.get("quantization_config").filter(|v| !v.is_null()));
         moe.qat = quant.map(qat_of).transpose()?;
         let config = Self {
             vocab_size: f.usize("vocab_size")?,
@@ -468,7 +467,7 @@ fn mla_of(f: &Fields<'_>) -> Result<MlaFields> {
 /// Hugging Face's MXFP4 models (`quant_method: "mxfp4"`) record only that the experts' weights are
 /// MXFP4. The crate adds what QAT also needs, with its own field names: `weight_format` and
 /// `activation_format` (`"e2m1"`, `"e4m3"`, `"e5m2"` or null), their scale rules
-/// (`"floor"`, `"ceil"`; `"rceil"`, SPEC §9's name, is read as `"ceil"`), and whether the shared experts and dense FFNs are quantised too.
+/// (`"floor"`, `"ceil"`), and whether the shared experts and dense FFNs are quantised too.
 fn qat_json(q: &QatConfig) -> Value {
     let format = |s: Option<MxSpec>| s.map(|s| format_name(s.format));
     let rule = |s: Option<MxSpec>| s.map(|s| rule_name(s.rule));
@@ -503,7 +502,8 @@ fn rule_name(r: MxScaleRule) -> &'static str {
 }
 
 /// Reads [`qat_json`]'s document; a plain Hugging Face `{"quant_method": "mxfp4"}` means MXFP4
-/// weights (specification scale rule) and full-precision activations.
+/// weights (specification scale rule) and full-precision activations. The scale rule `"rceil"`
+/// (SPEC §9's name) reads as `"ceil"`.
 fn qat_of(v: &Value) -> Result<QatConfig> {
     let obj = v.as_object().ok_or_else(|| {
         Error::config(

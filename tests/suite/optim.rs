@@ -888,6 +888,41 @@ fn adamw_steps<B: Backend>(
     out
 }
 
+/// `adamw_update` and `scaled_sum` take a gradient, moments or a second term of another dtype in
+/// the parameter's (first term's) dtype, on every path: with f64 ones the f32 results are those
+/// of the f32 inputs (the f64 values are f32 values widened), on ndarray and on wgpu with the
+/// kernels and without.
+#[test]
+fn optimiser_ops_take_other_dtypes_in_the_parameters() {
+    use burn::tensor::FloatDType;
+    use kimi_burn::ops::optim::{adamw_update, scaled_sum, AdamWScalars};
+    fn check<B: Backend>(device: &B::Device) {
+        let mut r = rng(41);
+        let param = randn::<B, 2>(&mut r, [5, 9], 0.5, device);
+        let grad = randn::<B, 2>(&mut r, [5, 9], 0.1, device);
+        let m1 = randn::<B, 2>(&mut r, [5, 9], 0.05, device);
+        let m2 = randn::<B, 2>(&mut r, [5, 9], 0.01, device).abs();
+        let wide = |t: &Tensor<B, 2>| t.clone().cast(FloatDType::F64);
+        let s = AdamWScalars::new(0.9, 0.95, 1e-8, 0.1, 0.01, 3);
+        for kernels in [true, false] {
+            kimi_burn::ops::with_kernels(kernels, || {
+                let same = adamw_update(param.clone(), grad.clone(), m1.clone(), m2.clone(), s);
+                let mixed = adamw_update(param.clone(), wide(&grad), wide(&m1), wide(&m2), s);
+                for (a, b) in [(same.0, mixed.0), (same.1, mixed.1), (same.2, mixed.2)] {
+                    assert_eq!(b.dtype(), a.dtype(), "kernels {kernels}");
+                    assert_eq!(host(a), host(b), "adamw, kernels {kernels}");
+                }
+                let same = scaled_sum(param.clone(), 0.7, grad.clone(), -1.5);
+                let mixed = scaled_sum(param.clone(), 0.7, wide(&grad), -1.5);
+                assert_eq!(host(same), host(mixed), "scaled sum, kernels {kernels}");
+            });
+        }
+    }
+    check::<Cpu>(&Default::default());
+    #[cfg(feature = "wgpu")]
+    check::<Gpu>(&Default::default());
+}
+
 /// On the CPU `adamw_update` runs its tensor-op form, which is Burn's `AdamW` operation for
 /// operation: the same bits.
 #[test]

@@ -79,6 +79,34 @@ fn three_cpu_peers_sum_in_rank_order_every_time() {
     burn::collective::reset_collective::<Cpu>();
 }
 
+/// `Peer::check_same` passes when every replica has the value and otherwise names each one's
+/// (as `train_tiny --resume` uses it for the step every node resumes from).
+#[test]
+fn replicas_that_resume_from_different_steps_are_named() {
+    let _one = COLLECTIVE.lock().unwrap_or_else(|e| e.into_inner());
+    let handles: Vec<_> = (0..3usize)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let device = Default::default();
+                let me = Peer::<B>::local(i, 3, &device).expect("register");
+                let same = me.check_same("the step", 40);
+                let differ = me.check_same("the step", if i == 1 { 20 } else { 40 });
+                (same, differ.map_err(|e| e.to_string()))
+            })
+        })
+        .collect();
+    for h in handles {
+        let (same, differ) = h.join().expect("a peer panicked");
+        assert!(same.is_ok(), "{same:?}");
+        let err = differ.unwrap_err();
+        assert!(
+            err.contains("the step") && err.contains("replica 0: 40, replica 1: 20, replica 2: 40"),
+            "{err}"
+        );
+    }
+    burn::collective::reset_collective::<Cpu>();
+}
+
 /// Data parallelism changes nothing but where the micro-batches run. From one start, 5 steps of
 /// MQAR with 16 sequences per step:
 ///

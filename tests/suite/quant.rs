@@ -632,6 +632,17 @@ fn qat_round_trips_through_the_hf_config() {
     );
     json["quantization_config"] = serde_json::Value::Null;
     assert_eq!(KimiConfig::from_hf_json(&json).unwrap().moe.qat, None);
+    // A null at the top does not hide one under `text_config` (K3's layout).
+    let mut inner = KimiConfig::tiny();
+    inner.moe.qat = Some(QatConfig::mxfp4());
+    let wrapped = serde_json::json!({
+        "text_config": inner.to_hf_json(),
+        "quantization_config": null,
+    });
+    assert_eq!(
+        KimiConfig::from_hf_json(&wrapped).unwrap().moe.qat,
+        Some(QatConfig::mxfp4())
+    );
     json["quantization_config"] = serde_json::json!({"quant_method": "gptq"});
     let err = KimiConfig::from_hf_json(&json).unwrap_err().to_string();
     assert!(

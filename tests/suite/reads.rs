@@ -162,7 +162,7 @@ fn generation_reads_back_only_the_picked_ids() {
                     Sampling::Greedy => 0.0,
                     _ => rng.unit_f64(),
                 };
-                let id = sampling.pick(logits, u) as i64;
+                let id = sampling.pick(logits, u).unwrap() as i64;
                 assert_eq!(
                     out[row * width + t / 2 + step],
                     id,
@@ -171,6 +171,34 @@ fn generation_reads_back_only_the_picked_ids() {
                 ids.push(id);
             }
             input = Tensor::from_data(TensorData::new(ids, [b, 1]), &device);
+        }
+    }
+
+    // Rows with NaN, +∞ and only −∞ (Burn's reductions on the GPU start from the lowest finite
+    // f32): the device picks the host's token, greedy and sampled.
+    let (nan, inf) = (f32::NAN, f32::INFINITY);
+    let rows: [[f32; 5]; 4] = [
+        [0.5, nan, 2.0, 1.0, nan],
+        [0.5, inf, 2.0, inf, -1.0],
+        [f32::NEG_INFINITY; 5],
+        [nan, f32::NEG_INFINITY, nan, nan, nan],
+    ];
+    let logits =
+        Tensor::<B, 2>::from_data(TensorData::new(rows.concat(), [rows.len(), 5]), &device);
+    for sampling in [Sampling::Greedy, sampled] {
+        for u in [0.05, 0.5, 0.95] {
+            let us = [u; 4];
+            let got: Vec<i64> = sampling
+                .pick_on_device(logits.clone(), &us)
+                .unwrap()
+                .into_data()
+                .iter::<i64>()
+                .collect();
+            let want: Vec<i64> = rows
+                .iter()
+                .map(|row| sampling.pick(row, u).unwrap() as i64)
+                .collect();
+            assert_eq!(got, want, "{sampling:?}, u {u}");
         }
     }
 }

@@ -64,7 +64,8 @@ impl AdamWScalars {
 }
 
 /// One AdamW step of a parameter: `(param, m1, m2)` after it, from the parameter, its gradient and
-/// the moments before it (zeros before the first step), all of one shape and dtype:
+/// the moments before it (zeros before the first step), all of one shape; the gradient and the
+/// moments are taken in the parameter's dtype (on every path, as the kernel stores them):
 ///
 /// ```text
 /// m1 ← β₁·m1 + (1 − β₁)·g,   m2 ← β₂·m2 + (1 − β₂)·g²
@@ -98,8 +99,11 @@ pub fn adamw_update<B: Backend, const D: usize>(
             "adamw_update: {what} has shape {other:?}, the parameter {shape:?}"
         );
     }
+    let dtype = param.dtype();
+    let like = |t: Tensor<B, D>| if t.dtype() == dtype { t } else { t.cast(dtype) };
+    let (grad, m1, m2) = (like(grad), like(m1), like(m2));
     let len = shape.num_elements();
-    let f32s = [param.dtype(), grad.dtype(), m1.dtype(), m2.dtype()] == [DType::F32; 4];
+    let f32s = dtype == DType::F32;
     if f32s && len > 0 && backend::host::is_cpu_backend::<B>() {
         let inputs = [param, grad, m1, m2].map(|t| t.into_primitive().tensor());
         match backend::host::run_untracked::<B, 4, 3>(inputs, |x| host::adamw(scalars, x)) {
@@ -164,7 +168,7 @@ fn adamw_reference<B: Backend, const D: usize>(
     (kept - delta.mul_scalar(s.lr), m1, m2)
 }
 
-/// `a·x + b·y` for two tensors of one shape: on the CubeCL backends one kernel (f32 arithmetic
+/// `a·x + b·y` for two tensors of one shape (`y` taken in `x`'s dtype): on the CubeCL backends one kernel (f32 arithmetic
 /// with `a` and `b` rounded to f32, each product rounded, then the sum); on the CPU backends (f32)
 /// the same arithmetic in one host pass, into `x`'s buffer when nothing else holds it (untracked
 /// under `Autodiff`), the bits of the tensor-op form; elsewhere `x·a + y·b` in tensor ops (the factors converted to the tensors' element type; a factor of exactly 1 skips its
@@ -184,9 +188,13 @@ pub fn scaled_sum<B: Backend, const D: usize>(
         "scaled_sum: y has shape {:?}, x {shape:?}",
         y.shape()
     );
+    let y = if y.dtype() == x.dtype() {
+        y
+    } else {
+        y.cast(x.dtype())
+    };
     let len = shape.num_elements();
-    if [x.dtype(), y.dtype()] == [DType::F32; 2] && len > 0 && backend::host::is_cpu_backend::<B>()
-    {
+    if x.dtype() == DType::F32 && len > 0 && backend::host::is_cpu_backend::<B>() {
         let inputs = [x, y].map(|t| t.into_primitive().tensor());
         match backend::host::run_untracked::<B, 2, 1>(inputs, |v| {
             host::scaled_sum(a as f32, b as f32, v)

@@ -105,6 +105,23 @@ pub(crate) fn is_cpu_backend<B: Backend>() -> bool {
     false
 }
 
+/// Whether `B`'s tensors live in host memory (its device is the CPU: ndarray, and Flex with
+/// `flex` or `learner`), whatever its element types and whether the host kernels are on. Every
+/// tensor of such a backend is on the one device.
+pub(crate) fn is_host_device<B: Backend>() -> bool {
+    let device = TypeId::of::<B::Device>();
+    #[cfg(feature = "ndarray")]
+    if device == TypeId::of::<burn::backend::ndarray::NdArrayDevice>() {
+        return true;
+    }
+    #[cfg(any(feature = "flex", feature = "learner"))]
+    if device == TypeId::of::<burn::backend::flex::FlexDevice>() {
+        return true;
+    }
+    let _ = device;
+    false
+}
+
 /// Whether `B` is `NdArray<f32>` or `Autodiff<NdArray<f32>>` with the host kernels on: the
 /// backends whose tensors the host ops read and hand back in place ([`HostData::NdArray`]).
 pub(crate) fn is_ndarray_backend<B: Backend>() -> bool {

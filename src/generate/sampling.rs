@@ -1,23 +1,10 @@
-//! Incremental generation: prefill the prompt through a [`KimiCache`], then decode one token at a
-//! time, greedily or by temperature / top-k / nucleus (top-p) sampling, optionally streaming each
-//! step's tokens to a callback and stopping at end-of-sequence tokens.
-//!
-//! Where the token is picked: on the CPU backends on the host, from the last position's logits
-//! (read in place on ndarray); on every other backend on the device
-//! ([`Sampling::pick_on_device`]), so that a step reads back only its `[batch]` token ids, not the
-//! `[batch, vocab]` logits (the decode step itself reads nothing). Both follow one rule
-//! ([`Sampling::pick`]) and pick the same token from the same logits and seed, up to f32
-//! rounding at a boundary.
-//!
-//! A QAT model fake-quantises its experts' weights on every forward; call
-//! [`with_quantized_weights`](KimiForCausalLM::with_quantized_weights) once before generating
-//! so that a decode step does not pass over every expert's weights.
+//! How a token is picked from a row of logits ([`Sampling`]): greedily or by temperature /
+//! top-k / nucleus sampling, on the host ([`Sampling::pick`]) or on the device
+//! ([`Sampling::pick_on_device`]) by one rule; [`Sampling::pick_rows`] chooses where.
 
 use burn::tensor::{backend::Backend, Bool, DType, FloatDType, Int, Tensor, TensorData};
 
-use crate::data::SeededRng;
 use crate::error::{Error, Result};
-use crate::model::{KimiCache, KimiForCausalLM};
 
 /// How the next token is chosen from the logits.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -53,7 +40,7 @@ pub enum Sampling {
 
 impl Sampling {
     /// `(temperature, top_k, top_p, seed)` of a sampling rule; `None` for greedy.
-    fn parts(self) -> Option<(f32, usize, f32, u64)> {
+    pub(super) fn parts(self) -> Option<(f32, usize, f32, u64)> {
         match self {
             Self::Greedy => None,
             Self::TopP {
@@ -70,7 +57,7 @@ impl Sampling {
         }
     }
 
-    fn validate(&self) -> Result<()> {
+    pub(super) fn validate(&self) -> Result<()> {
         if let Some((temperature, _, top_p, _)) = self.parts() {
             if !(temperature.is_finite() && temperature > 0.0) {
                 return Err(Error::argument(
@@ -90,22 +77,35 @@ impl Sampling {
 }
 
 /// Scaled logits `(l − max) / temperature` are clamped from below at this value before
-/// sampling: `exp` of it is 0 in f32, so such tokens (and `−∞` logits) are never drawn, and the
-/// threshold searches of [`Sampling::pick_on_device`] have a finite range.
+/// sampling: `exp` of it is 0 in f32, so such tokens are never drawn, and the threshold searches
+/// of [`Sampling::pick_on_device`] have a finite range.
 const FLOOR: f32 = -110.0;
 
-/// Halvings of the threshold searches on the device: they bracket a threshold of the scaled
-/// logits (in `[FLOOR − 1, 2⁻¹⁰]`) to within `111 · 2⁻³⁶ ≈ 1.6·10⁻⁹`.
+/// Halvings of the threshold searches on the device. Each brackets a threshold of the scaled
+/// logits, which lie in `[FLOOR, 0]`, starting from `[FLOOR − 1, 2⁻¹⁰]`: after 36 halvings to
+/// `111 · 2⁻³⁶ ≈ 1.6·10⁻⁹`, or to adjacent floats where those lie further apart. A token that
+/// close below a threshold counts as tied with it.
 const BISECTIONS: usize = 36;
 
-/// The index of the largest value (ties: the lower index; NaN never wins).
+/// A logit as the sampler sees it: NaN and `−∞` count as the lowest finite f32, so that a row's
+/// maximum is finite or `+∞` and a row of nothing else is a tie (on the device too, where Burn's
+/// reductions start from that value).
+fn sane(l: f32) -> f32 {
+    if l.is_nan() {
+        f32::MIN
+    } else {
+        l.max(f32::MIN)
+    }
+}
+
+/// The index of the largest value (ties: the lower index), after [`sane`].
 fn argmax(values: &[f32]) -> usize {
     values
         .iter()
         .enumerate()
         .fold((0usize, f32::NEG_INFINITY), |best, (i, &v)| {
-            if v > best.1 {
-                (i, v)
+            if sane(v) > best.1 {
+                (i, sane(v))
             } else {
                 best
             }
@@ -117,23 +117,37 @@ impl Sampling {
     /// Picks the next token from one row of `logits`, on the host; `u` is a uniform number in
     /// `[0, 1)` (ignored by [`Greedy`](Self::Greedy)).
     ///
-    /// The rule, which [`pick_on_device`](Self::pick_on_device) follows too: with scaled logits
-    /// `s = (l − max) / temperature` and probabilities `p ∝ exp(s)`, the candidates are the
-    /// `top_k` most likely tokens and every token tied with the `k`-th (all tokens when `top_k`
-    /// is 0 or at least the vocabulary); of those, the nucleus is the most likely tokens whose
-    /// probability reaches `top_p` of the candidates' mass, again with every token tied with the
-    /// least likely of them. The token is drawn from the nucleus by inverting its cumulative
-    /// distribution **in id order** at `u` (the same token as the device draws for the same `u`,
-    /// up to f32 rounding at the boundaries).
-    pub fn pick(&self, logits: &[f32], u: f64) -> usize {
+    /// The rule, which [`pick_on_device`](Self::pick_on_device) follows too: NaN and `−∞`
+    /// logits count as the lowest finite f32; with scaled logits `s = (l − max) / temperature`
+    /// (0 for the tokens at the maximum, also when it is `+∞`) and probabilities `p ∝ exp(s)`,
+    /// the candidates are the `top_k` most likely tokens and every token tied with the `k`-th
+    /// (all tokens when `top_k` is 0 or at least the vocabulary); of those, the nucleus is the
+    /// most likely tokens whose probability reaches `top_p` of the candidates' mass, again with
+    /// every token tied with the least likely of them. The token is drawn from the nucleus by
+    /// inverting its cumulative distribution **in id order** at `u` (the same token as the
+    /// device draws for the same `u`, up to f32 rounding at the boundaries). Greedy takes the
+    /// first maximum.
+    ///
+    /// Errors on an invalid sampling rule (a temperature that is not finite and positive, a
+    /// `top_p` outside `(0, 1]`) or an empty row.
+    pub fn pick(&self, logits: &[f32], u: f64) -> Result<usize> {
+        self.validate()?;
+        if logits.is_empty() {
+            return Err(Error::argument(
+                "logits",
+                "an empty row has no token to pick",
+            ));
+        }
         let Some((temperature, top_k, top_p, _)) = self.parts() else {
-            return argmax(logits);
+            return Ok(argmax(logits));
         };
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        // NaN scaled logits (NaN logits) become FLOOR: f32::max keeps the number.
+        let max = logits.iter().map(|&l| sane(l)).fold(f32::MIN, f32::max);
         let s: Vec<f32> = logits
             .iter()
-            .map(|&l| ((l - max) / temperature).max(FLOOR))
+            .map(|&l| match sane(l) {
+                l if l == max => 0.0,
+                l => ((l - max) / temperature).max(FLOOR),
+            })
             .collect();
         let p = |v: f32| f64::from(v.exp());
         let mut sorted = s.clone();
@@ -159,13 +173,13 @@ impl Sampling {
         for (i, &v) in s.iter().enumerate() {
             if v >= threshold && p(v) > 0.0 {
                 if x < p(v) {
-                    return i;
+                    return Ok(i);
                 }
                 x -= p(v);
                 last = i;
             }
         }
-        last
+        Ok(last)
     }
 
     /// [`pick`](Self::pick) for every row of `logits: [rows, vocab]` at once, on the logits'
@@ -175,27 +189,52 @@ impl Sampling {
     ///
     /// Plain tensor ops, any backend: greedy is one `argmax`; sampling finds the top-k and the
     /// nucleus thresholds of the scaled logits by bisection ([`BISECTIONS`] halvings each: a
-    /// token within about `1.6·10⁻⁹` below a threshold counts as tied with it) and draws in id
-    /// order through the cumulative sums of `√vocab`-sized blocks. Computed in f32 whatever the
-    /// logits' dtype.
+    /// token within about `1.6·10⁻⁹` below a threshold counts as tied with it), about six
+    /// `[rows, vocab]` ops per halving, and draws in id order through the cumulative sums of
+    /// `√vocab`-sized blocks. Computed in f32 whatever the logits' dtype.
     ///
-    /// # Panics
-    /// If `u` does not have one number per row.
-    pub fn pick_on_device<B: Backend>(&self, logits: Tensor<B, 2>, u: &[f64]) -> Tensor<B, 1, Int> {
+    /// Errors as [`pick`](Self::pick) does, and when `u` does not hold one number per row.
+    pub fn pick_on_device<B: Backend>(
+        &self,
+        logits: Tensor<B, 2>,
+        u: &[f64],
+    ) -> Result<Tensor<B, 1, Int>> {
+        self.validate()?;
         let [rows, vocab] = logits.dims();
-        if rows == 0 {
-            return Tensor::empty([0], &logits.device());
+        if vocab == 0 && rows > 0 {
+            return Err(Error::argument(
+                "logits",
+                "an empty row has no token to pick",
+            ));
         }
-        let Some((temperature, top_k, top_p, _)) = self.parts() else {
-            return logits.argmax(1).reshape([rows]);
-        };
-        assert_eq!(u.len(), rows, "one uniform number per row of logits");
+        if rows == 0 {
+            return Ok(Tensor::empty([0], &logits.device()));
+        }
         let device = logits.device();
         let f32_on = (&device, DType::F32);
-        let column = |v: f32| Tensor::<B, 2>::full([rows, 1], v, f32_on);
         let logits = logits.cast(FloatDType::F32);
-        let max = logits.clone().max_dim(1);
-        let s = ((logits - max) / temperature).clamp_min(FLOOR);
+        let logits = logits
+            .clone()
+            .mask_fill(logits.is_nan(), f32::MIN)
+            .clamp_min(f32::MIN);
+        let Some((temperature, top_k, top_p, _)) = self.parts() else {
+            return Ok(logits.argmax(1).reshape([rows]));
+        };
+        if u.len() != rows {
+            return Err(Error::argument(
+                "u",
+                format!(
+                    "one uniform number per row of logits: {} for {rows} rows",
+                    u.len()
+                ),
+            ));
+        }
+        let column = |v: f32| Tensor::<B, 2>::full([rows, 1], v, f32_on);
+        let max = logits.clone().max_dim(1).expand([rows, vocab]);
+        let at_max = logits.clone().equal(max.clone());
+        let s = ((logits - max) / temperature)
+            .clamp_min(FLOOR)
+            .mask_fill(at_max, 0.0);
         let p = s.clone().exp();
         // The largest threshold `t` for which `holds(s ≥ t)` is true, per row; `holds` must be
         // true at `lo` and turn false as `t` grows (it is false above the maximum, 0).
@@ -213,8 +252,9 @@ impl Sampling {
                 lo
             };
         let kth = if top_k > 0 && top_k < vocab {
+            // Counted in integers: a float count would take the device's default float dtype.
             bisect(column(FLOOR - 1.0), &|above| {
-                above.float().sum_dim(1).greater_equal_elem(top_k as f32)
+                above.int().sum_dim(1).greater_equal_elem(top_k as i64)
             })
         } else {
             column(FLOOR - 1.0)
@@ -238,7 +278,40 @@ impl Sampling {
             .map(|&u| (u as f32).min(1.0 - f32::EPSILON / 2.0))
             .collect();
         let u = Tensor::<B, 2>::from_data(TensorData::new(u, [rows, 1]), f32_on);
-        draw_in_id_order(q, u)
+        Ok(draw_in_id_order(q, u))
+    }
+
+    /// The ids [`pick`](Self::pick) chooses for every row of `logits: [rows, vocab]`, on the
+    /// host: on the CPU backends there, from the logits (read in place on ndarray, copied on
+    /// the others); elsewhere on the device ([`pick_on_device`](Self::pick_on_device)), reading
+    /// back only the `[rows]` ids. One read either way. `u` as for `pick_on_device`.
+    pub fn pick_rows<B: Backend>(&self, logits: Tensor<B, 2>, u: &[f64]) -> Result<Vec<i64>> {
+        let [rows, vocab] = logits.dims();
+        if u.len() != rows {
+            return Err(Error::argument(
+                "u",
+                format!(
+                    "one uniform number per row of logits: {} for {rows} rows",
+                    u.len()
+                ),
+            ));
+        }
+        let on_host = |logits: &[f32]| -> Result<Vec<i64>> {
+            logits
+                .chunks_exact(vocab.max(1))
+                .zip(u)
+                .map(|(row, &u)| self.pick(row, u).map(|id| id as i64))
+                .collect()
+        };
+        use crate::ops::backend::host;
+        if let Some(ids) = host::read_in_place(&logits, on_host) {
+            return ids;
+        }
+        if host::is_host_device::<B>() {
+            return on_host(&crate::sync::read(logits).iter::<f32>().collect::<Vec<_>>());
+        }
+        let ids = self.pick_on_device(logits, u)?;
+        Ok(crate::sync::read(ids).iter::<i64>().collect())
     }
 }
 
@@ -300,158 +373,17 @@ fn count_below<B: Backend>(
         .int()
         .sum_dim(1)
 }
-/// The most new tokens a generation allocates its MLA caches for up front; beyond them the caches
-/// grow by doubling, so a generation bounded only by its stop tokens (`max_new_tokens =
-/// usize::MAX`) allocates what it uses.
-const PREALLOCATED_NEW_TOKENS: usize = 4096;
-
-/// What [`KimiForCausalLM::generate_stream`] generates.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GenerateOptions {
-    /// At most this many new tokens per sequence (`usize::MAX`: until every sequence has met a
-    /// stop token).
-    pub max_new_tokens: usize,
-    /// How each token is chosen.
-    pub sampling: Sampling,
-    /// Tokens that end a sequence (its end-of-sequence ids); empty: none.
-    pub stop_tokens: Vec<i64>,
-}
-
-impl GenerateOptions {
-    /// `max_new_tokens` greedy tokens, no stop token.
-    pub fn new(max_new_tokens: usize) -> Self {
-        Self {
-            max_new_tokens,
-            sampling: Sampling::Greedy,
-            stop_tokens: Vec::new(),
-        }
-    }
-
-    /// With `sampling`.
-    pub fn with_sampling(mut self, sampling: Sampling) -> Self {
-        self.sampling = sampling;
-        self
-    }
-
-    /// Ending a sequence at any of `stop_tokens`.
-    pub fn with_stop_tokens(mut self, stop_tokens: Vec<i64>) -> Self {
-        self.stop_tokens = stop_tokens;
-        self
-    }
-}
-
-impl<B: Backend> KimiForCausalLM<B> {
-    /// Continues `prompt: [B, T]` by `max_new_tokens` tokens: one prefill pass over the prompt,
-    /// then one cached decode step per new token. Returns `[B, T + max_new_tokens]`.
-    pub fn generate(
-        &self,
-        prompt: Tensor<B, 2, Int>,
-        max_new_tokens: usize,
-        sampling: Sampling,
-    ) -> Result<Tensor<B, 2, Int>> {
-        let options = GenerateOptions::new(max_new_tokens).with_sampling(sampling);
-        // On the CPU backends the whole generation runs on rayon's pool as one piece; a stream's
-        // callback may not be `Send`, so `generate_stream` moves each step there instead.
-        crate::ops::backend::on_cpu_pool::<B, _>(|| {
-            self.generate_stream(prompt, &options, |_| true)
-        })
-    }
-
-    /// [`generate`](Self::generate), streaming: after each step (the first is the prefill),
-    /// `on_step` gets that step's new token of every sequence and returns whether to go on. A
-    /// sequence that produced one of `stop_tokens` has ended: it is padded with that token from
-    /// then on, and generation stops once every sequence has ended (or after `max_new_tokens`,
-    /// or when `on_step` says so). Returns the prompt and every generated token,
-    /// `[B, T + steps]`.
-    ///
-    /// On the CPU backends each step runs on rayon's pool
-    /// ([`on_cpu_pool`](crate::ops::backend::on_cpu_pool)) and `on_step` on the calling thread;
-    /// call this inside `on_cpu_pool` (with a `Send` callback) to run the whole generation there,
-    /// as [`generate`](Self::generate) does.
-    pub fn generate_stream(
-        &self,
-        prompt: Tensor<B, 2, Int>,
-        options: &GenerateOptions,
-        mut on_step: impl FnMut(&[i64]) -> bool,
-    ) -> Result<Tensor<B, 2, Int>> {
-        let sampling = options.sampling;
-        sampling.validate()?;
-        let [batch, prompt_len] = prompt.dims();
-        let device = prompt.device();
-        // The crate's own generator: a seed names the same samples whatever the dependencies.
-        let mut rng = SeededRng::new(sampling.parts().map_or(0, |p| p.3));
-        // The MLA caches are allocated for the prompt and up to PREALLOCATED_NEW_TOKENS new
-        // tokens; a longer generation (or `usize::MAX`: until every sequence stops) grows them.
-        let capacity =
-            prompt_len.saturating_add(options.max_new_tokens.min(PREALLOCATED_NEW_TOKENS));
-        let mut cache = KimiCache::with_capacity(self.config(), capacity);
-        let mut ended: Vec<Option<i64>> = vec![None; batch];
-        let mut out = vec![prompt.clone()];
-        let mut input = prompt;
-        for _ in 0..options.max_new_tokens {
-            let logits = self.try_forward(input, None, Some(&mut cache))?.logits;
-            let [_, t, vocab] = logits.dims();
-            let last = logits.narrow(1, t - 1, 1).reshape([batch, vocab]);
-            // One uniform number per sequence still going, drawn in order whichever path picks.
-            let u: Vec<f64> = ended
-                .iter()
-                .map(|end| match (end, sampling) {
-                    (None, Sampling::Greedy) | (Some(_), _) => 0.0,
-                    (None, _) => rng.unit_f64(),
-                })
-                .collect();
-            let on_host = |logits: &[f32]| -> Vec<i64> {
-                logits
-                    .chunks_exact(vocab)
-                    .zip(&u)
-                    .map(|(row, &u)| sampling.pick(row, u) as i64)
-                    .collect()
-            };
-            // On ndarray the logits are read where they lie; on the other CPU backends they are
-            // copied; elsewhere only the picked ids come back.
-            let picked = match crate::ops::backend::host::read_in_place(&last, on_host) {
-                Some(ids) => ids,
-                None if crate::ops::backend::host::is_cpu_backend::<B>() => {
-                    on_host(&crate::sync::read(last).iter::<f32>().collect::<Vec<_>>())
-                }
-                None => crate::sync::read(sampling.pick_on_device(last, &u))
-                    .iter::<i64>()
-                    .collect(),
-            };
-            let next: Vec<i64> = picked
-                .into_iter()
-                .zip(&mut ended)
-                .map(|(id, end)| {
-                    // An ended sequence is padded with its stop token.
-                    if let Some(stop) = *end {
-                        return stop;
-                    }
-                    if options.stop_tokens.contains(&id) {
-                        *end = Some(id);
-                    }
-                    id
-                })
-                .collect();
-            let go_on = on_step(&next);
-            input = Tensor::from_data(TensorData::new(next, [batch, 1]), &device);
-            out.push(input.clone());
-            if !go_on || ended.iter().all(Option::is_some) {
-                break;
-            }
-        }
-        Ok(Tensor::cat(out, 1))
-    }
-}
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::SeededRng;
 
     #[test]
     fn top_p_keeps_only_the_nucleus_and_greedy_takes_the_first_maximum() {
         let mut rng = SeededRng::new(1);
         let logits = [0.0f32, 3.0, 3.0, 1.0, -2.0];
-        assert_eq!(Sampling::Greedy.pick(&logits, rng.unit_f64()), 1);
+        assert_eq!(Sampling::Greedy.pick(&logits, rng.unit_f64()).unwrap(), 1);
         // Tokens 1 and 2 hold ~0.92 of the mass: with top_p = 0.9 nothing else may appear.
         let s = Sampling::TopP {
             temperature: 1.0,
@@ -460,7 +392,7 @@ mod tests {
         };
         let mut seen = [0usize; 5];
         for _ in 0..2000 {
-            seen[s.pick(&logits, rng.unit_f64())] += 1;
+            seen[s.pick(&logits, rng.unit_f64()).unwrap()] += 1;
         }
         assert_eq!(seen[0] + seen[3] + seen[4], 0, "{seen:?}");
         assert!(seen[1] > 800 && seen[2] > 800, "{seen:?}");
@@ -472,7 +404,7 @@ mod tests {
         };
         let mut seen = [0usize; 5];
         for _ in 0..20000 {
-            seen[s.pick(&logits, rng.unit_f64())] += 1;
+            seen[s.pick(&logits, rng.unit_f64()).unwrap()] += 1;
         }
         let p3 = (1.0f64).exp() / (1.0 + 2.0 * 3.0f64.exp() + 1.0f64.exp() + (-2.0f64).exp());
         assert!((seen[3] as f64 / 20000.0 - p3).abs() < 0.01, "{seen:?}");
@@ -491,7 +423,7 @@ mod tests {
             };
             let mut seen = [0usize; 5];
             for _ in 0..20000 {
-                seen[s.pick(&logits, rng.unit_f64())] += 1;
+                seen[s.pick(&logits, rng.unit_f64()).unwrap()] += 1;
             }
             seen
         };
@@ -528,10 +460,15 @@ mod tests {
         for vocab in [1usize, 2, 7, 50, 301] {
             for tied in [true, false] {
                 let rows = 6;
+                // Row 4 is all −∞; NaN anywhere; +∞ in the untied rows now and then.
                 let logits: Vec<f32> = (0..rows * vocab)
                     .map(|i| {
-                        if i % 13 == 5 {
+                        if i % 13 == 5 || i / vocab == 4 {
                             f32::NEG_INFINITY
+                        } else if i % 17 == 3 {
+                            f32::NAN
+                        } else if !tied && i % 37 == 11 {
+                            f32::INFINITY
                         } else if tied {
                             (rng.unit_f64() * 12.0).floor() as f32 * 0.5 - 3.0
                         } else {
@@ -555,20 +492,21 @@ mod tests {
                             let u: Vec<f64> = (0..rows).map(|_| rng.unit_f64()).collect();
                             let device_ids: Vec<i64> = s
                                 .pick_on_device(tensor.clone(), &u)
+                                .unwrap()
                                 .into_data()
                                 .iter::<i64>()
                                 .collect();
                             for (r, row) in logits.chunks(vocab).enumerate() {
-                                let want = s.pick(row, u[r]);
+                                let want = s.pick(row, u[r]).unwrap();
                                 assert_eq!(
                                     device_ids[r], want as i64,
                                     "vocab {vocab}, tied {tied}, {s:?}, row {r}, u {}: {row:?}",
                                     u[r]
                                 );
-                                // (a row of only −∞ has nothing better to give)
+                                // NaN and −∞ only where the row has nothing else.
                                 assert!(
-                                    row[want] > f32::NEG_INFINITY
-                                        || row.iter().all(|&l| l == f32::NEG_INFINITY)
+                                    sane(row[want]) > f32::MIN
+                                        || row.iter().all(|&l| sane(l) == f32::MIN)
                                 );
                                 compared += 1;
                             }
@@ -577,15 +515,54 @@ mod tests {
                 }
                 let greedy: Vec<i64> = Sampling::Greedy
                     .pick_on_device(tensor, &[0.0; 6])
+                    .unwrap()
                     .into_data()
                     .iter::<i64>()
                     .collect();
                 for (r, row) in logits.chunks(vocab).enumerate() {
-                    assert_eq!(greedy[r], Sampling::Greedy.pick(row, 0.0) as i64);
+                    assert_eq!(greedy[r], Sampling::Greedy.pick(row, 0.0).unwrap() as i64);
                 }
             }
         }
         assert_eq!(compared, 5 * 2 * 6 * 4 * 3 * 6);
+    }
+
+    /// Invalid rules, empty rows and a wrong number of uniform numbers are errors naming what
+    /// is wrong, on both paths.
+    #[test]
+    fn bad_sampling_arguments_are_errors() {
+        use burn::backend::NdArray;
+        let device = Default::default();
+        let logits = Tensor::<NdArray<f32>, 2>::zeros([2, 3], &device);
+        let hot = Sampling::TopP {
+            temperature: 0.0,
+            top_p: 0.5,
+            seed: 0,
+        };
+        let empty_nucleus = Sampling::TopP {
+            temperature: 1.0,
+            top_p: 0.0,
+            seed: 0,
+        };
+        for (s, what) in [(hot, "temperature"), (empty_nucleus, "top_p")] {
+            let host = s.pick(&[1.0, 2.0], 0.5).unwrap_err().to_string();
+            let device = s
+                .pick_on_device(logits.clone(), &[0.5, 0.5])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                host.contains(what) && device.contains(what),
+                "{host} / {device}"
+            );
+        }
+        let ok = Sampling::TopP {
+            temperature: 1.0,
+            top_p: 0.5,
+            seed: 0,
+        };
+        assert!(ok.pick(&[], 0.5).unwrap_err().to_string().contains("empty"));
+        let err = ok.pick_on_device(logits, &[0.5]).unwrap_err().to_string();
+        assert!(err.contains("1 for 2 rows"), "{err}");
     }
 
     /// Ties are kept whole: at the k-th most likely token and at the nucleus boundary.
@@ -596,7 +573,7 @@ mod tests {
         let draw = |s: Sampling, rng: &mut SeededRng| {
             let mut seen = [0usize; 5];
             for _ in 0..6000 {
-                seen[s.pick(&logits, rng.unit_f64())] += 1;
+                seen[s.pick(&logits, rng.unit_f64()).unwrap()] += 1;
             }
             seen
         };
