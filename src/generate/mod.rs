@@ -2,12 +2,12 @@
 //! time, greedily or by temperature / top-k / nucleus (top-p) sampling, optionally streaming each
 //! step's tokens to a callback and stopping at end-of-sequence tokens.
 //!
-//! Where the token is picked: on the CPU backends on the host, from the last position's logits
-//! (read in place on ndarray); on every other backend on the device
-//! ([`Sampling::pick_on_device`]), so that a step reads back only its `[batch]` token ids, not the
-//! `[batch, vocab]` logits (the decode step itself reads nothing). Both follow one rule
-//! ([`Sampling::pick`]) and pick the same token from the same logits and seed, up to f32
-//! rounding at a boundary.
+//! Where the token is picked ([`Sampling::pick_rows`]): greedily, on the device on the GPU
+//! backends, so that a step reads back only its `[batch]` token ids, not the `[batch, vocab]`
+//! logits (the decode step itself reads nothing); sampling on the host from the logits, or on
+//! the device with [`GenerateOptions::sample_on_device`]; on the CPU backends always on the host
+//! (ndarray's logits read in place). Both follow one rule ([`Sampling::pick`]) and pick the same
+//! token from the same logits and seed, up to f32 rounding at a boundary.
 //!
 //! A QAT model fake-quantises its experts' weights on every forward; call
 //! [`with_quantized_weights`](KimiForCausalLM::with_quantized_weights) once before generating
@@ -38,6 +38,9 @@ pub struct GenerateOptions {
     pub sampling: Sampling,
     /// Tokens that end a sequence (its end-of-sequence ids); empty: none.
     pub stop_tokens: Vec<i64>,
+    /// Sample on the device on the GPU backends, reading back only the ids (greedy always
+    /// does); off by default, see [`Sampling::pick_rows`] for why.
+    pub sample_on_device: bool,
 }
 
 impl GenerateOptions {
@@ -47,6 +50,7 @@ impl GenerateOptions {
             max_new_tokens,
             sampling: Sampling::Greedy,
             stop_tokens: Vec::new(),
+            sample_on_device: false,
         }
     }
 
@@ -59,6 +63,12 @@ impl GenerateOptions {
     /// Ending a sequence at any of `stop_tokens`.
     pub fn with_stop_tokens(mut self, stop_tokens: Vec<i64>) -> Self {
         self.stop_tokens = stop_tokens;
+        self
+    }
+
+    /// Sampling on the device or not ([`sample_on_device`](Self::sample_on_device)).
+    pub fn with_sampling_on_device(mut self, on: bool) -> Self {
+        self.sample_on_device = on;
         self
     }
 }
@@ -123,7 +133,7 @@ impl<B: Backend> KimiForCausalLM<B> {
                     (None, _) => rng.unit_f64(),
                 })
                 .collect();
-            let picked = sampling.pick_rows(last, &u)?;
+            let picked = sampling.pick_rows(last, &u, options.sample_on_device)?;
             let next: Vec<i64> = picked
                 .into_iter()
                 .zip(&mut ended)

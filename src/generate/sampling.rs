@@ -282,10 +282,22 @@ impl Sampling {
     }
 
     /// The ids [`pick`](Self::pick) chooses for every row of `logits: [rows, vocab]`, on the
-    /// host: on the CPU backends there, from the logits (read in place on ndarray, copied on
-    /// the others); elsewhere on the device ([`pick_on_device`](Self::pick_on_device)), reading
-    /// back only the `[rows]` ids. One read either way. `u` as for `pick_on_device`.
-    pub fn pick_rows<B: Backend>(&self, logits: Tensor<B, 2>, u: &[f64]) -> Result<Vec<i64>> {
+    /// host, with one read: on the device ([`pick_on_device`](Self::pick_on_device)), reading
+    /// back only the `[rows]` ids, for greedy and, when `sample_on_device`, for sampling too, on
+    /// the backends whose tensors are not in host memory; otherwise on the host from the logits
+    /// (read in place on ndarray). `u` as for `pick_on_device`.
+    ///
+    /// Sampling stays on the host by default: its device form is some 430 small launches (two
+    /// threshold searches of 36 halvings), which on lavapipe took 80 ms against 0.2 ms on the
+    /// host at 8 × 512 logits and 1.4 s against 9 ms at 1 × 163 840 (`benches/sampling.rs`,
+    /// BENCHMARKS.md); whether a GPU's launches make it pay off at Kimi's vocabulary is not
+    /// measured yet.
+    pub fn pick_rows<B: Backend>(
+        &self,
+        logits: Tensor<B, 2>,
+        u: &[f64],
+        sample_on_device: bool,
+    ) -> Result<Vec<i64>> {
         let [rows, vocab] = logits.dims();
         if u.len() != rows {
             return Err(Error::argument(
@@ -307,7 +319,8 @@ impl Sampling {
         if let Some(ids) = host::read_in_place(&logits, on_host) {
             return ids;
         }
-        if host::is_host_device::<B>() {
+        let device = self.parts().is_none() || sample_on_device;
+        if !device || host::is_host_device::<B>() {
             return on_host(&crate::sync::read(logits).iter::<f32>().collect::<Vec<_>>());
         }
         let ids = self.pick_on_device(logits, u)?;

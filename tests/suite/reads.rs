@@ -101,9 +101,10 @@ fn a_decode_step_with_a_cache_reads_nothing_back() {
     assert_eq!(reads, 0, "reads in the prefill and four decode steps");
 }
 
-/// Generation on a GPU backend picks each token on the device and reads back only the picked
-/// ids: one `[batch]` read per step, greedy or sampled, and the tokens are those the host
-/// sampler picks from the same logits with the same uniform numbers.
+/// Generation on a GPU backend picks greedy tokens on the device and reads back only the picked
+/// ids: one `[batch]` read per step; sampled ones too with `sample_on_device`, and otherwise
+/// from one read of the step's logits. The tokens are those the host sampler picks from the
+/// same logits with the same uniform numbers, whichever path.
 #[test]
 fn generation_reads_back_only_the_picked_ids() {
     use kimi_burn::generate::{GenerateOptions, Sampling};
@@ -124,8 +125,11 @@ fn generation_reads_back_only_the_picked_ids() {
         top_p: 0.7,
         seed: 7,
     };
-    for sampling in [Sampling::Greedy, sampled] {
-        let options = GenerateOptions::new(steps).with_sampling(sampling);
+    let vocab = config.vocab_size;
+    for (sampling, on_device) in [(Sampling::Greedy, false), (sampled, true), (sampled, false)] {
+        let options = GenerateOptions::new(steps)
+            .with_sampling(sampling)
+            .with_sampling_on_device(on_device);
         let bytes = device_read_bytes();
         let (out, reads) = count_reads(|| {
             model
@@ -133,10 +137,14 @@ fn generation_reads_back_only_the_picked_ids() {
                 .expect("generate")
         });
         assert_eq!(reads, steps as u64, "{sampling:?}: one read per step");
+        let per_step = match (sampling, on_device) {
+            (Sampling::Greedy, _) | (_, true) => b * prompt.dtype().size(),
+            _ => b * vocab * 4,
+        };
         assert_eq!(
             device_read_bytes() - bytes,
-            (steps * b * prompt.dtype().size()) as u64,
-            "{sampling:?}: each read is the step's ids"
+            (steps * per_step) as u64,
+            "{sampling:?}, on the device {on_device}: each read is the step's ids or logits"
         );
         let out: Vec<i64> = out.into_data().iter::<i64>().collect();
 
