@@ -188,7 +188,7 @@ impl Sampling {
     /// reads back only those.
     ///
     /// Plain tensor ops, any backend: greedy is one `argmax`; sampling finds the top-k and the
-    /// nucleus thresholds of the scaled logits by bisection ([`BISECTIONS`] halvings each: a
+    /// nucleus thresholds of the scaled logits by bisection (36 halvings each: a
     /// token within about `1.6·10⁻⁹` below a threshold counts as tied with it), about six
     /// `[rows, vocab]` ops per halving, and draws in id order through the cumulative sums of
     /// `√vocab`-sized blocks. Computed in f32 whatever the logits' dtype.
