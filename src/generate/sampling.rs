@@ -188,10 +188,10 @@ impl Sampling {
     /// reads back only those.
     ///
     /// Plain tensor ops, any backend: greedy is one `argmax`; sampling finds the top-k and the
-    /// nucleus thresholds of the scaled logits by bisection (36 halvings each: a
-    /// token within about `1.6·10⁻⁹` below a threshold counts as tied with it), about six
-    /// `[rows, vocab]` ops per halving, and draws in id order through the cumulative sums of
-    /// `√vocab`-sized blocks. Computed in f32 whatever the logits' dtype.
+    /// nucleus thresholds of the scaled logits by bisection (36 halvings each: a token within
+    /// about `1.6·10⁻⁹` below a threshold counts as tied with it), about six `[rows, vocab]` ops
+    /// per halving, and draws in id order through the cumulative sums of `√vocab`-sized blocks.
+    /// Computed in f32 whatever the logits' dtype.
     ///
     /// Errors as [`pick`](Self::pick) does, and when `u` does not hold one number per row.
     pub fn pick_on_device<B: Backend>(
@@ -392,6 +392,15 @@ mod tests {
     use super::*;
     use crate::data::SeededRng;
 
+    /// How often `s` picks each of five tokens from `logits` in `draws` draws.
+    fn tally(s: Sampling, logits: &[f32; 5], draws: usize, rng: &mut SeededRng) -> [usize; 5] {
+        let mut seen = [0usize; 5];
+        for _ in 0..draws {
+            seen[s.pick(logits, rng.unit_f64()).unwrap()] += 1;
+        }
+        seen
+    }
+
     #[test]
     fn top_p_keeps_only_the_nucleus_and_greedy_takes_the_first_maximum() {
         let mut rng = SeededRng::new(1);
@@ -403,10 +412,7 @@ mod tests {
             top_p: 0.9,
             seed: 1,
         };
-        let mut seen = [0usize; 5];
-        for _ in 0..2000 {
-            seen[s.pick(&logits, rng.unit_f64()).unwrap()] += 1;
-        }
+        let seen = tally(s, &logits, 2000, &mut rng);
         assert_eq!(seen[0] + seen[3] + seen[4], 0, "{seen:?}");
         assert!(seen[1] > 800 && seen[2] > 800, "{seen:?}");
         // With top_p = 1 the tail shows up, in proportion.
@@ -415,10 +421,7 @@ mod tests {
             top_p: 1.0,
             seed: 1,
         };
-        let mut seen = [0usize; 5];
-        for _ in 0..20000 {
-            seen[s.pick(&logits, rng.unit_f64()).unwrap()] += 1;
-        }
+        let seen = tally(s, &logits, 20000, &mut rng);
         let p3 = (1.0f64).exp() / (1.0 + 2.0 * 3.0f64.exp() + 1.0f64.exp() + (-2.0f64).exp());
         assert!((seen[3] as f64 / 20000.0 - p3).abs() < 0.01, "{seen:?}");
     }
@@ -434,11 +437,7 @@ mod tests {
                 top_p,
                 seed: 0,
             };
-            let mut seen = [0usize; 5];
-            for _ in 0..20000 {
-                seen[s.pick(&logits, rng.unit_f64()).unwrap()] += 1;
-            }
-            seen
+            tally(s, &logits, 20000, rng)
         };
         // k = 1 is greedy.
         assert_eq!(draw(1, 1.0, &mut rng), [0, 20000, 0, 0, 0]);
@@ -583,13 +582,7 @@ mod tests {
     fn tied_tokens_are_all_kept_or_all_dropped() {
         let mut rng = SeededRng::new(3);
         let logits = [1.0f32, 3.0, 0.0, 3.0, 3.0];
-        let draw = |s: Sampling, rng: &mut SeededRng| {
-            let mut seen = [0usize; 5];
-            for _ in 0..6000 {
-                seen[s.pick(&logits, rng.unit_f64()).unwrap()] += 1;
-            }
-            seen
-        };
+        let draw = |s: Sampling, rng: &mut SeededRng| tally(s, &logits, 6000, rng);
         // k = 1 keeps the three tied maxima, in equal shares.
         let one = Sampling::TopKTopP {
             temperature: 1.0,
