@@ -274,8 +274,8 @@ impl<B: Backend> KimiForCausalLM<B> {
     /// holds its quantised values, and forwards quantise only the activations. A QAT model
     /// otherwise fake-quantises all its experts' weights on every forward, which in a decode
     /// step is a pass over every expert of every MoE layer for one token. Logits are unchanged
-    /// (quantisation is idempotent); a packed export ([`save_safetensors_packed`](Self::save_safetensors_packed))
-    /// still packs them. Training the result would update the quantised values in full
+    /// (quantisation is idempotent); a packed export
+    /// ([`save_safetensors_packed`](Self::save_safetensors_packed)) still packs them. Training the result would update the quantised values in full
     /// precision: keep it for inference. Unchanged without QAT.
     pub fn with_quantized_weights(mut self) -> Self {
         self.layers = self

@@ -213,12 +213,12 @@ impl<B: AutodiffBackend> Peer<B> {
     /// [`all_reduce_sum`](Self::all_reduce_sum) with the replicas' tensors added in rank order.
     ///
     /// burn-collective adds the peers' tensors in the order of their devices' ids and, among
-    /// peers of one id (every CPU peer), in a hash map's order, which changes from call to call:
-    /// with three or more such peers (every peer of a CPU backend shares its one device), f32 rounding then made two runs (or a run and its resume)
-    /// differ. Here each replica all-reduces `[replicas, n]` with its tensor in its own row and
-    /// zeros elsewhere (a sum of one value and zeros is exact in any order) and adds the rows in
-    /// rank order itself: the same sum on every replica and in every run, for `replicas`
-    /// times the traffic (the CPU backends only).
+    /// peers of one id, in a hash map's order, which changes from call to call: with three or
+    /// more such peers (every peer of a CPU backend shares its one device), f32 rounding then
+    /// made two runs (or a run and its resume) differ. Here each replica all-reduces
+    /// `[replicas, n]` with its tensor in its own row and zeros elsewhere (a sum of one value and
+    /// zeros is exact in any order) and adds the rows in rank order itself: the same sum on every
+    /// replica and in every run, for `replicas` times the traffic (the CPU backends only).
     fn all_reduce_in_rank_order(
         &self,
         tensor: Tensor<B::InnerBackend, 1>,

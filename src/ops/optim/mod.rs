@@ -168,11 +168,13 @@ fn adamw_reference<B: Backend, const D: usize>(
     (kept - delta.mul_scalar(s.lr), m1, m2)
 }
 
-/// `a·x + b·y` for two tensors of one shape (`y` taken in `x`'s dtype): on the CubeCL backends one kernel (f32 arithmetic
-/// with `a` and `b` rounded to f32, each product rounded, then the sum); on the CPU backends (f32)
-/// the same arithmetic in one host pass, into `x`'s buffer when nothing else holds it (untracked
-/// under `Autodiff`), the bits of the tensor-op form; elsewhere `x·a + y·b` in tensor ops (the factors converted to the tensors' element type; a factor of exactly 1 skips its
-/// product), which is what the tensor-op forms of Muon's update and Newton–Schulz steps compute.
+/// `a·x + b·y` for two tensors of one shape (`y` taken in `x`'s dtype): on the CubeCL backends
+/// one kernel (f32 arithmetic with `a` and `b` rounded to f32, each product rounded, then the
+/// sum); on the CPU backends (f32) the same arithmetic in one host pass, into `x`'s buffer when
+/// nothing else holds it (untracked under `Autodiff`), the bits of the tensor-op form; elsewhere
+/// `x·a + y·b` in tensor ops (the factors converted to the tensors' element type; a factor of
+/// exactly 1 skips its product), which is what the tensor-op forms of Muon's update and
+/// Newton–Schulz steps compute.
 ///
 /// # Panics
 /// When the shapes differ.
