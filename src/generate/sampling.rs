@@ -220,15 +220,7 @@ impl Sampling {
         let Some((temperature, top_k, top_p, _)) = self.parts() else {
             return Ok(logits.argmax(1).reshape([rows]));
         };
-        if u.len() != rows {
-            return Err(Error::argument(
-                "u",
-                format!(
-                    "one uniform number per row of logits: {} for {rows} rows",
-                    u.len()
-                ),
-            ));
-        }
+        check_uniforms(u, rows)?;
         let column = |v: f32| Tensor::<B, 2>::full([rows, 1], v, f32_on);
         let max = logits.clone().max_dim(1).expand([rows, vocab]);
         let at_max = logits.clone().equal(max.clone());
@@ -299,15 +291,7 @@ impl Sampling {
         sample_on_device: bool,
     ) -> Result<Vec<i64>> {
         let [rows, vocab] = logits.dims();
-        if u.len() != rows {
-            return Err(Error::argument(
-                "u",
-                format!(
-                    "one uniform number per row of logits: {} for {rows} rows",
-                    u.len()
-                ),
-            ));
-        }
+        check_uniforms(u, rows)?;
         let on_host = |logits: &[f32]| -> Result<Vec<i64>> {
             logits
                 .chunks_exact(vocab.max(1))
@@ -326,6 +310,20 @@ impl Sampling {
         let ids = self.pick_on_device(logits, u)?;
         Ok(crate::sync::read(ids).iter::<i64>().collect())
     }
+}
+
+/// Errors unless `u` holds one uniform number per row of `rows`.
+fn check_uniforms(u: &[f64], rows: usize) -> Result<()> {
+    if u.len() == rows {
+        return Ok(());
+    }
+    Err(Error::argument(
+        "u",
+        format!(
+            "one uniform number per row of logits: {} for {rows} rows",
+            u.len()
+        ),
+    ))
 }
 
 /// The id drawn from each row of the non-negative weights `q: [rows, vocab]` (every row with a
